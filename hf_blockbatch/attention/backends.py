@@ -1,0 +1,226 @@
+"""How packed window queries meet the cached keys: interchangeable attention backends.
+
+Every backend answers the same two questions:
+
+* ``window(q, k_cache, v_cache, wb, scale)``: packed queries ``[T, H, D]`` of a window forward
+  attend to their own row of the cache (``[R, L, H_kv, D]``, already holding the window's fresh
+  K/V); returns ``[T, H, D]``.
+* ``dense(q, k, v, key_mask, scale)``: a full-canvas bidirectional forward, ``[B, L, H, D]``
+  tensors, ``key_mask`` ``[B, L]`` or ``None``.
+
+Backends: ``flash_varlen`` (flash-attn, CUDA, fp16/bf16), ``torch_varlen`` (PyTorch's own
+varlen kernel, CUDA), ``sdpa`` (padded windows through ``scaled_dot_product_attention``: the
+fastest on CPU for small windows, see ``benchmarks/attention_cpu.py``) and ``reference`` (explicit
+float32 softmax, for tests). ``auto`` picks the first that can run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from hf_blockbatch.attention.metadata import WindowBatch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AttentionBackend", "available_backends", "get_backend", "BACKENDS"]
+
+
+def _pad(q: torch.Tensor, wb: WindowBatch) -> torch.Tensor:
+    """Packed ``[T, H, D]`` → padded ``[A, H, W, D]`` (invalid slots hold a copy of a real query)."""
+    return q[wb.pad_index].transpose(1, 2)
+
+
+def _unpad(out: torch.Tensor, wb: WindowBatch) -> torch.Tensor:
+    """Padded ``[A, H, W, D]`` → packed ``[T, H, D]``; row-major order matches the packing."""
+    return out.transpose(1, 2)[wb.pad_valid]
+
+
+def _rows_kv(cache_t: torch.Tensor, wb: WindowBatch) -> torch.Tensor:
+    """The active rows of a cache tensor, ``[A, H_kv, L, D]`` (a view when all rows are active)."""
+    t = cache_t if wb.all_rows else cache_t.index_select(0, wb.rows)
+    return t.transpose(1, 2)
+
+
+def _bool_key_mask(key_mask: torch.Tensor | None) -> torch.Tensor | None:
+    return None if key_mask is None else key_mask[:, None, None, :]
+
+
+class AttentionBackend:
+    """Base class; subclasses override :meth:`window` (and :meth:`dense` where they can do better)."""
+
+    name = "base"
+
+    @classmethod
+    def is_available(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        return True
+
+    def window(self, q, k_cache, v_cache, wb: WindowBatch, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense(self, q, k, v, key_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=_bool_key_mask(key_mask),
+            scale=scale,
+            enable_gqa=q.shape[2] != k.shape[2],
+        )
+        return out.transpose(1, 2)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class ReferenceBackend(AttentionBackend):
+    """Explicit float32 softmax attention: slow, obviously correct, the yardstick in tests."""
+
+    name = "reference"
+
+    @staticmethod
+    def _attend(q, k, v, key_mask, scale):
+        # q [B, H, W, D], k/v [B, H_kv, L, D], key_mask [B, L] | None
+        groups = q.shape[1] // k.shape[1]
+        k = k.float().repeat_interleave(groups, dim=1)
+        v = v.float().repeat_interleave(groups, dim=1)
+        scores = torch.einsum("bhwd,bhld->bhwl", q.float(), k) * scale
+        if key_mask is not None:
+            scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return torch.einsum("bhwl,bhld->bhwd", probs, v).to(q.dtype)
+
+    def window(self, q, k_cache, v_cache, wb, scale):
+        out = self._attend(_pad(q, wb), _rows_kv(k_cache, wb), _rows_kv(v_cache, wb), wb.key_mask, scale)
+        return _unpad(out, wb)
+
+    def dense(self, q, k, v, key_mask, scale):
+        out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), key_mask, scale)
+        return out.transpose(1, 2)
+
+
+class SDPABackend(AttentionBackend):
+    """Windows padded to the longest one, through ``scaled_dot_product_attention``.
+
+    Padding wastes ``A × W − T`` query slots, which on a CPU costs less than any gather-based
+    varlen scheme for the small windows BlockBatch uses; on GPUs the varlen backends win.
+    """
+
+    name = "sdpa"
+
+    def window(self, q, k_cache, v_cache, wb, scale):
+        k = _rows_kv(k_cache, wb)
+        out = F.scaled_dot_product_attention(
+            _pad(q, wb),
+            k,
+            _rows_kv(v_cache, wb),
+            attn_mask=_bool_key_mask(wb.key_mask),
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return _unpad(out, wb)
+
+
+class TorchVarlenBackend(AttentionBackend):
+    """PyTorch's variable-length attention kernel (``torch.nn.attention.varlen``), CUDA only."""
+
+    name = "torch_varlen"
+    _fn: Callable | None = None
+
+    @classmethod
+    def _load(cls) -> Callable | None:
+        if cls._fn is None:
+            try:
+                from torch.nn.attention.varlen import varlen_attn
+            except ImportError:
+                return None
+            cls._fn = varlen_attn
+            cls._gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
+        return cls._fn
+
+    @classmethod
+    def is_available(cls, device, dtype):
+        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and cls._load() is not None
+
+    def window(self, q, k_cache, v_cache, wb, scale):
+        fn = self._load()
+        wb.ensure_segments()
+        k = k_cache.reshape(-1, *k_cache.shape[2:])
+        v = v_cache.reshape(-1, *v_cache.shape[2:])
+        kwargs = {"scale": scale}
+        if q.shape[1] != k.shape[1]:
+            if self._gqa:
+                kwargs["enable_gqa"] = True
+            else:
+                groups = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        return fn(q, k, v, wb.seg_cu_q, wb.seg_cu_k, wb.max_len, wb.length, **kwargs)
+
+
+class FlashVarlenBackend(AttentionBackend):
+    """``flash_attn.flash_attn_varlen_func`` (flash-attn 2), CUDA, fp16/bf16, native GQA."""
+
+    name = "flash_varlen"
+    _fn: Callable | None = None
+
+    @classmethod
+    def _load(cls) -> Callable | None:
+        if cls._fn is None:
+            try:
+                from flash_attn import flash_attn_varlen_func
+            except ImportError:
+                return None
+            cls._fn = flash_attn_varlen_func
+        return cls._fn
+
+    @classmethod
+    def is_available(cls, device, dtype):
+        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and cls._load() is not None
+
+    def window(self, q, k_cache, v_cache, wb, scale):
+        wb.ensure_segments()
+        k = k_cache.reshape(-1, *k_cache.shape[2:])
+        v = v_cache.reshape(-1, *v_cache.shape[2:])
+        return self._load()(
+            q, k, v, wb.seg_cu_q, wb.seg_cu_k, wb.max_len, wb.length, softmax_scale=scale, causal=False
+        )
+
+
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    b.name: b for b in (FlashVarlenBackend, TorchVarlenBackend, SDPABackend, ReferenceBackend)
+}
+_AUTO_ORDER = ("flash_varlen", "torch_varlen", "sdpa")
+
+
+def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
+    """Names of the backends that can run on this device and dtype."""
+    device = torch.device(device)
+    return [name for name, cls in BACKENDS.items() if cls.is_available(device, dtype)]
+
+
+def get_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
+    """Instantiate a backend by name (``"auto"`` picks the fastest that can run here)."""
+    device = torch.device(device)
+    if name == "auto":
+        for candidate in _AUTO_ORDER:
+            if BACKENDS[candidate].is_available(device, dtype):
+                name = candidate
+                break
+    if name not in BACKENDS:
+        raise ValueError(f"Unknown attention backend {name!r}; choose one of {['auto', *BACKENDS]}.")
+    cls = BACKENDS[name]
+    if not cls.is_available(device, dtype):
+        raise ValueError(
+            f"Attention backend {name!r} cannot run on {device} with {dtype}; available here: "
+            f"{available_backends(device, dtype)}."
+        )
+    return cls()
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,155 @@
+"""Packing metadata for a window forward, built once per step and shared by every layer.
+
+A window forward sends, for each active cache row ``r``, the query positions
+``[start_r, end_r)``; the queries of all rows travel as one packed buffer of ``T = Σ lengths``
+tokens, so the cost follows the sum of the window lengths, not rows × the longest window.
+Everything a backend needs to map that buffer onto the cache is computed here, once, in the
+style of vLLM's attention metadata: a layer never recomputes indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_blockbatch.cache import BranchCache
+
+__all__ = ["WindowBatch", "build_window_batch"]
+
+
+@dataclass
+class WindowBatch:
+    """Where the packed queries of one window forward come from and go to.
+
+    Shapes: ``A`` active rows, ``T`` packed query tokens, ``W`` the longest window.
+    """
+
+    rows: torch.Tensor  # [A] cache rows, ascending
+    starts: torch.Tensor  # [A] first query position of each row
+    lengths: torch.Tensor  # [A] query count of each row
+    cu_seqlens: torch.Tensor  # [A+1] int32 cumulative lengths of the packed queries
+    max_len: int  # W
+    token_rows: torch.Tensor  # [T] cache row of each query
+    token_pos: torch.Tensor  # [T] canvas position of each query
+    flat_slots: torch.Tensor  # [T] row * L + position: where each query's K/V goes in the cache
+    rope_pos: torch.Tensor  # [T] RoPE position (padding-corrected) of each query
+    pad_index: torch.Tensor  # [A, W] packed index of each padded slot (0 where invalid)
+    pad_valid: torch.Tensor  # [A, W] which padded slots hold a real query
+    key_mask: torch.Tensor | None  # [A, L] valid keys of the active rows; None if no padding
+    all_rows: bool  # the active rows are every cache row, in order (no gather needed)
+    num_rows: int  # rows in the cache
+    length: int  # L
+    row_valid: torch.Tensor  # [R] real (non-padding) tokens in each cache row
+    # variable-length kernels see every cache row as two key segments (its left padding, with
+    # zero queries, then its real tokens), so padded keys are never attended and the cache is
+    # read in place, with no per-layer gather
+    seg_cu_q: torch.Tensor | None = None  # [2R+1] int32
+    seg_cu_k: torch.Tensor | None = None  # [2R+1] int32
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_pos.shape[0]
+
+    def ensure_segments(self) -> None:
+        """Build the two-segments-per-row layout for the varlen kernels (lazily, once per step)."""
+        if self.seg_cu_q is not None:
+            return
+        device = self.rows.device
+        q_per_row = torch.zeros(self.num_rows, dtype=torch.int32, device=device)
+        q_per_row.index_copy_(0, self.rows, self.lengths.to(torch.int32))
+        valid = self.row_valid.to(torch.int32)
+        k_seg = torch.stack([self.length - valid, valid], dim=1).reshape(-1)
+        q_seg = torch.stack([torch.zeros_like(q_per_row), q_per_row], dim=1).reshape(-1)
+        zero = torch.zeros(1, dtype=torch.int32, device=device)
+        self.seg_cu_q = torch.cat([zero, q_seg.cumsum(0).to(torch.int32)])
+        self.seg_cu_k = torch.cat([zero, k_seg.cumsum(0).to(torch.int32)])
+
+
+def build_window_batch(
+    cache: BranchCache,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> WindowBatch:
+    """Validate the windows and build the packing metadata.
+
+    Args:
+        cache: the cache the windows read and write.
+        starts, ends: ``[A]`` query windows ``[start, end)`` in canvas positions.
+        rows: ``[A]`` ascending cache rows; ``None`` means every row, in order.
+    """
+    device = cache.device
+    starts = torch.as_tensor(starts, device=device, dtype=torch.long).reshape(-1)
+    ends = torch.as_tensor(ends, device=device, dtype=torch.long).reshape(-1)
+    all_rows = rows is None
+    if rows is None:
+        rows = torch.arange(cache.num_rows, device=device)
+    else:
+        rows = torch.as_tensor(rows, device=device, dtype=torch.long).reshape(-1)
+    if not (rows.shape[0] == starts.shape[0] == ends.shape[0]):
+        raise ValueError(
+            f"Got {rows.shape[0]} rows but {starts.shape[0]} window starts and {ends.shape[0]} window ends: "
+            "give one [start, end) window per row."
+        )
+    if rows.numel() == 0:
+        raise ValueError("A window forward needs at least one row.")
+    lengths = ends - starts
+    # one host sync for all checks and the packed size: once per step, never per token
+    stats = torch.stack(
+        [
+            starts.min(),
+            ends.max(),
+            lengths.min(),
+            lengths.max(),
+            lengths.sum(),
+            rows.min(),
+            rows.max(),
+            (rows[1:] <= rows[:-1]).sum() if rows.numel() > 1 else rows.new_zeros(()),
+        ]
+    ).tolist()
+    s_min, e_max, len_min, len_max, total, r_min, r_max, unsorted = stats
+    if s_min < 0 or e_max > cache.length or len_min <= 0:
+        raise ValueError(
+            f"Every window must satisfy 0 <= start < end <= {cache.length} (the canvas length); got starts "
+            f"{starts.tolist()} and ends {ends.tolist()}."
+        )
+    if r_min < 0 or r_max >= cache.num_rows or unsorted:
+        raise ValueError(
+            f"rows must be strictly increasing indices into the cache's {cache.num_rows} rows; got {rows.tolist()}."
+        )
+    if not all_rows and rows.shape[0] == cache.num_rows:
+        all_rows = True  # strictly increasing and complete means arange
+
+    A, W = rows.shape[0], int(len_max)
+    offsets = torch.arange(W, device=device)
+    pad_valid = offsets[None, :] < lengths[:, None]  # [A, W]
+    positions = starts[:, None] + offsets[None, :]  # [A, W]
+    token_pos = positions[pad_valid]
+    token_rows = rows[:, None].expand(A, W)[pad_valid]
+    pad_index = (pad_valid.reshape(-1).cumsum(0) - 1).clamp_min(0).reshape(A, W)
+    cu = torch.zeros(A + 1, dtype=torch.int32, device=device)
+    cu[1:] = lengths.cumsum(0).to(torch.int32)
+    key_mask = None
+    if cache.has_padding:
+        key_mask = cache.key_mask if all_rows else cache.key_mask.index_select(0, rows)
+    wb = WindowBatch(
+        rows=rows,
+        starts=starts,
+        lengths=lengths,
+        cu_seqlens=cu,
+        max_len=W,
+        token_rows=token_rows,
+        token_pos=token_pos,
+        flat_slots=token_rows * cache.length + token_pos,
+        rope_pos=cache.position_ids[token_rows, token_pos],
+        pad_index=pad_index,
+        pad_valid=pad_valid,
+        key_mask=key_mask,
+        all_rows=all_rows,
+        num_rows=cache.num_rows,
+        length=cache.length,
+        row_valid=cache.key_mask.sum(-1),
+    )
+    assert wb.num_tokens == total
+    return wb

@@ -1,0 +1,216 @@
+"""Where K/V live: :class:`BranchCache`, a transformers ``Cache`` with one row per branch.
+
+A masked-diffusion decoder keeps a *fixed-length* canvas per row (prompt + masked answer), so
+unlike an autoregressive cache nothing is ever appended: every layer holds a preallocated
+``[rows, length, kv_heads, head_dim]`` tensor and forwards overwrite slices of it in place.
+
+The token-major layout (length before heads) is deliberate: flattening ``[rows * length]`` is
+a free view, which is exactly the packed key buffer that variable-length attention kernels
+(flash-attn varlen, PyTorch varlen) consume, so no per-step copy of the cache is needed.
+
+The row operations are what BlockBatch needs: broadcast one row's K/V into its branches after
+the initial forward, copy the leader's row into a lagging branch (sync), and keep a subset of
+rows when requests finish. Each is one batched ``index_*`` op per layer, never a Python loop over
+rows or positions. The key-padding mask and the RoPE positions of each row travel with the rows,
+so a row operation can never separate K/V from the mask they were computed under.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+__all__ = ["BranchCache", "BranchCacheLayer"]
+
+
+class BranchCacheLayer(CacheLayerMixin):
+    """K/V of one layer for all rows: ``keys``/``values`` of shape ``[R, L, H_kv, D]``."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.keys = keys
+        self.values = values
+        self.is_initialized = True
+        self.dtype, self.device = keys.dtype, keys.device
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Never needed: the layer is preallocated when the cache is built."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Replace the whole layer (full-canvas forward over every row)."""
+        self.keys.copy_(key_states)
+        self.values.copy_(value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[1], 0
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[1]
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[1]
+
+
+class BranchCache(Cache):
+    """Preallocated K/V for ``num_rows`` canvases of ``length`` positions.
+
+    Args:
+        num_layers, num_rows, length, num_kv_heads, head_dim: geometry.
+        attention_mask: ``[R, L]`` (1 = real token, 0 = left padding); ``None`` means no padding.
+        model_type: the ``config.model_type`` this cache was built for; forwards of another model
+            type refuse it (a cache is only meaningful for the weights that filled it).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_rows: int,
+        length: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        attention_mask: torch.Tensor | None = None,
+        model_type: str | None = None,
+    ) -> None:
+        shape = (num_rows, length, num_kv_heads, head_dim)
+        layers = [
+            BranchCacheLayer(
+                torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+            )
+            for _ in range(num_layers)
+        ]
+        super().__init__(layers=layers)
+        self.model_type = model_type
+        if attention_mask is None:
+            attention_mask = torch.ones(num_rows, length, dtype=torch.bool, device=device)
+        self.set_attention_mask(attention_mask.to(device))
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def for_model(
+        cls,
+        config,
+        num_rows: int,
+        length: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> BranchCache:
+        """Build an empty cache with the geometry of a model config (see ``models.base``)."""
+        geometry = config.kv_geometry()
+        return cls(
+            geometry["num_layers"],
+            num_rows,
+            length,
+            geometry["num_kv_heads"],
+            geometry["head_dim"],
+            dtype=dtype or torch.float32,
+            device=device,
+            attention_mask=attention_mask,
+            model_type=config.model_type,
+        )
+
+    def set_attention_mask(self, attention_mask: torch.Tensor) -> None:
+        """Set the key-padding mask; RoPE positions follow it so padding never shifts positions."""
+        if attention_mask.shape != (self.num_rows, self.length):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but the cache holds "
+                f"{self.num_rows} rows of length {self.length}."
+            )
+        mask = attention_mask.bool()
+        # Left padding only: the varlen backends see each row as [padding | tokens], and RoPE
+        # positions start at the first real token. One check per mask change, not per step.
+        if mask.shape[1] > 1 and bool((mask[:, 1:] < mask[:, :-1]).any()):
+            raise ValueError(
+                "attention_mask must be left-padded (zeros, then ones, in every row); pad prompts on the "
+                "left, e.g. tokenizer(..., padding=True, padding_side='left')."
+            )
+        if not bool(mask.any(-1).all()):
+            raise ValueError("Every row of attention_mask needs at least one real token.")
+        self.key_mask = mask
+        self.position_ids = (self.key_mask.long().cumsum(-1) - 1).clamp_min(0)
+        # A cheap flag lets the attention backends skip masking when no row is padded. It costs
+        # one host sync, here, once per mask change, never per step.
+        self.has_padding = bool((~self.key_mask).any())
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def num_rows(self) -> int:
+        return self.layers[0].keys.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].keys.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].keys.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].keys.device
+
+    def nbytes(self) -> int:
+        """Bytes held by the K/V tensors (the mask and positions are negligible)."""
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
+
+    # ------------------------------------------------------------------ writes
+    def write_rows(self, layer_idx: int, rows: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor):
+        """Overwrite whole rows of one layer (a full-canvas forward over ``rows``)."""
+        layer = self.layers[layer_idx]
+        if rows is None:
+            layer.keys.copy_(keys)
+            layer.values.copy_(values)
+        else:
+            layer.keys.index_copy_(0, rows, keys.to(layer.dtype))
+            layer.values.index_copy_(0, rows, values.to(layer.dtype))
+
+    def write_tokens(
+        self, layer_idx: int, flat_slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Write packed K/V ``[T, H_kv, D]`` at flat slots ``row * L + position`` (a window forward)."""
+        layer = self.layers[layer_idx]
+        layer.keys.view(-1, *layer.keys.shape[2:]).index_copy_(0, flat_slots, keys.to(layer.dtype))
+        layer.values.view(-1, *layer.values.shape[2:]).index_copy_(0, flat_slots, values.to(layer.dtype))
+
+    # ------------------------------------------------------------------ row operations
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``row[dst[i]] = row[src[i]]`` for every layer (broadcast after the first forward, sync).
+
+        ``dst`` must not repeat; ``src`` may (one leader copied into several rows).
+        """
+        src = torch.as_tensor(src, device=self.device, dtype=torch.long)
+        dst = torch.as_tensor(dst, device=self.device, dtype=torch.long)
+        if src.shape != dst.shape:
+            raise ValueError(f"copy_rows: src has {src.numel()} rows but dst has {dst.numel()}.")
+        for layer in self.layers:
+            layer.keys.index_copy_(0, dst, layer.keys.index_select(0, src))
+            layer.values.index_copy_(0, dst, layer.values.index_select(0, src))
+        self.key_mask.index_copy_(0, dst, self.key_mask.index_select(0, src))
+        self.position_ids.index_copy_(0, dst, self.position_ids.index_select(0, src))
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (in that order), e.g. drop the rows of finished requests."""
+        rows = torch.as_tensor(rows, device=self.device, dtype=torch.long)
+        for layer in self.layers:
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
+        self.set_attention_mask(self.key_mask.index_select(0, rows))
+
+    # transformers' beam-search hook has the same meaning as keep_rows
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.keep_rows(beam_idx)
+
+    def __repr__(self) -> str:
+        return (
+            f"BranchCache(layers={len(self.layers)}, rows={self.num_rows}, length={self.length}, "
+            f"kv_heads={self.layers[0].keys.shape[2]}, head_dim={self.layers[0].keys.shape[3]}, "
+            f"dtype={self.dtype}, model_type={self.model_type!r})"
+        )

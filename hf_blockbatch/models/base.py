@@ -1,0 +1,240 @@
+"""The forward contract every masked-diffusion model of this package offers the decoders.
+
+* ``model(input_ids, attention_mask=None, cache=None, use_cache=False, cache_rows=None)``
+  is the official full forward: logits for every position (Dream's unshifted, as its official
+  forward returns them), and, with a :class:`BranchCache`, K/V of every position written into
+  rows ``cache_rows`` (all rows when ``None``).
+* ``model.forward_windows(input_ids, starts, ends, cache, rows=None)``: each row ``r`` asks for
+  the logits that **predict** canvas positions ``[start_r, end_r)``. The queries use their true
+  positions for RoPE, attend to the row's whole cache, and their K/V are written into the cache
+  in place. For a shifted model (Dream, ``logit_shift = 1``) the logits predicting position ``p``
+  come from the hidden state at ``p - 1``, so the query window is ``[start - 1, end)``: one extra
+  query per row, whose K/V refresh is a bonus, and whose last hidden state is simply not sent
+  through the head. The decoders never see the shift.
+* Rows may be left-padded: padding is masked out of attention and does not shift positions.
+
+Subclasses provide the embedding, the decoder layers and the head under the official names.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from hf_blockbatch.attention.backends import AttentionBackend, get_backend
+from hf_blockbatch.attention.metadata import build_window_batch
+from hf_blockbatch.cache import BranchCache
+from hf_blockbatch.models.layers import ForwardContext, rope_cos_sin
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DiffusionLMOutput", "WindowOutput", "DiffusionLMMixin"]
+
+
+@dataclass
+class DiffusionLMOutput(ModelOutput):
+    """Output of the full forward."""
+
+    logits: torch.Tensor | None = None
+    cache: BranchCache | None = None
+
+
+@dataclass
+class WindowOutput(ModelOutput):
+    """Output of a window forward: packed logits ``[Σ(end - start), V]`` in row order, and the
+    cumulative lengths ``[A + 1]`` that cut them back into rows."""
+
+    logits: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+
+
+class DiffusionLMMixin:
+    """Shared implementation of the forward contract (mixed into a ``PreTrainedModel``)."""
+
+    #: 0: position i's logits predict token i (LLaDA); 1: they predict token i + 1 (Dream)
+    logit_shift: int = 0
+
+    # ---- provided by the family classes --------------------------------------------------
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _decoder_layers(self) -> list[torch.nn.Module]:
+        raise NotImplementedError
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ---- attention backend ---------------------------------------------------------------
+    @property
+    def attention_backend(self) -> AttentionBackend:
+        """The backend for window forwards, chosen from ``config.window_attention`` on first use
+        (``auto``: flash varlen, else torch varlen on CUDA, else padded SDPA) and logged once."""
+        p = next(self.parameters())
+        key = (self.config.window_attention, p.device, p.dtype)
+        if getattr(self, "_backend_key", None) != key:
+            self._backend = get_backend(self.config.window_attention, p.device, p.dtype)
+            self._backend_key = key
+            logger.info("%s: window attention backend %r on %s/%s", type(self).__name__, self._backend.name,
+                        p.device, p.dtype)
+        return self._backend
+
+    def set_attention_backend(self, name: str) -> None:
+        """Choose the window attention backend by name (``auto``, ``flash_varlen``,
+        ``torch_varlen``, ``sdpa``, ``reference``); stored in the config so it saves and loads."""
+        self.config.window_attention = name
+        self._backend_key = None
+        _ = self.attention_backend  # validate now, not at the first forward
+
+    # ---- caches --------------------------------------------------------------------------
+    def new_cache(self, num_rows: int, length: int, attention_mask: torch.Tensor | None = None) -> BranchCache:
+        """An empty :class:`BranchCache` for this model's geometry, device and dtype."""
+        p = next(self.parameters())
+        return BranchCache.for_model(
+            self.config, num_rows, length, dtype=p.dtype, device=p.device, attention_mask=attention_mask
+        )
+
+    def _check_cache(self, cache: BranchCache, length: int) -> None:
+        if not isinstance(cache, BranchCache):
+            raise TypeError(
+                f"the cache must be a hf_blockbatch.BranchCache (from model.new_cache), got {type(cache).__name__}."
+            )
+        geometry = self.config.kv_geometry()
+        layer = cache.layers[0].keys
+        if (
+            cache.model_type not in (None, self.config.model_type)
+            or len(cache.layers) != geometry["num_layers"]
+            or layer.shape[2] != geometry["num_kv_heads"]
+            or layer.shape[3] != geometry["head_dim"]
+        ):
+            raise ValueError(
+                f"This cache was built for another model ({cache!r}); build one with this model's new_cache()."
+            )
+        if cache.length != length:
+            raise ValueError(f"The cache holds canvases of length {cache.length}, but input_ids has length {length}.")
+
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [rows, length], got shape {tuple(input_ids.shape)}.")
+        limit = self.config.context_length
+        if limit and input_ids.shape[1] > limit:
+            raise ValueError(
+                f"The canvas has {input_ids.shape[1]} positions but the model's context is {limit} "
+                "(config.max_sequence_length / max_position_embeddings): shorten the prompt or max_new_tokens."
+            )
+
+    # ---- the two forwards ----------------------------------------------------------------
+    def _run(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        for layer in self._decoder_layers():
+            hidden = layer(hidden, ctx)
+        return hidden
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: BranchCache | None = None,
+        use_cache: bool | None = None,
+        cache_rows: torch.Tensor | None = None,
+        return_dict: bool | None = None,
+        past_key_values: BranchCache | None = None,
+        **kwargs,
+    ) -> DiffusionLMOutput | tuple:
+        """Full bidirectional forward over every position of every row (see module docstring).
+
+        ``past_key_values`` is accepted as the older name of ``cache`` (transformers 5 renamed it).
+        """
+        if cache is None:
+            cache = past_key_values
+        self._check_ids(input_ids)
+        B, L = input_ids.shape
+        key_mask = None
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(input_ids.device).bool()
+            if attention_mask.shape != (B, L):
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, L)}.")
+            if not bool(attention_mask.all()):
+                key_mask = attention_mask
+        if position_ids is None:
+            position_ids = (
+                (key_mask.long().cumsum(-1) - 1).clamp_min(0)
+                if key_mask is not None
+                else torch.arange(L, device=input_ids.device).expand(B, L)
+            )
+        if use_cache and cache is None:
+            cache = self.new_cache(B, L, attention_mask)
+        if cache is not None:
+            self._check_cache(cache, L)
+            if cache_rows is not None:
+                cache_rows = torch.as_tensor(cache_rows, device=cache.device, dtype=torch.long)
+                if cache_rows.numel() != B:
+                    raise ValueError(f"cache_rows names {cache_rows.numel()} rows but input_ids has {B}.")
+            elif cache.num_rows != B:
+                raise ValueError(
+                    f"The cache has {cache.num_rows} rows but input_ids has {B}; pass cache_rows to fill a subset."
+                )
+        hidden = self._embed(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim_, self.config.rope_theta)
+        ctx = ForwardContext(
+            mode="dense",
+            backend=self.attention_backend,
+            cos=cos,
+            sin=sin,
+            rope_full_precision=self.config.rope_in_fp32,
+            cache=cache,
+            rows=cache_rows,
+            key_mask=key_mask,
+        )
+        logits = self._head(self._run(hidden, ctx))
+        if return_dict is False:
+            return (logits, cache)
+        return DiffusionLMOutput(logits=logits, cache=cache)
+
+    def forward_windows(
+        self,
+        input_ids: torch.LongTensor,
+        starts: torch.Tensor,
+        ends: torch.Tensor,
+        cache: BranchCache,
+        rows: torch.Tensor | None = None,
+    ) -> WindowOutput:
+        """Logits predicting ``[starts[i], ends[i])`` of cache row ``rows[i]`` (see module docstring).
+
+        ``input_ids`` is the canvas of every cache row, ``[R, L]`` (only the windows are read).
+        """
+        self._check_ids(input_ids)
+        self._check_cache(cache, input_ids.shape[1])
+        if input_ids.shape[0] != cache.num_rows:
+            raise ValueError(
+                f"input_ids has {input_ids.shape[0]} rows but the cache has {cache.num_rows}: pass the canvas of "
+                "every cache row and select the active ones with `rows`."
+            )
+        starts = torch.as_tensor(starts, device=cache.device, dtype=torch.long)
+        ends = torch.as_tensor(ends, device=cache.device, dtype=torch.long)
+        shift = self.logit_shift
+        wb = build_window_batch(cache, starts - shift, ends, rows)
+        if shift and bool((wb.starts < 0).any()):
+            raise ValueError("A shifted model (Dream) cannot predict position 0: windows must start at 1 or later.")
+        hidden = self._embed(input_ids[wb.token_rows, wb.token_pos])
+        cos, sin = rope_cos_sin(wb.rope_pos, self.config.head_dim_, self.config.rope_theta)
+        ctx = ForwardContext(
+            mode="window",
+            backend=self.attention_backend,
+            cos=cos,
+            sin=sin,
+            rope_full_precision=self.config.rope_in_fp32,
+            cache=cache,
+            wb=wb,
+        )
+        hidden = self._run(hidden, ctx)
+        if shift:
+            # the last `shift` queries of each row predict past the window: keep the others
+            keep = wb.token_pos < (ends[:, None].expand_as(wb.pad_valid)[wb.pad_valid] - shift)
+            hidden = hidden[keep]
+        cu = torch.zeros_like(wb.cu_seqlens)
+        cu[1:] = (ends - starts).cumsum(0)
+        return WindowOutput(logits=self._head(hidden), cu_seqlens=cu)

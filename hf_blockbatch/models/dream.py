@@ -1,0 +1,228 @@
+"""Dream (Dream-org/Dream-v0-Base-7B, Dream-v0-Instruct-7B): config and model, official names.
+
+Dream is Qwen2.5 turned into a masked-diffusion model: Qwen2 parameter layout (``model.layers.N
+.self_attn.q_proj`` ...), biases on q/k/v, grouped-query attention, bidirectional attention, and
+**shifted logits**: the official forward's logits at position i predict token i + 1. ``forward``
+returns them unshifted, exactly as the official code does; the shift is handled once, in
+``forward_windows`` (``logit_shift = 1``), so decoders ask for "logits predicting [s, e)" on
+both families alike.
+
+The official remote code no longer imports on transformers 5 (it needs
+``ROPE_INIT_FUNCTIONS['default']``); this implementation has no such dependency.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedConfig, PreTrainedModel
+
+from hf_blockbatch.models.base import DiffusionLMMixin
+from hf_blockbatch.models.layers import ForwardContext, RMSNorm, self_attention, swiglu
+
+__all__ = ["DreamConfig", "DreamModel"]
+
+
+class DreamConfig(PreTrainedConfig):
+    """The official Dream config fields; defaults are those of Dream-v0-7B (Qwen2.5-7B geometry).
+
+    ``window_attention`` (ours) names the attention backend for window forwards (``auto``).
+    """
+
+    model_type = "Dream"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 152064,
+        hidden_size: int = 3584,
+        intermediate_size: int = 18944,
+        num_hidden_layers: int = 28,
+        num_attention_heads: int = 28,
+        num_key_value_heads: int | None = 4,
+        hidden_act: str = "silu",
+        max_position_embeddings: int = 131072,
+        initializer_range: float = 0.02,
+        rms_norm_eps: float = 1e-6,
+        use_cache: bool = False,
+        tie_word_embeddings: bool = False,
+        rope_theta: float = 1000000.0,
+        rope_scaling: dict | None = None,
+        use_sliding_window: bool = False,
+        sliding_window: int | None = 4096,
+        max_window_layers: int = 28,
+        attention_dropout: float = 0.0,
+        mask_token_id: int = 151666,
+        pad_token_id: int = 151643,
+        bos_token_id: int | None = 151665,
+        eos_token_id: int | None = 151643,
+        window_attention: str = "auto",
+        **kwargs,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.max_position_embeddings = max_position_embeddings
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
+        self.hidden_act = hidden_act
+        self.initializer_range = initializer_range
+        self.rms_norm_eps = rms_norm_eps
+        self.use_cache = use_cache
+        self.rope_theta = rope_theta
+        if rope_scaling is not None:  # the official configs carry null; transformers 5 warns on the name
+            self.rope_scaling = rope_scaling
+        self.use_sliding_window = use_sliding_window
+        self.sliding_window = sliding_window if use_sliding_window else None
+        self.max_window_layers = max_window_layers
+        self.attention_dropout = attention_dropout
+        self.mask_token_id = mask_token_id
+        self.window_attention = window_attention
+        kwargs.setdefault("architectures", ["DreamModel"])
+        super().__init__(
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+
+    @property
+    def head_dim_(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_in_fp32(self) -> bool:
+        return False  # Qwen2-style: cos/sin cast to the activation dtype before rotating
+
+    @property
+    def context_length(self) -> int:
+        return self.max_position_embeddings
+
+    def kv_geometry(self) -> dict[str, int]:
+        return {
+            "num_layers": self.num_hidden_layers,
+            "num_kv_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim_,
+        }
+
+    def validate_supported(self) -> None:
+        problems = []
+        scaling = getattr(self, "rope_scaling", None) or {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type != "default":
+            problems.append(f"rope_scaling type {rope_type!r} (only the default RoPE)")
+        if self.hidden_act != "silu":
+            problems.append(f"hidden_act {self.hidden_act!r} (only 'silu')")
+        if self.use_sliding_window:
+            problems.append("use_sliding_window")
+        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
+            problems.append("hidden_size must divide by the heads, heads by the KV heads")
+        if problems:
+            raise NotImplementedError("This Dream config uses unsupported options: " + "; ".join(problems))
+
+
+class DreamAttention(nn.Module):
+    def __init__(self, config: DreamConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        d, hd = config.hidden_size, config.head_dim_
+        self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=True)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=True)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=True)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self_attention(
+            x, self.q_proj, self.k_proj, self.v_proj, self.o_proj,
+            self.layer_idx, self.n_heads, self.n_kv_heads, self.head_dim, ctx,
+        )  # fmt: skip
+
+
+class DreamMLP(nn.Module):
+    def __init__(self, config: DreamConfig) -> None:
+        super().__init__()
+        d, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, i, bias=False)
+        self.up_proj = nn.Linear(d, i, bias=False)
+        self.down_proj = nn.Linear(i, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DreamDecoderLayer(nn.Module):
+    def __init__(self, config: DreamConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DreamAttention(config, layer_idx)
+        self.mlp = DreamMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DreamBaseModel(nn.Module):
+    def __init__(self, config: DreamConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DreamDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DreamPreTrainedModel(PreTrainedModel):
+    config_class = DreamConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["DreamDecoderLayer"]
+    supports_gradient_checkpointing = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+
+class DreamModel(DiffusionLMMixin, DreamPreTrainedModel):
+    """Dream masked-diffusion LM; position i's logits predict token i + 1 (``logit_shift = 1``)."""
+
+    logit_shift = 1
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: DreamConfig) -> None:
+        config.validate_supported()
+        super().__init__(config)
+        self.model = DreamBaseModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def _decoder_layers(self):
+        return self.model.layers
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden))

@@ -1,0 +1,120 @@
+"""Building blocks shared by the LLaDA and Dream model classes.
+
+Both families are Llama-shaped bidirectional transformers (RMSNorm, RoPE with half rotation,
+SwiGLU MLP); they differ in parameter names, biases, GQA and where RoPE rounds. The shared
+math lives here once; the family files only name the parameters the official checkpoints use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_blockbatch.attention.backends import AttentionBackend
+from hf_blockbatch.attention.metadata import WindowBatch
+from hf_blockbatch.cache import BranchCache
+
+__all__ = ["RMSNorm", "rope_cos_sin", "apply_rope", "ForwardContext", "self_attention", "swiglu"]
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in float32 and cast back before the gain, as both official codes do."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``cos, sin`` of shape ``[*positions.shape, 1, head_dim]`` (half-rotation layout).
+
+    Computed per call from the positions: cheap (head_dim/2 frequencies), and it sidesteps
+    non-persistent buffers, which meta-device loading leaves uninitialised.
+    """
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    )
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, full_precision: bool) -> torch.Tensor:
+    """Rotate ``x`` (``[..., H, D]``). LLaDA rotates in float32 (``rope_full_precision``); Dream
+    rotates in the activation dtype; the choice changes bf16 results, so it follows the config."""
+    if full_precision:
+        xf = x.float()
+        return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+@dataclass
+class ForwardContext:
+    """What every layer of one forward shares: the mode, RoPE tables, the cache and its metadata.
+
+    ``dense``: hidden states are ``[B, L, C]``; K/V of every position go to cache rows ``rows``
+    (all rows when ``None``) if a cache is given. ``window``: hidden states are packed ``[T, C]``;
+    their K/V go to ``wb.flat_slots`` and the queries attend to their rows of the cache.
+    """
+
+    mode: str
+    backend: AttentionBackend
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rope_full_precision: bool
+    cache: BranchCache | None = None
+    rows: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None
+    wb: WindowBatch | None = None
+
+
+def self_attention(
+    x: torch.Tensor,
+    q_proj: nn.Linear,
+    k_proj: nn.Linear,
+    v_proj: nn.Linear,
+    o_proj: nn.Linear,
+    layer_idx: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    ctx: ForwardContext,
+) -> torch.Tensor:
+    """Bidirectional self-attention over the canvas, in either forward mode (see ForwardContext)."""
+    lead = x.shape[:-1]
+    q = q_proj(x).view(*lead, num_heads, head_dim)
+    k = k_proj(x).view(*lead, num_kv_heads, head_dim)
+    v = v_proj(x).view(*lead, num_kv_heads, head_dim)
+    q = apply_rope(q, ctx.cos, ctx.sin, ctx.rope_full_precision)
+    k = apply_rope(k, ctx.cos, ctx.sin, ctx.rope_full_precision)
+    scale = head_dim**-0.5
+    if ctx.mode == "dense":
+        if ctx.cache is not None:
+            ctx.cache.write_rows(layer_idx, ctx.rows, k, v)
+        out = ctx.backend.dense(q, k, v, ctx.key_mask, scale)
+    else:
+        # write first, so the window's queries see the window's own fresh keys
+        ctx.cache.write_tokens(layer_idx, ctx.wb.flat_slots, k, v)
+        layer = ctx.cache.layers[layer_idx]
+        out = ctx.backend.window(q, layer.keys, layer.values, ctx.wb, scale)
+    return o_proj(out.reshape(*lead, num_heads * head_dim))

@@ -1,0 +1,286 @@
+"""LLaDA (GSAI-ML/LLaDA-8B-Instruct, LLaDA-1.5): config and model under the official names.
+
+The official checkpoints ship OLMo-style remote code (``model.transformer.blocks.N.q_proj`` ...).
+This module re-implements that architecture natively, with the same config fields and the same
+parameter names and shapes, so the official safetensors load as they are, and adds the forward
+contract of :mod:`hf_blockbatch.models.base` (window forwards over a :class:`BranchCache`).
+
+Supported: the ``llama`` block type with RMS norms, RoPE, SwiGLU (``activation_type`` ``silu``),
+optional biases, optional weight tying, ``input_emb_norm`` and ``scale_logits``: every option the
+released checkpoints use. Other OLMo options (ALiBi, the ``sequential`` block, QK norms) are
+refused with a clear error rather than silently computed wrong.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedConfig, PreTrainedModel
+
+from hf_blockbatch.models.base import DiffusionLMMixin
+from hf_blockbatch.models.layers import ForwardContext, RMSNorm, self_attention, swiglu
+
+__all__ = ["LLaDAConfig", "LLaDAModelLM"]
+
+
+class LLaDAConfig(PreTrainedConfig):
+    """The official LLaDA config fields; defaults are those of LLaDA-8B-Instruct.
+
+    ``window_attention`` (ours) names the attention backend for window forwards (``auto``).
+    """
+
+    model_type = "llada"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        d_model: int = 4096,
+        n_heads: int = 32,
+        n_kv_heads: int | None = 32,
+        n_layers: int = 32,
+        mlp_ratio: int = 4,
+        mlp_hidden_size: int | None = 12288,
+        activation_type: str = "silu",
+        block_type: str = "llama",
+        block_group_size: int = 1,
+        alibi: bool = False,
+        alibi_bias_max: float = 8.0,
+        rope: bool = True,
+        rope_full_precision: bool = True,
+        rope_theta: float = 500000.0,
+        flash_attention: bool = False,
+        attention_dropout: float = 0.0,
+        multi_query_attention: bool | None = None,
+        attention_layer_norm: bool = False,
+        residual_dropout: float = 0.0,
+        embedding_dropout: float = 0.0,
+        input_emb_norm: bool = False,
+        layer_norm_type: str = "rms",
+        layer_norm_with_affine: bool = True,
+        rms_norm_eps: float = 1e-5,
+        attention_layer_norm_with_affine: bool = True,
+        max_sequence_length: int = 4096,
+        include_qkv_bias: bool | None = False,
+        include_bias: bool = False,
+        bias_for_layer_norm: bool | None = False,
+        scale_logits: bool = False,
+        vocab_size: int = 126464,
+        embedding_size: int | None = 126464,
+        weight_tying: bool = False,
+        eos_token_id: int = 126081,
+        pad_token_id: int = 126081,
+        mask_token_id: int | None = 126336,
+        init_device: str | None = None,
+        init_fn: str = "mitchell",
+        init_std: float = 0.02,
+        init_cutoff_factor: float | None = None,
+        precision: str | None = None,
+        use_cache: bool = False,
+        window_attention: str = "auto",
+        **kwargs,
+    ) -> None:
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.n_layers = n_layers
+        self.mlp_ratio = mlp_ratio
+        self.mlp_hidden_size = mlp_hidden_size
+        self.activation_type = activation_type
+        self.block_type = block_type
+        self.block_group_size = block_group_size
+        self.alibi = alibi
+        self.alibi_bias_max = alibi_bias_max
+        self.rope = rope
+        self.rope_full_precision = rope_full_precision
+        self.rope_theta = rope_theta
+        self.flash_attention = flash_attention
+        self.attention_dropout = attention_dropout
+        self.multi_query_attention = multi_query_attention
+        self.attention_layer_norm = attention_layer_norm
+        self.residual_dropout = residual_dropout
+        self.embedding_dropout = embedding_dropout
+        self.input_emb_norm = input_emb_norm
+        self.layer_norm_type = layer_norm_type
+        self.layer_norm_with_affine = layer_norm_with_affine
+        self.rms_norm_eps = rms_norm_eps
+        self.attention_layer_norm_with_affine = attention_layer_norm_with_affine
+        self.max_sequence_length = max_sequence_length
+        self.include_qkv_bias = include_qkv_bias
+        self.include_bias = include_bias
+        self.bias_for_layer_norm = bias_for_layer_norm
+        self.scale_logits = scale_logits
+        self.vocab_size = vocab_size
+        self.embedding_size = embedding_size
+        self.weight_tying = weight_tying
+        self.mask_token_id = mask_token_id
+        self.init_device = init_device
+        self.init_fn = init_fn
+        self.init_std = init_std
+        self.init_cutoff_factor = init_cutoff_factor
+        self.precision = precision
+        self.use_cache = use_cache
+        self.window_attention = window_attention
+        kwargs.setdefault("architectures", ["LLaDAModelLM"])
+        # weight tying is LLaDA's own field; keep transformers' generic tying off so it never
+        # ties (or unties) behind our back
+        kwargs["tie_word_embeddings"] = False
+        super().__init__(eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)
+
+    # ---- the names the rest of the package reads ------------------------------------------
+    @property
+    def effective_n_kv_heads(self) -> int:
+        if self.n_kv_heads is None:
+            return 1 if self.multi_query_attention else self.n_heads
+        return self.n_kv_heads
+
+    @property
+    def head_dim_(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def rope_in_fp32(self) -> bool:
+        return bool(self.rope_full_precision)
+
+    @property
+    def context_length(self) -> int:
+        return self.max_sequence_length
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.n_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.d_model
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.n_heads
+
+    def kv_geometry(self) -> dict[str, int]:
+        return {"num_layers": self.n_layers, "num_kv_heads": self.effective_n_kv_heads, "head_dim": self.head_dim_}
+
+    def validate_supported(self) -> None:
+        """Refuse architecture options this implementation does not compute (never guess)."""
+        problems = []
+        if self.alibi or not self.rope:
+            problems.append("only RoPE position encoding is supported (alibi=False, rope=True)")
+        if self.block_type != "llama":
+            problems.append(f"block_type {self.block_type!r} (only 'llama')")
+        if self.layer_norm_type != "rms" or not self.layer_norm_with_affine:
+            problems.append(f"layer_norm_type {self.layer_norm_type!r} (only affine 'rms')")
+        if self.activation_type not in ("silu", "swiglu"):
+            problems.append(f"activation_type {self.activation_type!r} (only 'silu')")
+        if self.attention_layer_norm:
+            problems.append("attention_layer_norm (QK norms)")
+        if self.block_group_size != 1:
+            problems.append("block_group_size != 1")
+        if self.d_model % self.n_heads or self.n_heads % self.effective_n_kv_heads:
+            problems.append("d_model must divide by n_heads, n_heads by n_kv_heads")
+        if problems:
+            raise NotImplementedError("This LLaDA config uses unsupported options: " + "; ".join(problems))
+
+
+class LLaDALlamaBlock(nn.Module):
+    """One LLaDA block: pre-norm attention and SwiGLU MLP, with the official parameter names."""
+
+    def __init__(self, config: LLaDAConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        d, hd, kvh = config.d_model, config.head_dim_, config.effective_n_kv_heads
+        hidden = config.mlp_hidden_size or config.mlp_ratio * d
+        qkv_bias = bool(config.include_bias or config.include_qkv_bias)
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, kvh, hd
+        self.attn_norm = RMSNorm(d, config.rms_norm_eps)
+        self.ff_norm = RMSNorm(d, config.rms_norm_eps)
+        self.q_proj = nn.Linear(d, d, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, kvh * hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, kvh * hd, bias=qkv_bias)
+        self.attn_out = nn.Linear(d, d, bias=config.include_bias)
+        self.ff_proj = nn.Linear(d, hidden, bias=config.include_bias)
+        self.up_proj = nn.Linear(d, hidden, bias=config.include_bias)
+        self.ff_out = nn.Linear(hidden, d, bias=config.include_bias)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self_attention(
+            self.attn_norm(x), self.q_proj, self.k_proj, self.v_proj, self.attn_out,
+            self.layer_idx, self.n_heads, self.n_kv_heads, self.head_dim, ctx,
+        )  # fmt: skip
+        h = self.ff_norm(x)
+        return x + self.ff_out(swiglu(self.ff_proj(h), self.up_proj(h)))
+
+
+class LLaDAModel(nn.Module):
+    """The trunk, holding ``transformer.{wte, blocks, ln_f, ff_out}`` as the checkpoints name them."""
+
+    def __init__(self, config: LLaDAConfig) -> None:
+        super().__init__()
+        modules = {
+            "wte": nn.Embedding(config.embedding_size or config.vocab_size, config.d_model),
+            "blocks": nn.ModuleList(LLaDALlamaBlock(config, i) for i in range(config.n_layers)),
+            "ln_f": RMSNorm(config.d_model, config.rms_norm_eps),
+        }
+        if not config.weight_tying:
+            modules["ff_out"] = nn.Linear(
+                config.d_model, config.embedding_size or config.vocab_size, bias=config.include_bias
+            )
+        self.transformer = nn.ModuleDict(modules)
+
+
+class LLaDAPreTrainedModel(PreTrainedModel):
+    config_class = LLaDAConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["LLaDALlamaBlock"]
+    supports_gradient_checkpointing = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.init_std
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+
+class LLaDAModelLM(DiffusionLMMixin, LLaDAPreTrainedModel):
+    """LLaDA masked-diffusion LM; position i's logits predict token i (``logit_shift = 0``)."""
+
+    logit_shift = 0
+
+    def __init__(self, config: LLaDAConfig) -> None:
+        config.validate_supported()
+        super().__init__(config)
+        self.model = LLaDAModel(config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.transformer.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.transformer.wte = value
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.transformer.wte(input_ids)
+        if self.config.input_emb_norm:
+            x = x * (self.config.d_model**0.5)
+        return x
+
+    def _decoder_layers(self):
+        return self.model.transformer.blocks
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.transformer.ln_f(hidden)
+        if self.config.weight_tying:
+            logits = F.linear(hidden, self.model.transformer.wte.weight)
+        else:
+            logits = self.model.transformer.ff_out(hidden)
+        if self.config.scale_logits:
+            logits = logits * (1 / math.sqrt(self.config.d_model))
+        return logits
