@@ -1,0 +1,264 @@
+"""Benchmarks: data discovery, prompt formats, and scoring of reference answers on real items."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hf_blockbatch.eval import benchmarks as bm
+from hf_blockbatch.eval.base import EvalItem, Task
+from hf_blockbatch.eval.benchmarks import (
+    GSM8K,
+    MATH,
+    MBPP,
+    MBPP_FEWSHOT_DATA,
+    DataNotFoundError,
+    HumanEval,
+    extract_code,
+    find_data_file,
+    get_benchmark,
+)
+
+needs_data = pytest.mark.skipif(
+    any(find_data_file(f) is None for f in ("gsm8k_test.jsonl", "math500_test.jsonl", "mbpp.jsonl")),
+    reason="shared/data not found",
+)
+
+
+class FakeChatTokenizer:
+    """Just enough of a tokenizer: a chat template that marks the user turn."""
+
+    chat_template = "fake"
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool, tokenize: bool
+    ) -> str:
+        assert add_generation_prompt and not tokenize and len(messages) == 1
+        return f"<user>{messages[0]['content']}</user><assistant>"
+
+
+def _sample(items: list[EvalItem], n: int = 20, seed: int = 0) -> list[EvalItem]:
+    return random.Random(seed).sample(items, min(n, len(items)))
+
+
+# ---------------------------------------------------------------------------- registry and data
+
+
+def test_registry() -> None:
+    for name, cls in [
+        ("gsm8k", GSM8K),
+        ("MATH", MATH),
+        ("math500", MATH),
+        ("humaneval", HumanEval),
+        ("mbpp", MBPP),
+    ]:
+        task = get_benchmark(name)
+        assert isinstance(task, cls) and isinstance(task, Task)
+    with pytest.raises(KeyError):
+        get_benchmark("nope")
+
+
+@needs_data
+def test_data_is_found_from_anywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    here = find_data_file("gsm8k_test.jsonl")
+    assert here is not None and here.parent.name == "data" and here.parent.parent.name == "shared"
+    monkeypatch.chdir(tmp_path)  # outside the repository: found through the package's parents
+    assert find_data_file("gsm8k_test.jsonl") == here
+    # the environment variable wins
+    (tmp_path / "gsm8k_test.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    monkeypatch.setenv(bm.DATA_ENV, str(tmp_path))
+    assert find_data_file("gsm8k_test.jsonl") == tmp_path / "gsm8k_test.jsonl"
+    assert [it.reference for it in GSM8K().items()] == ["2"]
+
+
+def test_explicit_data_path(tmp_path: Path) -> None:
+    f = tmp_path / "mine.jsonl"
+    f.write_text(
+        "\n".join(json.dumps({"question": f"q{i}", "answer": f"x\n#### {i}"}) for i in range(3)) + "\n"
+    )
+    items = get_benchmark("gsm8k", data_path=f).items(limit=2)
+    assert [it.reference for it in items] == ["0", "1"]
+    with pytest.raises(DataNotFoundError):
+        get_benchmark("gsm8k", data_path=tmp_path / "missing.jsonl").items()
+
+
+def test_clear_error_without_data_or_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bm, "find_data_file", lambda name: None)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+
+    def offline(*a: Any, **k: Any) -> str:
+        raise OSError("offline")
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(DataNotFoundError, match="openai/gsm8k"):
+        GSM8K().items()
+
+
+@needs_data
+def test_item_counts_and_fields() -> None:
+    assert len(get_benchmark("gsm8k").items()) == 1319
+    math_items = get_benchmark("math").items()
+    assert len(math_items) == 500 and all(it.reference for it in math_items)
+    he = get_benchmark("humaneval").items()
+    assert len(he) == 164 and he[0].id == "HumanEval/0" and he[0].entry_point == "has_close_elements"
+    mbpp = get_benchmark("mbpp").items()
+    ids = [it.meta["task_id"] for it in mbpp]
+    assert ids == list(range(11, 511)) and all(len(it.tests) == 3 for it in mbpp)
+    assert len(get_benchmark("mbpp").items(limit=5)) == 5
+    assert [it.meta["task_id"] for it in get_benchmark("mbpp").items("prompt")] == list(range(1, 11))
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+@needs_data
+def test_gsm8k_prompt_is_five_shot() -> None:
+    task = get_benchmark("gsm8k")
+    item = task.items(limit=1)[0]
+    text = task.prompt(item, tokenizer=None)
+    assert text.count("Question: ") == 6 and text.count("#### ") == 5
+    assert text.startswith("Question: Natalia sold clips")
+    assert text.endswith(f"\n\nQuestion: {item.question}\nAnswer:")
+    chat = task.prompt(item, FakeChatTokenizer(), chat=True)
+    assert chat == f"<user>{text}</user><assistant>"
+    assert task.prompt(item, FakeChatTokenizer(), chat=False) == text
+    assert GSM8K(num_fewshot=0).prompt(item) == f"Question: {item.question}\nAnswer:"
+
+
+@needs_data
+def test_math_prompt_is_minerva_four_shot() -> None:
+    task = get_benchmark("math")
+    item = task.items(limit=1)[0]
+    text = task.prompt(item, chat=False)
+    assert text.count("Problem:\n") == 5 and text.count("I hope it is correct.") == 4
+    assert text.endswith(f"Problem:\n{item.question}\n\nSolution:")
+
+
+@needs_data
+def test_mbpp_prompt_is_three_shot_with_ids_2_3_4() -> None:
+    task = get_benchmark("mbpp")
+    item = task.items(limit=1)[0]
+    text = task.prompt(item, chat=False)
+    assert text.count("You are an expert Python programmer, and here is your task: ") == 4
+    assert text.count("[DONE]") == 3 and text.endswith("[BEGIN]\n")
+    assert "similar_elements" in text and "is_not_prime" in text and "heap_queue_largest" in text
+    assert item.question in text and all(t in text for t in item.tests)
+    # the built-in copy of the shots (used with the Hub's test split) equals the data file
+    rows = {r["task_id"]: r for r in map(json.loads, find_data_file("mbpp.jsonl").read_text().splitlines())}
+    for shot in MBPP_FEWSHOT_DATA:
+        row = rows[shot["task_id"]]
+        assert (shot["text"], shot["code"], shot["test_list"]) == (row["text"], row["code"], row["test_list"])
+
+
+def test_humaneval_prompt_is_zero_shot() -> None:
+    task = get_benchmark("humaneval")
+    item = task.items(limit=1)[0]
+    assert task.prompt(item, chat=False) == item.question
+    assert task.prompt(item, FakeChatTokenizer()) == f"<user>{item.question}</user><assistant>"
+
+
+# ---------------------------------------------------------------------------- code extraction
+
+
+def test_extract_code() -> None:
+    assert (
+        extract_code("def f():\n    return 1\n[DONE]\n\nYou are an expert", ["[DONE]"])
+        == "def f():\n    return 1\n"
+    )
+    fenced = "Sure! Here it is:\n```python\ndef f():\n    return 1\n```\nThis works because..."
+    assert extract_code(fenced) == "def f():\n    return 1\n"
+    assert extract_code("```\ndef f():\n    return 1") == "def f():\n    return 1\n"  # unclosed fence
+    # a fence after the stop belongs to an invented next example
+    assert extract_code("x = 1\n[DONE]\n```python\ny = 2\n```", ["[DONE]"]) == "x = 1\n"
+    assert extract_code("") == ""
+
+
+# ---------------------------------------------------------------------------- code scoring
+
+
+def test_humaneval_canonical_sample_passes_and_bad_completions_fail() -> None:
+    task = get_benchmark("humaneval")
+    items = task.items()
+    sample = _sample(items, 20)
+    scores = task.score_batch(sample, [it.reference for it in sample], workers=2)
+    assert all(s.correct for s in scores), [
+        (it.id, s.detail) for it, s in zip(sample, scores) if not s.correct
+    ]
+
+    it = items[0]
+    assert not task.score(it, "    return False\n").correct  # wrong
+    assert not task.score(it, "    return True +\n").correct  # syntax error
+    slow = HumanEval(timeout=1.0)
+    import time
+
+    t0 = time.monotonic()
+    s = slow.score(it, "    while True:\n        pass\n")
+    assert not s.correct and s.detail.startswith("timeout") and time.monotonic() - t0 < 1.0 + 2.0
+
+
+def test_humaneval_chat_style_completions() -> None:
+    task = get_benchmark("humaneval")
+    it = task.items(limit=1)[0]
+    body = it.reference
+    # a base model continues past the body into a new top-level block: cut at the stop sequence
+    assert task.score(it, body + "\n\ndef main():\n    raise SystemExit(1)\n").correct
+    # a chat model returns a whole fenced definition
+    full = (
+        "Here is the solution:\n```python\nfrom typing import List\n\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
+        + body
+        + "```\nDone."
+    )
+    assert task.score(it, full).correct
+    # ... or a fenced body only
+    assert task.score(it, "```python\n" + body + "```").correct
+    # a wrong full definition still fails
+    wrong = "```python\ndef has_close_elements(numbers, threshold):\n    return False\n```"
+    assert not task.score(it, wrong).correct
+
+
+@pytest.mark.slow
+def test_humaneval_all_canonical_solutions_pass() -> None:
+    task = get_benchmark("humaneval")
+    items = task.items()
+    scores = task.score_batch(items, [it.reference for it in items], workers=2)
+    assert sum(s.correct for s in scores) == 164, [
+        (it.id, s.detail) for it, s in zip(items, scores) if not s.correct
+    ]
+
+
+@needs_data
+def test_mbpp_reference_sample_passes_and_formats_are_handled() -> None:
+    task = get_benchmark("mbpp")
+    items = task.items()
+    sample = _sample(items, 20)
+    scores = task.score_batch(sample, [it.reference for it in sample], workers=2)
+    assert all(s.correct for s in scores), [
+        (it.id, s.detail) for it, s in zip(sample, scores) if not s.correct
+    ]
+    it = sample[0]
+    assert task.score(it, it.reference + "\n[DONE]\n\nYou are an expert Python programmer, and here").correct
+    assert task.score(
+        it, "Here you go:\n```python\n" + it.reference.replace("\r\n", "\n") + "\n```\n"
+    ).correct
+    assert not task.score(it, "def nothing():\n    pass\n").correct
+    # MBPP 367 needs its test_setup_code (a tree built from the solution's own class)
+    t367 = next(x for x in items if x.meta["task_id"] == 367)
+    assert t367.meta["test_setup_code"] and task.score(t367, t367.reference).correct
+
+
+@pytest.mark.slow
+@needs_data
+def test_mbpp_all_references_pass() -> None:
+    task = MBPP(timeout=10.0)
+    items = task.items()
+    scores = task.score_batch(items, [it.reference for it in items], workers=2)
+    assert sum(s.correct for s in scores) == len(items), [
+        (it.id, s.detail) for it, s in zip(items, scores) if not s.correct
+    ]

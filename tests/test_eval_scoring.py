@@ -1,0 +1,194 @@
+"""Scoring: GSM8K number extraction and MATH equivalence, on hand-made cases and real items."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from hf_blockbatch.eval.benchmarks import find_data_file, get_benchmark
+from hf_blockbatch.eval.scoring import (
+    extract_gsm8k_answer,
+    extract_math_answer,
+    gsm8k_is_correct,
+    last_boxed_only_string,
+    math_is_correct,
+    math_is_equivalent,
+    normalize_math_answer,
+    remove_boxed,
+    truncate_at,
+)
+from hf_blockbatch.eval.stats import wilson_interval
+
+needs_data = pytest.mark.skipif(
+    find_data_file("gsm8k_test.jsonl") is None or find_data_file("math500_test.jsonl") is None,
+    reason="shared/data not found",
+)
+
+
+# ---------------------------------------------------------------------------- GSM8K
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so she makes 9 * 2 = $18.\n#### 18", "18"),
+        ("#### 1,200.00", "1200"),
+        ("#### $-5", "-5"),
+        ("####72", "72"),
+        ("The answer is 7.0.", "7"),
+        ("It costs $1,000,000.", "1000000"),
+        ("about 0.50 dollars", "0.5"),
+        ("first 3 then 4, finally 12", "12"),
+        ("#### 5\n\nQuestion: another 99", "5"),  # the marker wins over a later number
+        ("no digits here", None),
+        ("", None),
+    ],
+)
+def test_extract_gsm8k_answer(text: str, expected: str | None) -> None:
+    assert extract_gsm8k_answer(text) == expected
+
+
+def test_gsm8k_is_correct_numeric() -> None:
+    assert gsm8k_is_correct("He pays 7.00 in total. #### 7.00", "blah\n#### 7").correct
+    assert gsm8k_is_correct("The answer is 7", "7").correct
+    s = gsm8k_is_correct("#### 8", "#### 7")
+    assert not s.correct and s.extracted == "8"
+    assert not gsm8k_is_correct("nothing", "#### 7").correct
+
+
+@needs_data
+def test_gsm8k_gold_scores_all_and_shuffled_scores_near_zero() -> None:
+    task = get_benchmark("gsm8k")
+    items = task.items()
+    assert len(items) == 1319
+    assert all(task.score(it, it.target).correct for it in items)
+    # a base model runs on into an invented next question: the stop sequence must cut it
+    it = items[0]
+    assert task.score(it, f" {it.target}\n\nQuestion: What is 2+2?\nAnswer: 4").correct
+    shuffled = [it.target for it in items]
+    random.Random(0).shuffle(shuffled)
+    hits = sum(task.score(it, s).correct for it, s in zip(items, shuffled))
+    assert hits / len(items) < 0.03
+
+
+# ---------------------------------------------------------------------------- MATH extraction
+
+
+def test_boxed_helpers() -> None:
+    s = r"so $x = \boxed{\frac{1}{2}}$ and then \boxed{\left( 3, \frac{\pi}{2} \right)}."
+    assert last_boxed_only_string(s) == r"\boxed{\left( 3, \frac{\pi}{2} \right)}"
+    assert remove_boxed(last_boxed_only_string(s)) == r"\left( 3, \frac{\pi}{2} \right)"
+    assert remove_boxed(last_boxed_only_string(r"is \boxed 5$.")) == "5"
+    assert last_boxed_only_string(r"cut off \boxed{\frac{1}{2") is None
+    assert last_boxed_only_string("no box") is None
+    assert remove_boxed(r"\fbox{7}") == "7"
+
+
+def test_extract_math_answer() -> None:
+    minerva = "We get 3/4.\nFinal Answer: The final answer is $\\frac{3}{4}$. I hope it is correct."
+    assert extract_math_answer(minerva) == r"\frac{3}{4}"
+    assert extract_math_answer(r"Thus the area is $\boxed{12\pi}$.") == r"12\pi"
+    assert extract_math_answer(r"The final answer is $\boxed{5}$.") == "5"
+    assert extract_math_answer("I do not know.") is None
+
+
+def test_math_stop_sequence_and_score() -> None:
+    task = get_benchmark("math")
+    from hf_blockbatch.eval.base import EvalItem
+
+    item = EvalItem(task="math", id="x", question="?", reference=r"\frac{1}{2}")
+    comp = "Half.\nFinal Answer: The final answer is $0.5$. I hope it is correct.\n\nProblem:\nFoo\n\nSolution: \\boxed{3}"
+    assert task.score(item, comp).correct
+    assert truncate_at("a Problem: b", ("Problem:",)) == "a "
+
+
+# ---------------------------------------------------------------------------- MATH equivalence
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold"),
+    [
+        (r"\frac{1}{2}", "0.5"),
+        ("0.5", r"\frac{1}{2}"),
+        ("1/2", r"\frac12"),
+        (r"\dfrac{3}{4}", "0.75"),
+        ("(1,2)", "(1, 2)"),
+        (r"\left( 3, \frac{\pi}{2} \right)", r"(3,\frac{\pi}{2})"),
+        ("x=3", "3"),
+        ("x = 3", "3"),
+        (r"90^\circ", "90"),
+        (r"90^{\circ}", "90"),
+        (r"10\text{ cm}", "10"),
+        (r"5\%", "5"),
+        ("1,000", "1000"),
+        ("[2, 5)", "[2,5)"),
+        (r"\sqrt{2}/2", r"\frac{\sqrt{2}}{2}"),
+        ("x^2+1", "1+x^2"),
+        (r"\text{Evelyn}", "Evelyn"),
+        (r"\$32", "32"),
+        (r"\{1,2\}", r"\{2,1\}"),
+    ],
+)
+def test_math_equivalent(pred: str, gold: str) -> None:
+    assert math_is_equivalent(pred, gold)
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold"),
+    [
+        ("1/3", "0.3"),
+        ("0.3", r"\frac{1}{3}"),
+        ("2", "3"),
+        ("(2,1)", "(1,2)"),
+        ("[2,5]", "[2,5)"),
+        (r"\frac{2}{3}", r"-\frac{2}{3}"),
+        ("x+1", "x-1"),
+        (None, "3"),
+        ("", "3"),
+    ],
+)
+def test_math_not_equivalent(pred: str | None, gold: str) -> None:
+    assert not math_is_equivalent(pred, gold)
+
+
+def test_normalize_keeps_variables_and_equations() -> None:
+    # a bare letter after a number may be a variable, not a unit
+    assert normalize_math_answer("3m") == "3m"
+    # "y = 2x+3" is an equation; only a constant right side loses its "y ="
+    assert normalize_math_answer("y=2x+3") == "y=2x+3"
+    assert normalize_math_answer(r"k = \frac{6}{4}") == r"\frac{3}{2}"
+
+
+def test_math_equivalence_works_off_the_main_thread() -> None:
+    """math-verify's own timeout uses signals (main thread only); ours must cover threads."""
+    out: list[bool] = []
+    t = threading.Thread(target=lambda: out.append(math_is_equivalent(r"\frac{\sqrt{8}}{2}", r"\sqrt{2}")))
+    t.start()
+    t.join(30)
+    assert out == [True]
+
+
+@needs_data
+def test_math500_gold_matches_own_solution() -> None:
+    task = get_benchmark("math")
+    items = task.items()
+    assert len(items) == 500
+    ok = sum(math_is_equivalent(extract_math_answer(it.target), it.reference) for it in items)
+    assert ok / len(items) >= 0.99
+    # scoring the reference solution as a completion goes through extraction too
+    assert sum(math_is_correct(it.target, it.reference).correct for it in items) / len(items) >= 0.99
+
+
+# ---------------------------------------------------------------------------- stats
+
+
+def test_wilson_interval() -> None:
+    lo, hi = wilson_interval(50, 100)
+    assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
+    assert wilson_interval(0, 10)[0] == 0.0 and 0 < wilson_interval(0, 10)[1] < 0.35
+    assert wilson_interval(10, 10)[1] == 1.0 and wilson_interval(10, 10)[0] > 0.65
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError):
+        wilson_interval(3, 2)
