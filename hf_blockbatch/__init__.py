@@ -10,6 +10,14 @@ trust_remote_code=True)`` returns our implementation.
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from hf_blockbatch.cache import BranchCache
+from hf_blockbatch.generation import (
+    BlockBatchConfig,
+    BlockBatchGenerationMixin,
+    DiffusionGenerateOutput,
+    FastDLLMConfig,
+    VanillaDiffusionConfig,
+    diffusion_generate,
+)
 from hf_blockbatch.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM
 
 __version__ = "0.1.0"
@@ -25,4 +33,17 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["BranchCache", "DreamConfig", "DreamModel", "LLaDAConfig", "LLaDAModelLM", "__version__"]
+__all__ = [
+    "BlockBatchConfig",
+    "BlockBatchGenerationMixin",
+    "BranchCache",
+    "DiffusionGenerateOutput",
+    "DreamConfig",
+    "DreamModel",
+    "FastDLLMConfig",
+    "LLaDAConfig",
+    "LLaDAModelLM",
+    "VanillaDiffusionConfig",
+    "__version__",
+    "diffusion_generate",
+]

@@ -15,7 +15,25 @@ import torch
 
 from hf_blockbatch.cache import BranchCache
 
-__all__ = ["WindowBatch", "build_window_batch"]
+__all__ = ["WindowBatch", "build_window_batch", "pack_ranges"]
+
+
+def pack_ranges(
+    starts: torch.Tensor, lengths: torch.Tensor, max_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pack per-row ranges ``[start, start + length)`` into one buffer, row-major.
+
+    Returns ``(token_row, token_pos, pad_index, pad_valid)``: for each packed token its row (local
+    index) and position; for the padded ``[A, max_len]`` view of the same tokens, the packed index
+    of each slot (0 where invalid) and which slots are real. Shared by the attention metadata and
+    the decoders, so both agree on the packing order by construction.
+    """
+    offsets = torch.arange(max_len, device=starts.device)
+    pad_valid = offsets[None, :] < lengths[:, None]
+    token_pos = (starts[:, None] + offsets[None, :])[pad_valid]
+    token_row = torch.arange(starts.shape[0], device=starts.device)[:, None].expand_as(pad_valid)[pad_valid]
+    pad_index = (pad_valid.reshape(-1).cumsum(0) - 1).clamp_min(0).reshape(pad_valid.shape)
+    return token_row, token_pos, pad_index, pad_valid
 
 
 @dataclass
@@ -122,12 +140,8 @@ def build_window_batch(
         all_rows = True  # strictly increasing and complete means arange
 
     A, W = rows.shape[0], int(len_max)
-    offsets = torch.arange(W, device=device)
-    pad_valid = offsets[None, :] < lengths[:, None]  # [A, W]
-    positions = starts[:, None] + offsets[None, :]  # [A, W]
-    token_pos = positions[pad_valid]
-    token_rows = rows[:, None].expand(A, W)[pad_valid]
-    pad_index = (pad_valid.reshape(-1).cumsum(0) - 1).clamp_min(0).reshape(A, W)
+    local_rows, token_pos, pad_index, pad_valid = pack_ranges(starts, lengths, W)
+    token_rows = rows[local_rows]
     cu = torch.zeros(A + 1, dtype=torch.int32, device=device)
     cu[1:] = lengths.cumsum(0).to(torch.int32)
     key_mask = None

@@ -22,7 +22,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from hf_blockbatch.attention.backends import AttentionBackend, get_backend
@@ -216,9 +215,22 @@ class DiffusionLMMixin:
         starts = torch.as_tensor(starts, device=cache.device, dtype=torch.long)
         ends = torch.as_tensor(ends, device=cache.device, dtype=torch.long)
         shift = self.logit_shift
+        if shift and starts.shape == ends.shape:
+            # check the windows as asked, before the shift (build_window_batch sees [start - 1, end),
+            # which is not empty when start == end and would report shifted starts): one host sync
+            before_one, bad = torch.stack(
+                [(starts < shift).any(), ((ends <= starts) | (ends > cache.length)).any()]
+            ).tolist()
+            if bad:
+                raise ValueError(
+                    f"Every window must satisfy 0 <= start < end <= {cache.length} (the canvas length); got "
+                    f"starts {starts.tolist()} and ends {ends.tolist()}."
+                )
+            if before_one:
+                raise ValueError(
+                    "A shifted model (Dream) cannot predict position 0: windows must start at 1 or later."
+                )
         wb = build_window_batch(cache, starts - shift, ends, rows)
-        if shift and bool((wb.starts < 0).any()):
-            raise ValueError("A shifted model (Dream) cannot predict position 0: windows must start at 1 or later.")
         hidden = self._embed(input_ids[wb.token_rows, wb.token_pos])
         cos, sin = rope_cos_sin(wb.rope_pos, self.config.head_dim_, self.config.rope_theta)
         ctx = ForwardContext(

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
+from hf_blockbatch.generation.mixin import BlockBatchGenerationMixin
 from hf_blockbatch.models.base import DiffusionLMMixin
 from hf_blockbatch.models.layers import ForwardContext, RMSNorm, self_attention, swiglu
 
@@ -193,7 +194,7 @@ class DreamPreTrainedModel(PreTrainedModel):
             nn.init.ones_(module.weight)
 
 
-class DreamModel(DiffusionLMMixin, DreamPreTrainedModel):
+class DreamModel(DiffusionLMMixin, BlockBatchGenerationMixin, DreamPreTrainedModel):
     """Dream masked-diffusion LM; position i's logits predict token i + 1 (``logit_shift = 1``)."""
 
     logit_shift = 1

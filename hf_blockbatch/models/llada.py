@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
+from hf_blockbatch.generation.mixin import BlockBatchGenerationMixin
 from hf_blockbatch.models.base import DiffusionLMMixin
 from hf_blockbatch.models.layers import ForwardContext, RMSNorm, self_attention, swiglu
 
@@ -176,6 +177,9 @@ class LLaDAConfig(PreTrainedConfig):
             problems.append(f"activation_type {self.activation_type!r} (only 'silu')")
         if self.attention_layer_norm:
             problems.append("attention_layer_norm (QK norms)")
+        # the official norms carry a bias when bias_for_layer_norm is true, or None with include_bias
+        if self.include_bias if self.bias_for_layer_norm is None else self.bias_for_layer_norm:
+            problems.append("layer norm biases (bias_for_layer_norm, or include_bias with bias_for_layer_norm=None)")
         if self.block_group_size != 1:
             problems.append("block_group_size != 1")
         if self.d_model % self.n_heads or self.n_heads % self.effective_n_kv_heads:
@@ -249,7 +253,7 @@ class LLaDAPreTrainedModel(PreTrainedModel):
             nn.init.ones_(module.weight)
 
 
-class LLaDAModelLM(DiffusionLMMixin, LLaDAPreTrainedModel):
+class LLaDAModelLM(DiffusionLMMixin, BlockBatchGenerationMixin, LLaDAPreTrainedModel):
     """LLaDA masked-diffusion LM; position i's logits predict token i (``logit_shift = 0``)."""
 
     logit_shift = 0

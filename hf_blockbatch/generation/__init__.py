@@ -1,0 +1,22 @@
+"""Decoding strategies (what gets committed when), model-agnostic, and ``generate``."""
+
+from hf_blockbatch.generation.configs import (
+    BlockBatchConfig,
+    DiffusionGenerationConfig,
+    FastDLLMConfig,
+    VanillaDiffusionConfig,
+    config_from_dict,
+)
+from hf_blockbatch.generation.mixin import BlockBatchGenerationMixin, diffusion_generate
+from hf_blockbatch.generation.outputs import DiffusionGenerateOutput
+
+__all__ = [
+    "BlockBatchConfig",
+    "BlockBatchGenerationMixin",
+    "DiffusionGenerateOutput",
+    "DiffusionGenerationConfig",
+    "FastDLLMConfig",
+    "VanillaDiffusionConfig",
+    "config_from_dict",
+    "diffusion_generate",
+]

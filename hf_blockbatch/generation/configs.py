@@ -1,0 +1,246 @@
+"""Generation configs for the three strategies: ``GenerationConfig`` subclasses that save and load.
+
+Each config validates itself before any forward (``validate``), and its ``strategy`` field tells
+``model.generate`` which decoder to run. All three share ``max_new_tokens``, ``temperature``,
+``remasking`` and ``mask_token_id`` (taken from the model's config when left ``None``).
+
+Block sizes that do not divide ``max_new_tokens`` are **supported**: the last block of a branch is
+shorter (``[start, min(start + b, end))``). The official codes assert divisibility instead; we
+allow it because BlockBatch's 128-token branch must coexist with any generation length, and the
+shorter last block is what a user would expect. With divisible sizes the behaviour is identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import GenerationConfig
+
+__all__ = [
+    "DiffusionGenerationConfig",
+    "VanillaDiffusionConfig",
+    "FastDLLMConfig",
+    "BlockBatchConfig",
+    "config_from_dict",
+]
+
+_REMASKING = ("low_confidence", "random")
+
+
+def _check_threshold(name: str, value: float | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or not (0.0 < float(value) <= 1.0):
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}.")
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+class DiffusionGenerationConfig(GenerationConfig):
+    """Fields shared by every masked-diffusion strategy.
+
+    Args:
+        max_new_tokens: length of the masked answer canvas.
+        temperature: 0 decodes greedily; > 0 samples with float64 Gumbel-max noise (as LLaDA).
+        remasking: ``"low_confidence"`` (commit the most confident positions first) or
+            ``"random"`` (random order, as LLaDA's ablation).
+        mask_token_id: the ``[MASK]`` id; ``None`` takes ``model.config.mask_token_id``.
+        eos_token_id: the stop token(s); ``None`` takes the model's (and LLaDA's end-of-turn).
+        output_trace: record a per-step trace (commits, merges, syncs, refreshes) in ``stats``.
+    """
+
+    strategy: str = ""
+    _ours = ("strategy", "remasking", "mask_token_id", "output_trace")
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("max_new_tokens", 128)
+        kwargs.setdefault("temperature", 0.0)
+        kwargs.pop("strategy", None)
+        self.remasking = kwargs.pop("remasking", "low_confidence")
+        self.mask_token_id = kwargs.pop("mask_token_id", None)
+        self.output_trace = kwargs.pop("output_trace", False)
+        super().__init__(**kwargs)
+        self.strategy = type(self).strategy
+
+    def validate(self, strict: bool = False, **kwargs: Any) -> None:
+        """Check every field before any forward; a wrong value fails here with what to change."""
+        _check_positive_int("max_new_tokens", self.max_new_tokens)
+        if self.temperature is None or float(self.temperature) < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}.")
+        if self.remasking not in _REMASKING:
+            raise ValueError(f"remasking must be one of {_REMASKING}, got {self.remasking!r}.")
+
+
+class VanillaDiffusionConfig(DiffusionGenerationConfig):
+    """LLaDA's original sampler: ``steps`` full forwards (no cache), a fixed number of tokens per
+    step, spread evenly over the blocks of ``block_length``.
+
+    ``logits_eos_inf`` sets the EOS logit to -inf; ``confidence_eos_eot_inf`` gives positions
+    predicted as EOS or end-of-turn the lowest confidence, so they are committed last (LLaDA
+    appendix B.4). Note: LLaDA's code sets the *logit* of EoT to -inf for the confidence softmax;
+    we implement the stated intent (confidence of EOS/EoT predictions), which agrees whenever EoT
+    is not the top token.
+    """
+
+    strategy = "vanilla"
+    _ours = DiffusionGenerationConfig._ours + ("steps", "block_length", "logits_eos_inf", "confidence_eos_eot_inf")
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.steps = kwargs.pop("steps", None)
+        self.block_length = kwargs.pop("block_length", None)
+        self.logits_eos_inf = kwargs.pop("logits_eos_inf", False)
+        self.confidence_eos_eot_inf = kwargs.pop("confidence_eos_eot_inf", False)
+        super().__init__(**kwargs)
+
+    def resolved(self) -> tuple[int, int]:
+        """(steps, block_length) with defaults: one step per token, one block."""
+        block = self.block_length or self.max_new_tokens
+        steps = self.steps or self.max_new_tokens
+        return steps, block
+
+    def validate(self, strict: bool = False, **kwargs: Any) -> None:
+        super().validate()
+        steps, block = self.resolved()
+        _check_positive_int("steps", steps)
+        _check_positive_int("block_length", block)
+        num_blocks = -(-self.max_new_tokens // block)
+        if steps % num_blocks:
+            raise ValueError(
+                f"steps ({steps}) must be a multiple of the number of blocks ({num_blocks} blocks of "
+                f"{block} in {self.max_new_tokens} tokens)."
+            )
+        if steps // num_blocks > block:
+            raise ValueError(f"steps per block ({steps // num_blocks}) cannot exceed block_length ({block}).")
+
+
+class FastDLLMConfig(DiffusionGenerationConfig):
+    """Fast-dLLM: block-wise decoding with parallel (threshold or factor) commits and a KV cache.
+
+    Args:
+        cache: ``"none"`` (full forward every step), ``"prefix"`` (block + suffix queried against
+            the cached prefix) or ``"dual"`` (only the block queried, whole canvas cached).
+        threshold: commit every masked position with top-1 probability ≥ threshold (default 0.9).
+        factor: instead of a threshold, commit the largest n with (n + 1)(1 − c_n) < factor.
+        steps: with neither threshold nor factor, a fixed quota of tokens per step.
+        block_length: block size (default 32).
+        early_stop: end a request once a fully decoded block holds EOS (as dInfer does); off by
+            default, like the official code, so the benchmark can isolate its effect.
+        skip_completed_block_step: the official code runs one more forward on a block that its
+            block-start forward already completed (it commits nothing); ``True`` skips that
+            forward. Default ``False`` reproduces the official NFE exactly.
+
+    On Dream, the official Fast-dLLM commits the block's first position unconditionally at each
+    block start (its in-block logit shift cannot predict it later). Our window forward predicts
+    every position exactly, so block starts follow the same transfer rule as LLaDA: a deliberate,
+    documented difference.
+    """
+
+    strategy = "fast_dllm"
+    _ours = DiffusionGenerationConfig._ours + (
+        "cache", "threshold", "factor", "steps", "block_length", "early_stop", "skip_completed_block_step",
+    )  # fmt: skip
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.cache = kwargs.pop("cache", "dual")
+        self.threshold = kwargs.pop("threshold", 0.9 if "factor" not in kwargs and "steps" not in kwargs else None)
+        self.factor = kwargs.pop("factor", None)
+        self.steps = kwargs.pop("steps", None)
+        self.block_length = kwargs.pop("block_length", 32)
+        self.early_stop = kwargs.pop("early_stop", False)
+        self.skip_completed_block_step = kwargs.pop("skip_completed_block_step", False)
+        super().__init__(**kwargs)
+
+    def validate(self, strict: bool = False, **kwargs: Any) -> None:
+        super().validate()
+        if self.cache not in ("none", "prefix", "dual"):
+            raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}.")
+        _check_positive_int("block_length", self.block_length)
+        chosen = [n for n in ("threshold", "factor", "steps") if getattr(self, n) is not None]
+        if len(chosen) != 1:
+            raise ValueError(f"Give exactly one of threshold, factor or steps (got {chosen or 'none'}).")
+        _check_threshold("threshold", self.threshold, allow_none=True)
+        if self.factor is not None and not float(self.factor) > 0:
+            raise ValueError(f"factor must be > 0, got {self.factor!r}.")
+        if self.steps is not None:
+            _check_positive_int("steps", self.steps)
+            num_blocks = -(-self.max_new_tokens // self.block_length)
+            if self.steps % num_blocks:
+                raise ValueError(f"steps ({self.steps}) must be a multiple of the number of blocks ({num_blocks}).")
+
+
+class BlockBatchConfig(DiffusionGenerationConfig):
+    """BlockBatch: one branch per block size, decoded together in one packed forward per step.
+
+    Args:
+        block_sizes: the branches (paper: 4, 8, 16, 32, 64, 128).
+        threshold / factor: the transfer rule of every branch (threshold 0.9 by default).
+        merge: confidence-gated merging between compatible branches (``merge.py``).
+        merge_threshold: a destination commits a source's token only if its own probability for
+            it is above this (0.5).
+        sync: leader sync (``sync.py``); sync_threshold: how many decoded tokens a branch may lag
+            the leader before it copies the leader's canvas and cache (8).
+        refresh: ``"periodic"`` (a branch that advanced ``refresh_interval`` tokens since its last
+            refresh is refreshed by a full forward), ``"divergence"`` (also when its keys drift from
+            the branches' mean by more than ``divergence_threshold``), or ``"off"``.
+        refresh_interval: tokens between periodic refreshes (32).
+        early_stop: end a request once a branch's fully decoded block holds EOS (on).
+        skip_completed_block_step: as in :class:`FastDLLMConfig` (the reference BlockBatch code also
+            runs the extra forward on a block that a full forward completed; default ``False``).
+    """
+
+    strategy = "blockbatch"
+    _ours = DiffusionGenerationConfig._ours + (
+        "block_sizes", "threshold", "factor", "merge", "merge_threshold", "sync", "sync_threshold", "refresh",
+        "refresh_interval", "divergence_threshold", "early_stop", "skip_completed_block_step",
+    )  # fmt: skip
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.block_sizes = list(kwargs.pop("block_sizes", (4, 8, 16, 32, 64, 128)))
+        self.threshold = kwargs.pop("threshold", 0.9 if "factor" not in kwargs else None)
+        self.factor = kwargs.pop("factor", None)
+        self.merge = kwargs.pop("merge", True)
+        self.merge_threshold = kwargs.pop("merge_threshold", 0.5)
+        self.sync = kwargs.pop("sync", True)
+        self.sync_threshold = kwargs.pop("sync_threshold", 8)
+        self.refresh = kwargs.pop("refresh", "periodic")
+        self.refresh_interval = kwargs.pop("refresh_interval", 32)
+        self.divergence_threshold = kwargs.pop("divergence_threshold", 0.1)
+        self.early_stop = kwargs.pop("early_stop", True)
+        self.skip_completed_block_step = kwargs.pop("skip_completed_block_step", False)
+        super().__init__(**kwargs)
+
+    def validate(self, strict: bool = False, **kwargs: Any) -> None:
+        super().validate()
+        if not self.block_sizes:
+            raise ValueError("block_sizes must name at least one block size, e.g. [4, 8, 16, 32, 64].")
+        for b in self.block_sizes:
+            _check_positive_int("every block size", b)
+        if len(set(self.block_sizes)) != len(self.block_sizes):
+            raise ValueError(f"block_sizes must not repeat a size, got {self.block_sizes}.")
+        if (self.threshold is None) == (self.factor is None):
+            raise ValueError("Give exactly one of threshold or factor.")
+        _check_threshold("threshold", self.threshold, allow_none=True)
+        if self.factor is not None and not float(self.factor) > 0:
+            raise ValueError(f"factor must be > 0, got {self.factor!r}.")
+        _check_threshold("merge_threshold", self.merge_threshold)
+        if not isinstance(self.sync_threshold, int) or self.sync_threshold < 0:
+            raise ValueError(f"sync_threshold must be an integer >= 0, got {self.sync_threshold!r}.")
+        if self.refresh not in ("periodic", "divergence", "off"):
+            raise ValueError(f"refresh must be 'periodic', 'divergence' or 'off', got {self.refresh!r}.")
+        _check_positive_int("refresh_interval", self.refresh_interval)
+        if not float(self.divergence_threshold) > 0:
+            raise ValueError(f"divergence_threshold must be > 0, got {self.divergence_threshold!r}.")
+
+
+_BY_STRATEGY = {c.strategy: c for c in (VanillaDiffusionConfig, FastDLLMConfig, BlockBatchConfig)}
+
+
+def config_from_dict(data: dict[str, Any]) -> DiffusionGenerationConfig:
+    """Rebuild the right config class from a saved dict (its ``strategy`` field)."""
+    strategy = data.get("strategy")
+    if strategy not in _BY_STRATEGY:
+        raise ValueError(f"Unknown strategy {strategy!r}; expected one of {sorted(_BY_STRATEGY)}.")
+    return _BY_STRATEGY[strategy](**{k: v for k, v in data.items() if k != "transformers_version"})

@@ -1,0 +1,450 @@
+"""The model-agnostic decoding core shared by vanilla, Fast-dLLM and BlockBatch.
+
+Each strategy is a :class:`DecodePlan` (branches, cache mode, transfer rule, policies); this
+module runs any plan on any model that implements the forward contract of
+:mod:`hf_blockbatch.models.base`. One step of the loop:
+
+1. **block step**: one forward over the windows of every active row of every request (packed
+   windows over the cache for ``dual``/``prefix``, a full forward for ``none``), the transfer
+   rule commits tokens, the probability map and EOS hits are updated;
+2. **advance** windows, **merge** and **sync** (BlockBatch), then
+3. **refresh** the rows that are due, in one batched full forward (Fast-dLLM's block-start
+   forward is a refresh with ``refresh_interval = block_length``);
+4. requests that finished leave the batch.
+
+NFE is counted as the paper counts it: every forward call adds one to each request it carries.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hf_blockbatch.attention.metadata import pack_ranges
+from hf_blockbatch.generation import stop as stop_mod
+from hf_blockbatch.generation.blockbatch.merge import merge
+from hf_blockbatch.generation.blockbatch.sync import leaders, sync_to_leader
+from hf_blockbatch.generation.refresh import due_rows
+from hf_blockbatch.generation.state import DecodeState
+from hf_blockbatch.generation.transfer import (
+    factor_rule,
+    quota_rule,
+    quota_schedule,
+    sample_tokens,
+    threshold_rule,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DecodePlan", "DecodeResult", "run_plan"]
+
+
+@dataclass
+class DecodePlan:
+    """Everything the core needs to know about a strategy (built from a generation config)."""
+
+    strategy: str
+    max_new_tokens: int
+    block_sizes: list[int]
+    cache: str = "dual"  # "none" | "prefix" | "dual"
+    threshold: float | None = 0.9
+    factor: float | None = None
+    steps_per_block: int | None = None  # fixed quota
+    temperature: float = 0.0
+    remasking: str = "low_confidence"
+    merge: bool = False
+    merge_threshold: float = 0.5
+    sync: bool = False
+    sync_threshold: int = 8
+    refresh: str = "periodic"
+    refresh_interval: int = 32
+    divergence_threshold: float = 0.1
+    early_stop: bool = False
+    advance_after_full: bool = True
+    prob_map: bool = False  # keep top-k probabilities of every generated position (merge needs it)
+    suppress_logit_ids: list[int] = field(default_factory=list)
+    low_confidence_ids: list[int] = field(default_factory=list)
+    output_trace: bool = False
+
+    @property
+    def top_k(self) -> int:
+        return max(2, math.ceil(1.0 / self.merge_threshold)) if self.merge else 2
+
+
+@dataclass
+class DecodeResult:
+    sequences: torch.Tensor  # [B, L]
+    nfe: torch.Tensor  # [B] long
+    stats: list[dict[str, Any]]
+
+
+class _Run:
+    """One call of :func:`run_plan`: the state and the steps that change it."""
+
+    def __init__(self, model, input_ids, attention_mask, plan: DecodePlan, mask_id, eos_ids, pad_id, generator,
+                 streamer):  # fmt: skip
+        self.model, self.plan, self.generator, self.streamer = model, plan, generator, streamer
+        self.mask_id, self.pad_id = mask_id, pad_id
+        device = input_ids.device
+        self.eos_ids = torch.tensor(eos_ids, device=device, dtype=torch.long)
+        B, Lp = input_ids.shape
+        G = plan.max_new_tokens
+        self.B, self.L, self.gs = B, Lp + G, Lp
+        N = len(plan.block_sizes)
+        self.N = N
+        canvas = torch.cat([input_ids, input_ids.new_full((B, G), mask_id)], dim=1)
+        attn = torch.cat([attention_mask.bool(), attention_mask.new_ones((B, G)).bool()], dim=1)
+        R = B * N
+        rep = torch.arange(B, device=device).repeat_interleave(N)
+        zeros = torch.zeros(R, dtype=torch.long, device=device)
+        k = plan.top_k
+        self.state = DecodeState(
+            canvas=canvas[rep].clone(),
+            attention_mask=attn[rep],
+            request=rep,
+            branch=torch.arange(N, device=device).repeat(B),
+            block=torch.tensor(plan.block_sizes, device=device, dtype=torch.long).repeat(B),
+            win_start=torch.full((R,), Lp, dtype=torch.long, device=device),
+            win_end=torch.full((R,), Lp, dtype=torch.long, device=device),
+            done=torch.zeros(R, dtype=torch.bool, device=device),
+            since_refresh=zeros.clone(),
+            steps_in_block=zeros.clone(),
+            masked_at_block_start=zeros.clone(),
+            prob_p=torch.zeros(R, G, k, device=device) if plan.prob_map else None,
+            prob_ids=torch.full((R, G, k), -1, dtype=torch.long, device=device) if plan.prob_map else None,
+            eos_hit=torch.zeros(R, dtype=torch.bool, device=device),
+            eos_prob=torch.zeros(R, dtype=torch.float64, device=device),
+            committed=zeros.clone(),
+            merged=zeros.clone(),
+            copied=zeros.clone(),
+            syncs=zeros.clone(),
+            refreshes=zeros.clone(),
+            synced_now=torch.zeros(R, dtype=torch.bool, device=device),
+            gen_start=Lp,
+            mask_id=mask_id,
+        )
+        self.state.win_start -= 1  # so the first advance counts as a move and sets the quota
+        self.state.advance()
+        self.state.since_refresh.zero_()
+        self.cache = None
+        if plan.cache != "none":
+            self.cache = model.new_cache(R, self.L, self.state.attention_mask)
+        self.nfe = torch.zeros(B, dtype=torch.long, device=device)
+        self.nfe_block = torch.zeros_like(self.nfe)
+        self.nfe_refresh = torch.zeros_like(self.nfe)
+        self.sequences = canvas.clone()
+        self.by_eos = torch.zeros(B, dtype=torch.bool, device=device)
+        self.stats: list[dict[str, Any]] = [{} for _ in range(B)]
+        self.trace: list[list[dict]] = [[] for _ in range(B)]
+        self.forward_seconds = 0.0
+        self.streamed = 0
+
+    # ------------------------------------------------------------------ forwards
+    def _timed(self, fn, *args, **kwargs):
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.forward_seconds += time.perf_counter() - t
+        return out
+
+    def _count(self, rows: torch.Tensor, counter: torch.Tensor | None) -> None:
+        """One forward call: +1 NFE for every request with at least one row in it."""
+        hit = torch.zeros(self.B, dtype=torch.bool, device=rows.device).index_fill_(0, self.state.request[rows], True)
+        self.nfe += hit
+        if counter is not None:
+            counter += hit
+
+    def _full_forward(self, rows: torch.Tensor, write_cache: bool) -> torch.Tensor:
+        """Full forward over ``rows``; returns the dense logits ``[A, L, V]``."""
+        s = self.state
+        out = self._timed(
+            self.model,
+            s.canvas[rows],
+            attention_mask=s.attention_mask[rows],
+            cache=self.cache if write_cache else None,
+            cache_rows=rows if write_cache else None,
+        )
+        return out.logits
+
+    def _dense_span_logits(self, logits: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, W: int):
+        """Packed logits predicting ``[start, start + length)`` from dense (unshifted) logits."""
+        local, pos, pad_index, pad_valid = pack_ranges(starts, lengths, W)
+        packed = logits[local, pos - self.model.logit_shift]
+        return packed, pos, pad_index, pad_valid
+
+    # ------------------------------------------------------------------ commits
+    def _commit(self, rows, starts, lengths, W, packed_logits, pos, pad_index, pad_valid, phase: str) -> None:
+        """Sample the packed span logits, update the probability map, apply the transfer rule
+        inside each row's window, record EOS hits."""
+        s, plan = self.state, self.plan
+        sampled = sample_tokens(
+            packed_logits, plan.temperature, plan.remasking, plan.top_k, self.generator,
+            self._suppress, self._lowconf,
+        )  # fmt: skip
+        token_rows = rows[torch.arange(rows.shape[0], device=rows.device)[:, None].expand_as(pad_valid)[pad_valid]]
+        if s.prob_p is not None:
+            s.prob_p[token_rows, pos - self.gs] = sampled.top_probs
+            s.prob_ids[token_rows, pos - self.gs] = sampled.top_ids
+        positions = starts[:, None] + torch.arange(W, device=starts.device)[None, :]
+        tokens = sampled.tokens[pad_index]
+        conf = sampled.confidence[pad_index]
+        eos_p = (sampled.top_probs * torch.isin(sampled.top_ids, self.eos_ids)).sum(-1)[pad_index]
+        current = s.canvas[rows].gather(1, positions.clamp(max=self.L - 1))
+        in_win = pad_valid & (positions >= s.win_start[rows, None]) & (positions < s.win_end[rows, None])
+        candidates = in_win & (current == self.mask_id)
+        if plan.threshold is not None:
+            select = threshold_rule(conf, candidates, plan.threshold)
+        elif plan.factor is not None:
+            select = factor_rule(conf, candidates, plan.factor)
+        else:
+            count = quota_schedule(s.masked_at_block_start[rows], plan.steps_per_block, s.steps_in_block[rows])
+            select = quota_rule(conf, candidates, count.clamp_min(1))
+        r_idx = rows[:, None].expand_as(select)
+        s.canvas[r_idx[select], positions[select]] = tokens[select]
+        s.committed.index_add_(0, rows, select.sum(-1))
+        s.steps_in_block[rows] += 1
+        stop_mod.mark_eos(s, rows, positions, pad_valid, eos_p, self.eos_ids)
+        if plan.output_trace:
+            self._trace_commit(rows, positions, select, phase)
+
+    def block_step(self, rows: torch.Tensor) -> None:
+        s, plan = self.state, self.plan
+        starts, ends = s.win_start[rows], s.win_end[rows]
+        lengths = ends - starts
+        W = int(lengths.max())
+        if plan.cache == "none":
+            logits = self._full_forward(rows, write_cache=False)
+            packed, pos, pad_index, pad_valid = self._dense_span_logits(logits, starts, lengths, W)
+        else:
+            q_end = ends if plan.cache == "dual" else torch.full_like(ends, self.L)
+            out = self._timed(self.model.forward_windows, s.canvas, starts, q_end, self.cache, rows=rows)
+            local, pos, pad_index, pad_valid = pack_ranges(starts, lengths, W)
+            packed = out.logits[out.cu_seqlens[:-1].long()[local] + (pos - starts[local])]
+        self._count(rows, self.nfe_block)
+        self._commit(rows, starts, lengths, W, packed, pos, pad_index, pad_valid, "block")
+
+    def full_step(self, rows: torch.Tensor, phase: str) -> None:
+        """A full forward over ``rows`` (the initial forward, or a refresh): rewrite their cache
+        rows, update their probability maps everywhere, commit in their windows."""
+        s, plan = self.state, self.plan
+        logits = self._full_forward(rows, write_cache=self.cache is not None)
+        if plan.prob_map:
+            starts = torch.full_like(rows, self.gs)
+            lengths = torch.full_like(rows, self.L - self.gs)
+        else:
+            starts, lengths = s.win_start[rows], (s.win_end[rows] - s.win_start[rows]).clamp_min(1)
+        W = int(lengths.max())
+        packed, pos, pad_index, pad_valid = self._dense_span_logits(logits, starts, lengths, W)
+        self._count(rows, self.nfe_refresh if phase == "refresh" else None)
+        s.refreshes.index_add_(0, rows, torch.ones_like(rows))
+        s.since_refresh[rows] = 0
+        self._commit(rows, starts, lengths, W, packed, pos, pad_index, pad_valid, phase)
+
+    def initial_step(self) -> None:
+        """One full forward per request (not per branch): K/V broadcast to every branch's row."""
+        s = self.state
+        first = torch.arange(0, s.num_rows, self.N, device=s.canvas.device)
+        if self.N == 1:
+            self.full_step(first, "init")
+            return
+        # run on one row per request, then broadcast cache rows; commit on every row
+        logits = self._full_forward(first, write_cache=self.cache is not None)
+        if self.cache is not None:
+            others = torch.arange(s.num_rows, device=first.device)
+            self.cache.copy_rows(others - others % self.N, others)
+        rows = torch.arange(s.num_rows, device=first.device)
+        logits = logits.repeat_interleave(self.N, dim=0)
+        if self.plan.prob_map:
+            starts, lengths = torch.full_like(rows, self.gs), torch.full_like(rows, self.L - self.gs)
+        else:
+            starts, lengths = s.win_start, s.win_end - s.win_start
+        W = int(lengths.max())
+        packed, pos, pad_index, pad_valid = self._dense_span_logits(logits, starts, lengths, W)
+        self._count(first, None)
+        s.refreshes += 1
+        self._commit(rows, starts, lengths, W, packed, pos, pad_index, pad_valid, "init")
+
+    # ------------------------------------------------------------------ policy
+    def after_commit(self, full: bool) -> None:
+        s, plan = self.state, self.plan
+        if not full or plan.advance_after_full:
+            s.advance()
+        s.synced_now = torch.zeros_like(s.done)
+        if plan.merge and self.N > 1:
+            merged = merge(s, plan.merge_threshold)
+            if plan.output_trace:
+                self._trace_positions(merged, "merge")
+            s.advance()
+        if plan.sync and self.N > 1:
+            synced = sync_to_leader(s, self.cache, plan.sync_threshold)
+            if plan.output_trace:
+                self._trace_sync(synced)
+
+    def refresh(self) -> None:
+        due = due_rows(self.state, self.plan.refresh, self.plan.refresh_interval, self.cache,
+                       self.plan.divergence_threshold)  # fmt: skip
+        rows = due.nonzero().squeeze(1)
+        if rows.numel():
+            self.full_step(rows, "refresh")
+            if self.plan.advance_after_full:
+                self.state.advance()
+
+    def finish(self) -> bool:
+        """Move finished requests out of the batch; True when none is left."""
+        s = self.state
+        finished = stop_mod.finished_requests(s, self.B, self.plan.early_stop)
+        if not bool(finished.any()):
+            return False
+        winner, by_eos = stop_mod.pick_winners(s, finished, self.plan.early_stop)
+        req = finished.nonzero().squeeze(1)
+        rows = winner[req]
+        out = s.canvas[rows]
+        eos_req = by_eos[req]
+        if bool(eos_req.any()):
+            filled = stop_mod.fill_after_eos(out, self.gs, self.mask_id, self.pad_id)
+            out = torch.where(eos_req[:, None], filled, out)
+        self.sequences[req] = out
+        self.by_eos[req] = eos_req
+        self._record_stats(req, rows, eos_req)
+        keep = (~finished[s.request]).nonzero().squeeze(1)
+        s.select(keep)
+        if self.cache is not None and keep.numel():
+            self.cache.keep_rows(keep)
+        return keep.numel() == 0
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _record_stats(self, req: torch.Tensor, winners: torch.Tensor, by_eos: torch.Tensor) -> None:
+        s = self.state
+        decoded = s.decoded()
+        cols = {
+            "request": s.request, "branch": s.branch, "block": s.block, "committed": s.committed,
+            "merged": s.merged, "copied": s.copied, "syncs": s.syncs, "refreshes": s.refreshes, "decoded": decoded,
+        }  # fmt: skip
+        host = {k: v.tolist() for k, v in cols.items()}
+        for r_i, w, e in zip(req.tolist(), winners.tolist(), by_eos.tolist()):
+            branches = [
+                {k: host[k][i] for k in ("block", "committed", "merged", "copied", "syncs", "refreshes", "decoded")}
+                for i in range(len(host["request"]))
+                if host["request"][i] == r_i
+            ]
+            for b in branches:
+                b["block_size"] = b.pop("block")
+            self.stats[r_i] = {
+                "strategy": self.plan.strategy,
+                "winner_block_size": host["block"][w],
+                "winner_branch": host["branch"][w],
+                "stopped_by": "eos" if e else "complete",
+                "nfe": int(self.nfe[r_i]),
+                "nfe_block": int(self.nfe_block[r_i]),
+                "nfe_refresh": int(self.nfe_refresh[r_i]),
+                "syncs": sum(b["syncs"] for b in branches),
+                "merged": sum(b["merged"] for b in branches),
+                "branches": branches,
+            }
+            if self.plan.output_trace:
+                self.stats[r_i]["trace"] = self.trace[r_i]
+
+    def _trace_commit(self, rows, positions, select, phase) -> None:
+        s = self.state
+        req, br = s.request[rows].tolist(), s.branch[rows].tolist()
+        ws, we = s.win_start[rows].tolist(), s.win_end[rows].tolist()
+        for i, (r, b) in enumerate(zip(req, br)):
+            committed = (positions[i][select[i]] - self.gs).tolist()
+            self.trace[r].append({"step": int(self.nfe[r]), "phase": phase, "branch": b,
+                                  "window": [ws[i] - self.gs, we[i] - self.gs], "committed": committed})  # fmt: skip
+
+    def _trace_positions(self, taken: torch.Tensor, phase: str) -> None:
+        s = self.state
+        for i in taken.any(-1).nonzero().squeeze(1).tolist():
+            r = int(s.request[i])
+            self.trace[r].append({"step": int(self.nfe[r]), "phase": phase, "branch": int(s.branch[i]),
+                                  "positions": taken[i].nonzero().squeeze(1).tolist()})  # fmt: skip
+
+    def _trace_sync(self, synced: torch.Tensor) -> None:
+        s = self.state
+        leader, _ = leaders(s)
+        for i in synced.nonzero().squeeze(1).tolist():
+            r = int(s.request[i])
+            self.trace[r].append({"step": int(self.nfe[r]), "phase": "sync", "branch": int(s.branch[i]),
+                                  "leader": int(s.branch[leader[i]])})  # fmt: skip
+
+    def stream(self, final: bool = False) -> None:
+        """Send request 0's newly agreed left-to-right prefix to the streamer."""
+        if self.streamer is None:
+            return
+        s = self.state
+        if final:
+            gen = self.sequences[0, self.gs :]
+            stop = torch.isin(gen, self.eos_ids) | (gen == self.mask_id)
+            n = int(stop.float().argmax()) if bool(stop.any()) else gen.shape[0]
+        else:
+            rows = (s.request == 0).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                return
+            gen = s.canvas[rows, self.gs :]
+            agree = (gen != self.mask_id).all(0) & (gen == gen[:1]).all(0) & ~torch.isin(gen[0], self.eos_ids)
+            n = int((~agree).float().argmax()) if bool((~agree).any()) else agree.shape[0]
+            gen = gen[0]
+        if n > self.streamed:
+            self.streamer.put(gen[self.streamed : n].cpu())
+            self.streamed = n
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> DecodeResult:
+        plan = self.plan
+        self._suppress = torch.tensor(plan.suppress_logit_ids, device=self.state.canvas.device) if plan.suppress_logit_ids else None
+        self._lowconf = torch.tensor(plan.low_confidence_ids, device=self.state.canvas.device) if plan.low_confidence_ids else None
+        t0 = time.perf_counter()
+        self.initial_step()
+        self.after_commit(full=True)
+        self.refresh()
+        self.stream()
+        guard = 4 * plan.max_new_tokens + 16
+        finished = self.finish()
+        while not finished:
+            guard -= 1
+            if guard < 0:
+                raise RuntimeError("Decoding made no progress; this is a bug in hf-blockbatch, please report it.")
+            rows = (~self.state.done).nonzero().squeeze(1)
+            if rows.numel():
+                self.block_step(rows)
+                self.after_commit(full=False)
+                self.refresh()
+                self.stream()
+            finished = self.finish()
+        self.stream(final=True)
+        if self.streamer is not None:
+            self.streamer.end()
+        total = time.perf_counter() - t0
+        for st in self.stats:
+            st["seconds"] = total
+            st["forward_seconds"] = self.forward_seconds
+        return DecodeResult(self.sequences, self.nfe, self.stats)
+
+
+@torch.no_grad()
+def run_plan(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    plan: DecodePlan,
+    mask_id: int,
+    eos_ids: list[int],
+    pad_id: int,
+    generator: torch.Generator | None = None,
+    streamer=None,
+) -> DecodeResult:
+    """Decode ``plan.max_new_tokens`` new tokens for every row of ``input_ids`` (left-padded)."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if streamer is not None:
+        streamer.put(input_ids[0][attention_mask[0].bool()].cpu())
+    return _Run(model, input_ids, attention_mask, plan, mask_id, eos_ids, pad_id, generator, streamer).run()

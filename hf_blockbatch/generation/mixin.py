@@ -1,0 +1,126 @@
+"""``model.generate`` for masked-diffusion models: dispatch on the generation config.
+
+:class:`BlockBatchGenerationMixin` is inherited by our LLaDA and Dream classes, as transformers'
+own models inherit ``GenerationMixin``. :func:`diffusion_generate` is the same entry point as a
+plain function, so the strategies run on any masked-diffusion model that implements the forward
+contract of :mod:`hf_blockbatch.models.base` (``forward`` with a ``BranchCache``,
+``forward_windows``, ``new_cache``, ``logit_shift``): pass it as ``custom_generate`` or call it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+
+from hf_blockbatch.generation.configs import BlockBatchConfig, DiffusionGenerationConfig
+from hf_blockbatch.generation.engine import run_plan
+from hf_blockbatch.generation.outputs import DiffusionGenerateOutput
+from hf_blockbatch.generation.plans import plan_from_config
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BlockBatchGenerationMixin", "diffusion_generate"]
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def _resolve_config(model, generation_config, kwargs) -> DiffusionGenerationConfig:
+    cfg = generation_config
+    if cfg is None:
+        own = getattr(model, "generation_config", None)
+        cfg = own if isinstance(own, DiffusionGenerationConfig) else BlockBatchConfig()
+    if not isinstance(cfg, DiffusionGenerationConfig):
+        raise TypeError(
+            f"generation_config must be a VanillaDiffusionConfig, FastDLLMConfig or BlockBatchConfig, got "
+            f"{type(cfg).__name__}: masked-diffusion models do not decode left to right."
+        )
+    cfg = copy.deepcopy(cfg)
+    for key, value in kwargs.items():
+        if not hasattr(cfg, key):
+            raise TypeError(f"Unknown generation option {key!r} for {type(cfg).__name__}.")
+        setattr(cfg, key, value)
+    cfg.validate()
+    return cfg
+
+
+@torch.no_grad()
+def diffusion_generate(
+    model,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None = None,
+    generation_config: DiffusionGenerationConfig | None = None,
+    streamer=None,
+    generator: torch.Generator | None = None,
+    return_dict_in_generate: bool | None = None,
+    **kwargs: Any,
+) -> torch.LongTensor | DiffusionGenerateOutput:
+    """Decode with vanilla, Fast-dLLM or BlockBatch, chosen by the config's class.
+
+    Args:
+        input_ids: ``[B, Lp]`` prompts, left-padded when of different lengths.
+        attention_mask: ``[B, Lp]``, 0 on left padding; required when prompts are padded.
+        generation_config: the strategy and its settings (default: the model's, else BlockBatch).
+        streamer: a transformers streamer (``put``/``end``); receives request 0's text as its
+            agreed left-to-right prefix grows.
+        generator: a ``torch.Generator`` for sampling (temperature > 0, random remasking).
+        kwargs: overrides of config fields, e.g. ``max_new_tokens=64``.
+    Returns:
+        prompt + new tokens ``[B, Lp + max_new_tokens]``, or a :class:`DiffusionGenerateOutput`.
+    """
+    cfg = _resolve_config(model, generation_config, kwargs)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise ValueError("input_ids must be a LongTensor of shape [batch, prompt_length].")
+    if input_ids.shape[1] == 0:
+        raise ValueError("The prompt is empty: a masked-diffusion model needs at least one prompt token.")
+    config = model.config
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else getattr(config, "mask_token_id", None)
+    if mask_id is None:
+        raise ValueError(
+            "This model's config has no mask_token_id: set generation_config.mask_token_id to the id of the "
+            "[MASK] token the model was trained with."
+        )
+    limit = getattr(config, "context_length", None)
+    total = input_ids.shape[1] + cfg.max_new_tokens
+    if limit and total > limit:
+        raise ValueError(
+            f"Prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({cfg.max_new_tokens}) = {total} exceeds the "
+            f"model's context of {limit} positions: shorten the prompt or lower max_new_tokens."
+        )
+    eos_ids = _as_list(cfg.eos_token_id) or _as_list(getattr(config, "eos_token_id", None))
+    if not eos_ids:
+        raise ValueError("No eos_token_id in the generation config or the model config: set one.")
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else getattr(config, "pad_token_id", None)
+    pad_id = eos_ids[0] if pad_id is None else int(pad_id)
+    device = model.device
+    input_ids = input_ids.to(device)
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}.")
+        am = attention_mask.bool()
+        if bool((am[:, 1:] < am[:, :-1]).any()):
+            raise ValueError("Prompts must be left-padded (tokenizer.padding_side = 'left').")
+    plan = plan_from_config(cfg, eos_ids, _as_list(getattr(config, "eot_token_id", None)))
+    logger.debug("diffusion_generate: %s", plan)
+    result = run_plan(model, input_ids, attention_mask, plan, int(mask_id), eos_ids, pad_id, generator, streamer)
+    return_dict = cfg.return_dict_in_generate if return_dict_in_generate is None else return_dict_in_generate
+    if return_dict:
+        return DiffusionGenerateOutput(sequences=result.sequences, nfe=result.nfe, stats=result.stats)
+    return result.sequences
+
+
+class BlockBatchGenerationMixin:
+    """Gives a masked-diffusion model ``generate`` with the three strategies of this package."""
+
+    def generate(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **kwargs: Any):
+        return diffusion_generate(self, input_ids, attention_mask, **kwargs)
+
+    def can_generate(self) -> bool:  # transformers asks before loading a generation config
+        return True

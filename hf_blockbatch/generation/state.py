@@ -1,0 +1,95 @@
+"""The rows of a decoding batch, as tensors.
+
+A row is one branch of one request (Fast-dLLM and vanilla have one branch per request;
+BlockBatch one per block size). Every per-row quantity is a tensor of shape ``[R]`` or
+``[R, ...]``, so the policy (transfer, advance, merge, sync, refresh, stop) is a handful of
+tensor operations per step, never a Python loop over rows or positions.
+
+Derived quantities are not stored: a row's decoded count is the number of non-mask tokens in its
+generated region, its window is the block of its own size that holds its first mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+__all__ = ["DecodeState"]
+
+
+@dataclass
+class DecodeState:
+    canvas: torch.Tensor  # [R, L] prompt (left-padded) + generated region
+    attention_mask: torch.Tensor  # [R, L] bool, False on left padding
+    request: torch.Tensor  # [R] index of the row's request in the caller's batch
+    branch: torch.Tensor  # [R] branch index within the request
+    block: torch.Tensor  # [R] block size of the row
+    win_start: torch.Tensor  # [R] current window [win_start, win_end)
+    win_end: torch.Tensor  # [R]
+    done: torch.Tensor  # [R] bool: no mask left
+    since_refresh: torch.Tensor  # [R] generated tokens the window advanced since the last full forward
+    steps_in_block: torch.Tensor  # [R] commits since the window moved (fixed-quota schedule)
+    masked_at_block_start: torch.Tensor  # [R] masks in the window when it moved (fixed quota)
+    prob_p: torch.Tensor | None  # [R, G, k] probability map: top-k probabilities per generated position
+    prob_ids: torch.Tensor | None  # [R, G, k] and their token ids
+    eos_hit: torch.Tensor  # [R] bool: a fully decoded window holding EOS
+    eos_prob: torch.Tensor  # [R] probability of that EOS (to pick the winner)
+    committed: torch.Tensor  # [R] tokens committed by the transfer rule
+    merged: torch.Tensor  # [R] tokens committed by merging
+    copied: torch.Tensor  # [R] tokens gained by syncing to the leader
+    syncs: torch.Tensor  # [R] times this row was synced
+    refreshes: torch.Tensor  # [R] full forwards that refreshed this row
+    synced_now: torch.Tensor  # [R] bool: synced in this step (no refresh right after a sync)
+    gen_start: int
+    mask_id: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.canvas.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.canvas.shape[1]
+
+    def decoded(self) -> torch.Tensor:
+        """[R] non-mask tokens in each row's generated region."""
+        return (self.canvas[:, self.gen_start :] != self.mask_id).sum(-1)
+
+    def advance(self) -> torch.Tensor:
+        """Move every row's window to the block (of its own size) holding its first mask; rows
+        with no mask left are done. Returns the [R] bool of rows whose window moved."""
+        gs, L = self.gen_start, self.length
+        masks = self.canvas[:, gs:] == self.mask_id
+        has_mask = masks.any(-1)
+        first = masks.float().argmax(-1)
+        start = gs + torch.div(first, self.block, rounding_mode="floor") * self.block
+        start = torch.where(has_mask, start, torch.full_like(start, L))
+        end = torch.minimum(start + self.block, torch.full_like(start, L))
+        moved = start != self.win_start
+        self.since_refresh += torch.where(moved, (start - self.win_start).clamp_min(0), 0)
+        window_masks = self.window_mask_count(start, end)
+        self.masked_at_block_start = torch.where(moved, window_masks, self.masked_at_block_start)
+        self.steps_in_block = torch.where(moved, torch.zeros_like(self.steps_in_block), self.steps_in_block)
+        self.win_start, self.win_end = start, end
+        self.done = ~has_mask
+        return moved
+
+    def window_mask_count(self, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(self.length, device=self.canvas.device)
+        inside = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
+        return ((self.canvas == self.mask_id) & inside).sum(-1)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (drop finished requests)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                setattr(self, f.name, value.index_select(0, rows))
+
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor, names: tuple[str, ...]) -> None:
+        """``row[dst] = row[src]`` for the named per-row tensors (leader sync)."""
+        for name in names:
+            value = getattr(self, name)
+            if value is not None:
+                value.index_copy_(0, dst, value.index_select(0, src))

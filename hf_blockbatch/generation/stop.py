@@ -1,0 +1,85 @@
+"""When a request ends, and which branch's canvas is its answer.
+
+A row *hits EOS* when its current window is fully decoded and holds an end-of-sequence token.
+With early stop on, the first such hit ends the request and, among the request's hitting rows,
+the one most confident in its EOS wins. Otherwise a request ends when every row is done, and the
+row with the most decoded tokens (lowest branch index on ties) wins.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_blockbatch.generation.state import DecodeState
+
+__all__ = ["mark_eos", "finished_requests", "pick_winners", "fill_after_eos"]
+
+
+def mark_eos(
+    state: DecodeState,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    eos_probs: torch.Tensor,
+    eos_ids: torch.Tensor,
+) -> None:
+    """Record EOS hits for ``rows`` after a commit.
+
+    ``positions``/``valid`` ``[A, W]`` cover each row's window (and possibly more); ``eos_probs``
+    ``[A, W]`` is this step's probability of EOS at each slot.
+    """
+    ws, we = state.win_start[rows, None], state.win_end[rows, None]
+    in_win = valid & (positions >= ws) & (positions < we)
+    tokens = state.canvas[rows].gather(1, positions.clamp(max=state.length - 1))
+    complete = ~((tokens == state.mask_id) & in_win).any(-1)
+    is_eos = torch.isin(tokens, eos_ids) & in_win
+    hit = complete & is_eos.any(-1) & ~state.done[rows]
+    first = is_eos.float().argmax(-1, keepdim=True)
+    prob = eos_probs.gather(1, first).squeeze(1).to(state.eos_prob.dtype)
+    state.eos_prob[rows] = torch.where(hit & ~state.eos_hit[rows], prob, state.eos_prob[rows])
+    state.eos_hit[rows] |= hit
+
+
+def finished_requests(state: DecodeState, num_requests: int, early_stop: bool) -> torch.Tensor:
+    """[B] bool over the caller's batch: requests that end now (rows of absent requests: False)."""
+    all_done = torch.ones(num_requests, dtype=torch.bool, device=state.canvas.device)
+    all_done.scatter_reduce_(0, state.request, state.done, reduce="amin")
+    present = torch.zeros_like(all_done).index_fill_(0, state.request, True)
+    finished = all_done & present
+    if early_stop:
+        eos = torch.zeros_like(all_done).scatter_reduce_(0, state.request, state.eos_hit, reduce="amax")
+        finished |= eos
+    return finished
+
+
+def pick_winners(state: DecodeState, finished: torch.Tensor, early_stop: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the rows of finished requests: the winning row index per request and whether it won by EOS.
+
+    Returns ``(winner_row [B], by_eos [B])``; entries of unfinished requests are meaningless.
+    """
+    R = state.num_rows
+    B = finished.shape[0]
+    idx = torch.arange(R, device=state.canvas.device)
+    # score: EOS hitters first (by EOS probability), then most decoded, then lowest row index
+    decoded = state.decoded().double()
+    eos_key = torch.where(state.eos_hit, 1.0 + state.eos_prob.double(), torch.zeros_like(decoded))
+    if not early_stop:
+        eos_key = torch.zeros_like(eos_key)
+    score = eos_key * 1e9 + decoded * (R + 1) + (R - idx).double()
+    best = torch.full((B,), -1.0, dtype=torch.float64, device=score.device)
+    best.scatter_reduce_(0, state.request, score, reduce="amax")
+    is_best = score == best[state.request]
+    winner = torch.full((B,), R, dtype=torch.long, device=score.device)
+    winner.scatter_reduce_(0, state.request, torch.where(is_best, idx, torch.full_like(idx, R)), reduce="amin")
+    winner = winner.clamp(max=R - 1)
+    by_eos = state.eos_hit[winner] & early_stop
+    return winner, by_eos
+
+
+def fill_after_eos(canvas: torch.Tensor, gen_start: int, mask_id: int, pad_id: int) -> torch.Tensor:
+    """Positions still masked when a request stopped at EOS become padding (EOS), as the model
+    itself fills the tail; positions before the EOS are never masked (windows move left to right)."""
+    out = canvas.clone()
+    gen = out[:, gen_start:]
+    gen.masked_fill_(gen == mask_id, pad_id)
+    return out

@@ -1,0 +1,117 @@
+"""What a step commits: token sampling and the transfer rules, on whole tensors.
+
+Sampling works on packed logits ``[T, V]`` (only the window positions a step needs, never the
+whole canvas); the rules work on padded ``[A, W]`` confidences with a mask of candidate slots
+(masked positions inside the row's window). Nothing here loops over rows or positions.
+
+Rules (see ``shared/docs/BLOCKBATCH.md``):
+
+* threshold τ: commit every candidate with confidence ≥ τ, and always the single most confident;
+* factor f: sort by confidence, commit the largest n with (n + 1)(1 − c_n) < f, at least one;
+* quota k: commit the k most confident (LLaDA's fixed schedule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Sampled", "sample_tokens", "threshold_rule", "factor_rule", "quota_rule", "quota_schedule"]
+
+
+@dataclass
+class Sampled:
+    """Per packed position: the proposed token, its confidence, and the top-k probabilities that
+    the probability map keeps (for merging and EOS confidence)."""
+
+    tokens: torch.Tensor  # [T] long
+    confidence: torch.Tensor  # [T] float64
+    top_probs: torch.Tensor  # [T, k] float32
+    top_ids: torch.Tensor  # [T, k] long
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: float,
+    remasking: str,
+    top_k: int,
+    generator: torch.Generator | None = None,
+    suppress_logit_ids: torch.Tensor | None = None,
+    low_confidence_ids: torch.Tensor | None = None,
+) -> Sampled:
+    """Propose a token for every packed position.
+
+    Greedy at temperature 0; otherwise Gumbel-max on float64 logits (LLaDA's
+    ``exp(logits) / (-log u)^T``), since low-precision Gumbel noise hurts masked diffusion. The
+    confidence is the float64 softmax probability of the proposed token (``low_confidence``) or a
+    uniform random number (``random`` remasking).
+    """
+    logits = logits.double()
+    if suppress_logit_ids is not None:
+        logits = logits.index_fill(-1, suppress_logit_ids, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if temperature > 0:
+        noise = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+        tokens = torch.argmax(logits.exp() / (-torch.log(noise)) ** temperature, dim=-1)
+    else:
+        tokens = torch.argmax(logits, dim=-1)
+    if remasking == "random":
+        confidence = torch.rand(tokens.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    else:
+        confidence = probs.gather(-1, tokens[:, None]).squeeze(-1)
+    if low_confidence_ids is not None:
+        hit = torch.isin(tokens, low_confidence_ids)
+        confidence = confidence.masked_fill(hit, float("-inf"))
+    k = min(top_k, probs.shape[-1])
+    top_probs, top_ids = probs.topk(k, dim=-1)
+    return Sampled(tokens, confidence, top_probs.float(), top_ids)
+
+
+def _masked_conf(confidence: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Non-candidates to -inf; candidates kept finite (a suppressed -inf confidence becomes the
+    lowest finite value) so that a row with candidates always has a best one: progress is
+    guaranteed, a step can never commit nothing while masks remain."""
+    finite = confidence.clamp_min(torch.finfo(confidence.dtype).min)
+    return torch.where(candidates, finite, torch.full_like(confidence, float("-inf")))
+
+
+def _force_best(select: torch.Tensor, confidence: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Add each row's single most confident candidate (rows without candidates are untouched)."""
+    best = _masked_conf(confidence, candidates).argmax(dim=-1, keepdim=True)
+    forced = torch.zeros_like(select).scatter_(-1, best, True) & candidates
+    return select | forced
+
+
+def threshold_rule(confidence: torch.Tensor, candidates: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Commit candidates with confidence ≥ threshold, and at least the most confident one."""
+    return _force_best(candidates & (confidence >= threshold), confidence, candidates)
+
+
+def factor_rule(confidence: torch.Tensor, candidates: torch.Tensor, factor: float) -> torch.Tensor:
+    """Commit the n most confident candidates, n the largest with (n + 1)(1 − c_n) < factor (≥ 1)."""
+    sorted_conf, order = _masked_conf(confidence, candidates).sort(dim=-1, descending=True)
+    n = torch.arange(1, confidence.shape[-1] + 1, device=confidence.device)
+    ok = ((n + 1) * (1 - sorted_conf) < factor) & torch.isfinite(sorted_conf)
+    count = torch.where(ok, n, torch.zeros_like(n)).amax(dim=-1).clamp_min(1)
+    return quota_rule(confidence, candidates, count, order=order)
+
+
+def quota_rule(
+    confidence: torch.Tensor,
+    candidates: torch.Tensor,
+    count: torch.Tensor,
+    order: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Commit the ``count[a]`` most confident candidates of each row (never a non-candidate)."""
+    if order is None:
+        order = _masked_conf(confidence, candidates).sort(dim=-1, descending=True).indices
+    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return candidates & (ranks < count[:, None])
+
+
+def quota_schedule(masked_at_block_start: torch.Tensor, steps_per_block: int, step: torch.Tensor) -> torch.Tensor:
+    """LLaDA's even schedule: ``n`` masked tokens over ``s`` steps gives ``n // s`` per step plus one
+    more in the first ``n % s`` steps (as its ``get_num_transfer_tokens``)."""
+    base = masked_at_block_start // steps_per_block
+    return base + (step < masked_at_block_start % steps_per_block).long()
