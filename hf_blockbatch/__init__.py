@@ -18,6 +18,7 @@ from hf_blockbatch.generation import (
     VanillaDiffusionConfig,
     diffusion_generate,
 )
+from hf_blockbatch.hub import TINY_DREAM, TINY_LLADA, load_model
 from hf_blockbatch.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM
 
 __version__ = "0.1.0"
@@ -43,7 +44,10 @@ __all__ = [
     "FastDLLMConfig",
     "LLaDAConfig",
     "LLaDAModelLM",
+    "TINY_DREAM",
+    "TINY_LLADA",
     "VanillaDiffusionConfig",
     "__version__",
     "diffusion_generate",
+    "load_model",
 ]
