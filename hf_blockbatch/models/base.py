@@ -151,19 +151,10 @@ class DiffusionLMMixin:
             cache = past_key_values
         self._check_ids(input_ids)
         B, L = input_ids.shape
-        key_mask = None
         if attention_mask is not None:
             attention_mask = attention_mask.to(input_ids.device).bool()
             if attention_mask.shape != (B, L):
                 raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, L)}.")
-            if not bool(attention_mask.all()):
-                key_mask = attention_mask
-        if position_ids is None:
-            position_ids = (
-                (key_mask.long().cumsum(-1) - 1).clamp_min(0)
-                if key_mask is not None
-                else torch.arange(L, device=input_ids.device).expand(B, L)
-            )
         if use_cache and cache is None:
             cache = self.new_cache(B, L, attention_mask)
         if cache is not None:
@@ -176,6 +167,27 @@ class DiffusionLMMixin:
                 raise ValueError(
                     f"The cache has {cache.num_rows} rows but input_ids has {B}; pass cache_rows to fill a subset."
                 )
+            # The cache's padding mask is the one its K/V, RoPE positions and later window forwards
+            # follow: a full forward into it must use the same one (it is the default).
+            if attention_mask is None:
+                if cache.has_padding:
+                    attention_mask = cache.key_mask if cache_rows is None else cache.key_mask[cache_rows]
+            else:
+                cache_mask = cache.key_mask if cache_rows is None else cache.key_mask[cache_rows]
+                if not torch.equal(attention_mask, cache_mask):
+                    raise ValueError(
+                        "attention_mask differs from the padding mask of the cache (rows cache_rows): build the "
+                        "cache with model.new_cache(rows, length, attention_mask=...), or pass use_cache=True."
+                    )
+        key_mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            key_mask = attention_mask
+        if position_ids is None:
+            position_ids = (
+                (key_mask.long().cumsum(-1) - 1).clamp_min(0)
+                if key_mask is not None
+                else torch.arange(L, device=input_ids.device).expand(B, L)
+            )
         hidden = self._embed(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim_, self.config.rope_theta)
         ctx = ForwardContext(

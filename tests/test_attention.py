@@ -1,0 +1,148 @@
+"""Attention backends and window metadata, checked against explicit float32 attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_blockbatch as hb
+from hf_blockbatch.attention import BACKENDS, available_backends, build_window_batch, get_backend
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+CASES = [(d, b) for d in DEVICES for b in available_backends(torch.device(d), torch.float32)]
+IDS = [f"{d}-{b}" for d, b in CASES]
+R, L, HQ, HKV, D = 4, 12, 4, 2, 8
+
+
+def brute_force_window(q, k_cache, v_cache, rows, starts, lengths, key_mask, scale) -> torch.Tensor:
+    """Per row, per query: softmax over the row's valid keys, in float64, no batching tricks."""
+    out, t = torch.empty_like(q), 0
+    groups = q.shape[1] // k_cache.shape[2]
+    for r, n in zip(rows.tolist(), lengths.tolist()):
+        k = k_cache[r].double().repeat_interleave(groups, dim=1)  # [L, H, D]
+        v = v_cache[r].double().repeat_interleave(groups, dim=1)
+        valid = key_mask[r]
+        for _ in range(n):
+            scores = torch.einsum("hd,lhd->hl", q[t].double(), k[valid]) * scale
+            out[t] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v[valid]).to(q.dtype)
+            t += 1
+    return out
+
+
+def setup(device: str, pads: list[int], seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(R, L, dtype=torch.long)
+    for r, p in enumerate(pads):
+        mask[r, :p] = 0
+    cache = hb.BranchCache(1, R, L, HKV, D, device=device, attention_mask=mask.to(device))
+    cache.layers[0].keys.copy_(torch.randn(R, L, HKV, D, generator=g) * 2)
+    cache.layers[0].values.copy_(torch.randn(R, L, HKV, D, generator=g))
+    return cache, g
+
+
+@pytest.mark.parametrize(("device", "backend"), CASES, ids=IDS)
+@pytest.mark.parametrize("pads", [[0, 0, 0, 0], [0, 3, 1, 5]], ids=["unpadded", "left-padded"])
+@pytest.mark.parametrize(
+    ("rows", "starts", "ends"),
+    [
+        (None, [0, 5, 11, 2], [12, 9, 12, 3]),  # whole canvas, block, last position, one token
+        ([1, 3], [4, 6], [8, 12]),  # a subset of rows
+        ([2], [7], [8]),
+    ],
+    ids=["all-rows", "subset", "single"],
+)
+def test_window_backend_matches_brute_force(device, backend, pads, rows, starts, ends) -> None:
+    cache, g = setup(device, pads)
+    wb = build_window_batch(cache, torch.tensor(starts), torch.tensor(ends), None if rows is None else torch.tensor(rows))
+    q = (torch.randn(wb.num_tokens, HQ, D, generator=g) * 2).to(device)
+    scale = D**-0.5
+    got = get_backend(backend, device, torch.float32).window(
+        q, cache.layers[0].keys, cache.layers[0].values, wb, scale
+    )
+    ref = brute_force_window(
+        q, cache.layers[0].keys, cache.layers[0].values, wb.rows, wb.starts, wb.lengths, cache.key_mask, scale
+    )
+    assert got.shape == (wb.num_tokens, HQ, D)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("device", "backend"), CASES, ids=IDS)
+@pytest.mark.parametrize("padded", [False, True])
+def test_dense_backend_matches_brute_force(device, backend, padded) -> None:
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(R, L, HQ, D, generator=g).to(device)
+    k = torch.randn(R, L, HKV, D, generator=g).to(device)
+    v = torch.randn(R, L, HKV, D, generator=g).to(device)
+    key_mask = None
+    if padded:
+        key_mask = torch.ones(R, L, dtype=torch.bool, device=device)
+        key_mask[1, :4] = False
+        key_mask[3, :1] = False
+    got = get_backend(backend, device, torch.float32).dense(q, k, v, key_mask, D**-0.5)
+    mask = key_mask if key_mask is not None else torch.ones(R, L, dtype=torch.bool, device=device)
+    rows, starts, lengths = torch.arange(R), torch.zeros(R, dtype=torch.long), torch.full((R,), L)
+    ref = brute_force_window(q.reshape(R * L, HQ, D), k, v, rows, starts, lengths, mask, D**-0.5)
+    # padded queries are computed too (their outputs are never used, but must not be NaN)
+    torch.testing.assert_close(got.reshape(R * L, HQ, D), ref, atol=1e-5, rtol=0)
+
+
+def test_window_batch_metadata() -> None:
+    cache = hb.BranchCache(1, 3, 6, 1, 2, attention_mask=torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1], [1] * 6]))
+    wb = build_window_batch(cache, torch.tensor([1, 4]), torch.tensor([4, 5]), torch.tensor([0, 1]))
+    assert wb.rows.tolist() == [0, 1] and not wb.all_rows
+    assert wb.token_rows.tolist() == [0, 0, 0, 1]
+    assert wb.token_pos.tolist() == [1, 2, 3, 4]
+    assert wb.flat_slots.tolist() == [1, 2, 3, 6 + 4]
+    assert wb.rope_pos.tolist() == [1, 2, 3, 2]  # row 1 has 2 padding slots: position 4 is its 3rd token
+    assert wb.cu_seqlens.tolist() == [0, 3, 4] and wb.cu_seqlens.dtype == torch.int32
+    assert wb.max_len == 3
+    assert wb.pad_valid.tolist() == [[True, True, True], [True, False, False]]
+    assert wb.pad_index[wb.pad_valid].tolist() == [0, 1, 2, 3]
+    assert wb.key_mask.tolist() == [[True] * 6, [False, False] + [True] * 4]
+    assert wb.row_valid.tolist() == [6, 4, 6]
+    wb.ensure_segments()  # two key segments per cache row: padding (no queries), then tokens
+    assert wb.seg_cu_k.tolist() == [0, 0, 6, 8, 12, 12, 18]
+    assert wb.seg_cu_q.tolist() == [0, 0, 3, 3, 4, 4, 4]
+    # all rows, in order, given explicitly: recognised as all rows
+    assert build_window_batch(cache, torch.tensor([0, 0, 0]), torch.tensor([1, 1, 1]), torch.arange(3)).all_rows
+    # no padding anywhere: no mask to apply
+    assert build_window_batch(hb.BranchCache(1, 2, 4, 1, 2), torch.tensor([0, 1]), torch.tensor([2, 4])).key_mask is None
+
+
+def test_window_batch_errors() -> None:
+    cache = hb.BranchCache(1, 3, 6, 1, 2)
+    t = torch.tensor
+    with pytest.raises(ValueError, match=r"0 <= start < end <= 6"):
+        build_window_batch(cache, t([0, 1, 2]), t([1, 2, 7]))
+    with pytest.raises(ValueError, match=r"0 <= start < end <= 6"):
+        build_window_batch(cache, t([0, 2, 2]), t([1, 2, 3]))
+    with pytest.raises(ValueError, match="one \\[start, end\\) window per row"):
+        build_window_batch(cache, t([0, 1]), t([1, 2, 3]))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        build_window_batch(cache, t([0, 1]), t([1, 2]), t([2, 0]))
+    with pytest.raises(ValueError, match="at least one row"):
+        build_window_batch(cache, t([], dtype=torch.long), t([], dtype=torch.long), t([], dtype=torch.long))
+
+
+def test_backend_registry() -> None:
+    assert set(BACKENDS) == {"flash_varlen", "torch_varlen", "sdpa", "reference"}
+    cpu = available_backends("cpu", torch.float32)
+    assert {"sdpa", "reference"} <= set(cpu) and "flash_varlen" not in cpu
+    assert get_backend("auto", "cpu", torch.float32).name == "sdpa"
+    assert get_backend("reference", "cpu", torch.bfloat16).name == "reference"
+    with pytest.raises(ValueError, match=r"Unknown attention backend 'xformers'; choose one of \['auto'"):
+        get_backend("xformers", "cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"'flash_varlen' cannot run on cpu with torch.float32; available here"):
+        get_backend("flash_varlen", "cpu", torch.float32)
+
+
+def test_model_backend_follows_config_and_device() -> None:
+    from conftest import make_tiny_llada
+
+    model = make_tiny_llada(window_attention="reference")
+    assert model.attention_backend.name == "reference"
+    model.set_attention_backend("auto")
+    assert model.config.window_attention == "auto"
+    assert model.attention_backend.name == get_backend("auto", "cpu", torch.float32).name
+    model.to(torch.bfloat16)  # re-chosen for the new dtype, not cached from before
+    assert model.attention_backend.name == get_backend("auto", "cpu", torch.bfloat16).name

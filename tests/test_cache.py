@@ -1,0 +1,159 @@
+"""BranchCache: geometry, masks, and row operations that must be exact (bitwise)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, make_tiny_dream, make_tiny_llada
+
+import hf_blockbatch as hb
+
+R, L, H, D, LAYERS = 5, 10, 2, 4, 3
+
+
+def random_cache(mask: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> hb.BranchCache:
+    cache = hb.BranchCache(LAYERS, R, L, H, D, dtype=dtype, attention_mask=mask, model_type="llada")
+    g = torch.Generator().manual_seed(0)
+    for layer in cache.layers:
+        layer.keys.copy_(torch.randn(layer.keys.shape, generator=g))
+        layer.values.copy_(torch.randn(layer.values.shape, generator=g))
+    return cache
+
+
+def left_padded_mask(pads: list[int]) -> torch.Tensor:
+    mask = torch.ones(len(pads), L, dtype=torch.long)
+    for r, p in enumerate(pads):
+        mask[r, :p] = 0
+    return mask
+
+
+def state(cache: hb.BranchCache) -> dict[str, torch.Tensor]:
+    out = {"mask": cache.key_mask.clone(), "pos": cache.position_ids.clone()}
+    for i, layer in enumerate(cache.layers):
+        out[f"k{i}"], out[f"v{i}"] = layer.keys.clone(), layer.values.clone()
+    return out
+
+
+def test_geometry_and_nbytes() -> None:
+    cache = hb.BranchCache(LAYERS, R, L, H, D)
+    assert (cache.num_rows, cache.length, cache.dtype) == (R, L, torch.float32)
+    assert cache.layers[0].keys.shape == (R, L, H, D)
+    assert cache.nbytes() == 2 * LAYERS * R * L * H * D * 4
+    assert hb.BranchCache(LAYERS, R, L, H, D, dtype=torch.bfloat16).nbytes() == 2 * LAYERS * R * L * H * D * 2
+    assert not cache.has_padding and cache.key_mask.all()
+    assert torch.equal(cache.position_ids, torch.arange(L).expand(R, L))
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_for_model_geometry(family: str) -> None:
+    model = make_tiny_llada() if family == "llada" else make_tiny_dream()
+    cache = model.new_cache(3, 12)
+    geometry = model.config.kv_geometry()
+    assert len(cache.layers) == geometry["num_layers"] == 2
+    assert cache.layers[0].keys.shape == (3, 12, geometry["num_kv_heads"], geometry["head_dim"])
+    assert cache.model_type == model.config.model_type
+    assert cache.nbytes() == 2 * 2 * 3 * 12 * geometry["num_kv_heads"] * geometry["head_dim"] * 4
+
+
+def test_left_padding_positions() -> None:
+    cache = hb.BranchCache(1, 2, 6, 1, 2, attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6]))
+    assert cache.has_padding
+    assert cache.position_ids.tolist() == [[0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5]]
+
+
+def test_mask_validation() -> None:
+    with pytest.raises(ValueError, match="left-padded.*padding_side='left'"):
+        hb.BranchCache(1, 2, 4, 1, 2, attention_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="left-padded"):
+        hb.BranchCache(1, 1, 4, 1, 2, attention_mask=torch.tensor([[0, 1, 0, 1]]))
+    with pytest.raises(ValueError, match="at least one real token"):
+        hb.BranchCache(1, 2, 4, 1, 2, attention_mask=torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 3\) but the cache holds 2 rows of length 4"):
+        hb.BranchCache(1, 2, 4, 1, 2, attention_mask=torch.ones(2, 3))
+    cache = hb.BranchCache(1, 2, 4, 1, 2)
+    with pytest.raises(ValueError, match="left-padded"):
+        cache.set_attention_mask(torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]]))
+    assert cache.key_mask.all()  # a refused mask leaves the old one
+
+
+def test_copy_rows_exact() -> None:
+    cache = random_cache(left_padded_mask([0, 3, 0, 1, 0]))
+    before = state(cache)
+    src, dst = [1, 1, 3], [0, 2, 4]  # one source into two rows, another into a third
+    cache.copy_rows(torch.tensor(src), torch.tensor(dst))
+    after = state(cache)
+    for name, old in before.items():
+        for s, d in zip(src, dst):
+            assert torch.equal(after[name][d], old[s]), (name, s, d)
+        assert torch.equal(after[name][[1, 3]], old[[1, 3]]), name  # untouched rows
+    assert cache.key_mask[[0, 2]].tolist() == [[False] * 3 + [True] * 7] * 2
+    assert cache.position_ids[4].tolist() == [0, 0, 1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_copy_rows_overlapping_reads_old_rows() -> None:
+    cache = random_cache()
+    before = state(cache)
+    cache.copy_rows([0, 1, 2], [1, 2, 3])  # a shift: each destination gets its source's *old* row
+    for name, old in before.items():
+        assert torch.equal(state(cache)[name][1:4], old[0:3]), name
+
+
+def test_copy_rows_errors() -> None:
+    cache = random_cache()
+    with pytest.raises(ValueError, match="src has 2 rows but dst has 1"):
+        cache.copy_rows([0, 1], [2])
+
+
+def test_keep_rows_exact() -> None:
+    cache = random_cache(left_padded_mask([2, 0, 0, 4, 0]))
+    before = state(cache)
+    cache.keep_rows(torch.tensor([3, 0, 4]))  # order as given
+    after = state(cache)
+    assert cache.num_rows == 3
+    for name, old in before.items():
+        assert torch.equal(after[name], old[[3, 0, 4]]), name
+    assert cache.has_padding
+    cache.keep_rows([2])
+    assert not cache.has_padding and cache.num_rows == 1
+    assert cache.nbytes() == 2 * LAYERS * 1 * L * H * D * 4
+
+
+def test_reorder_cache_is_keep_rows() -> None:
+    cache = random_cache()
+    before = state(cache)
+    cache.reorder_cache(torch.tensor([4, 4, 0]))
+    assert torch.equal(cache.layers[1].values, before["v1"][[4, 4, 0]])
+
+
+def test_write_tokens_and_rows() -> None:
+    cache = hb.BranchCache(1, 3, 4, 1, 2)
+    k = torch.arange(1, 7, dtype=torch.float32).view(3, 1, 2)
+    cache.write_tokens(0, torch.tensor([1, 6, 11]), k, -k)  # (row 0, pos 1), (1, 2), (2, 3)
+    keys = cache.layers[0].keys
+    assert torch.equal(keys[0, 1], k[0]) and torch.equal(keys[1, 2], k[1]) and torch.equal(keys[2, 3], k[2])
+    assert int((keys != 0).any(-1).sum()) == 3  # only those slots changed
+    rows = torch.ones(2, 4, 1, 2)
+    cache.write_rows(0, torch.tensor([2, 0]), rows, 2 * rows)
+    assert keys[[0, 2]].eq(1).all() and cache.layers[0].values[[0, 2]].eq(2).all()
+    assert torch.equal(keys[1, 2], k[1])
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@torch.no_grad()
+def test_copied_rows_behave_as_their_source(family: str) -> None:
+    """The decoders' broadcast step: one padded prompt's K/V copied into branch rows. The branch
+    rows must give the source's window logits, which needs the padding mask to travel along."""
+    model = make_tiny_llada() if family == "llada" else make_tiny_dream()
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, VOCAB, (1, 14), generator=g)
+    mask = torch.ones(1, 14, dtype=torch.long)
+    mask[0, :3] = 0
+    ref = model.forward_windows(prompt, [8], [12], model(prompt, attention_mask=mask, use_cache=True).cache)
+
+    cache = model.new_cache(3, 14, attention_mask=torch.cat([mask, torch.ones(2, 14, dtype=torch.long)]))
+    model(prompt, attention_mask=mask, cache=cache, cache_rows=[0])
+    cache.copy_rows([0, 0], [1, 2])
+    assert torch.equal(cache.key_mask, mask.bool().expand(3, 14))
+    out = model.forward_windows(prompt.expand(3, 14), [8, 8], [12, 12], cache, rows=[1, 2])
+    torch.testing.assert_close(out.logits[:4], out.logits[4:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logits[:4], ref.logits, atol=1e-5, rtol=0)

@@ -1,0 +1,483 @@
+"""The forward contract of the model classes (see ``hf_blockbatch/models/base.py``).
+
+Everything runs in float32 on tiny random models and is checked to 1e-5, on every attention
+backend this machine offers: a window forward over a cache must give exactly what the full
+forward gives, write its K/V where a full forward would, and a left-padded batch must give each
+row what that row gives alone. Also: saving and loading under the official names and auto_map,
+and clear errors for bad input.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import VOCAB, make_tiny_dream, make_tiny_llada
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCache
+
+import hf_blockbatch as hb
+from hf_blockbatch.attention import available_backends
+
+ATOL = 1e-5
+FAMILIES = ["llada", "dream"]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+BACKEND_CASES = [(d, b) for d in DEVICES for b in available_backends(torch.device(d), torch.float32)]
+BACKEND_IDS = [f"{d}-{b}" for d, b in BACKEND_CASES]
+
+LLADA_AUTO_MAP = {
+    "AutoConfig": "configuration_llada.LLaDAConfig",
+    "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+    "AutoModel": "modeling_llada.LLaDAModelLM",
+}
+DREAM_AUTO_MAP = {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"}
+
+
+def make(family: str, **overrides):
+    return make_tiny_llada(**overrides) if family == "llada" else make_tiny_dream(**overrides)
+
+
+def canvas(rows: int, length: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (rows, length), generator=g)
+
+
+def predicting(full_logits: torch.Tensor, model, row: int, start: int, end: int) -> torch.Tensor:
+    """The full forward's logits that predict positions [start, end) of a row (Dream: unshifted
+    official logits, so token p is predicted at p - 1)."""
+    s = model.logit_shift
+    return full_logits[row, start - s : end - s]
+
+
+def split(out: hb.models.WindowOutput) -> list[torch.Tensor]:
+    cu = out.cu_seqlens.tolist()
+    return [out.logits[a:b] for a, b in zip(cu[:-1], cu[1:])]
+
+
+def snapshot(cache: hb.BranchCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+# ------------------------------------------------------------------------------ window = full
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("device", "backend"), BACKEND_CASES, ids=BACKEND_IDS)
+@torch.no_grad()
+def test_window_forward_matches_full_forward(family: str, device: str, backend: str) -> None:
+    model = make(family).to(device)
+    model.set_attention_backend(backend)
+    L, prompt = 24, 8
+    ids = canvas(4, L).to(device)
+    full = model(ids, use_cache=True)
+    logits, cache = full.logits, full.cache
+    before = snapshot(cache)
+
+    # every row: a block, a 1-token window, the whole generation, a window at the left edge
+    starts, ends = [prompt, 13, prompt, 1], [prompt + 5, 14, L, 4]
+    out = model.forward_windows(ids, starts, ends, cache)
+    assert out.logits.shape == (sum(e - s for s, e in zip(starts, ends)), VOCAB)
+    assert out.cu_seqlens.tolist() == [0, 5, 6, 6 + L - prompt, 6 + L - prompt + 3]
+    for r, got in enumerate(split(out)):
+        torch.testing.assert_close(got, predicting(logits, model, r, starts[r], ends[r]), atol=ATOL, rtol=0)
+
+    # a subset of rows; a fresh canvas means the window's recomputed K/V equal the cached ones
+    out = model.forward_windows(ids, [prompt + 2, L - 1], [prompt + 6, L], cache, rows=[1, 3])
+    want = [predicting(logits, model, 1, prompt + 2, prompt + 6), predicting(logits, model, 3, L - 1, L)]
+    for got, ref in zip(split(out), want):
+        torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+    for (k0, v0), layer in zip(before, cache.layers):
+        torch.testing.assert_close(layer.keys, k0, atol=ATOL, rtol=0)
+        torch.testing.assert_close(layer.values, v0, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("device", "backend"), BACKEND_CASES, ids=BACKEND_IDS)
+@torch.no_grad()
+def test_window_forward_writes_kv_in_place(family: str, device: str, backend: str) -> None:
+    """After new tokens inside a window, the window forward refreshes exactly the window's K/V.
+
+    The tiny models have 2 layers: layer-0 K/V depend on a position's own token only, and layer-1
+    K/V on layer-0 K/V of all positions, which the cache holds fresh (only the window's tokens
+    changed). So every layer's K/V at the refreshed positions must equal a fresh full forward's
+    on the new canvas, and every other position must keep its old K/V bit for bit.
+    """
+    model = make(family).to(device)
+    assert model.config.num_hidden_layers == 2
+    model.set_attention_backend(backend)
+    L = 20
+    ids = canvas(3, L).to(device)
+    cache = model(ids, use_cache=True).cache
+    before = snapshot(cache)
+
+    new = ids.clone()
+    rows, starts, ends = [0, 2], [6, 12], [10, 13]
+    for r, s, e in zip(rows, starts, ends):
+        new[r, s:e] = (new[r, s:e] + 1 + torch.arange(e - s, device=device)) % VOCAB
+    model.forward_windows(new, starts, ends, cache, rows=rows)
+    fresh = model(new, use_cache=True).cache
+
+    refreshed = torch.zeros(3, L, dtype=torch.bool, device=device)
+    for r, s, e in zip(rows, starts, ends):
+        refreshed[r, s - model.logit_shift : e] = True  # Dream also refreshes the query at s - 1
+    for (k0, v0), layer, ref in zip(before, cache.layers, fresh.layers):
+        torch.testing.assert_close(layer.keys[refreshed], ref.keys[refreshed], atol=ATOL, rtol=0)
+        torch.testing.assert_close(layer.values[refreshed], ref.values[refreshed], atol=ATOL, rtol=0)
+        assert torch.equal(layer.keys[~refreshed], k0[~refreshed])
+        assert torch.equal(layer.values[~refreshed], v0[~refreshed])
+    # the changed tokens did change K/V (the check above is not vacuous)
+    assert not torch.allclose(cache.layers[0].keys[refreshed], before[0][0][refreshed])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("device", "backend"), BACKEND_CASES, ids=BACKEND_IDS)
+@torch.no_grad()
+def test_whole_canvas_window_equals_fresh_full_forward(family: str, device: str, backend: str) -> None:
+    """A window over every position of a changed canvas is a full forward: logits and cache."""
+    model = make(family).to(device)
+    model.set_attention_backend(backend)
+    L, s = 16, model.logit_shift  # Dream cannot predict position 0, but still refreshes it
+    ids = canvas(2, L).to(device)
+    cache = model(ids, use_cache=True).cache
+    new = canvas(2, L, seed=1).to(device)
+    # each layer writes the window's K/V before attending, so a window over every position sees
+    # only fresh K/V: one pass is a full forward
+    out = model.forward_windows(new, [s, s], [L, L], cache)
+    fresh = model(new, use_cache=True)
+    for r, got in enumerate(split(out)):
+        torch.testing.assert_close(got, predicting(fresh.logits, model, r, s, L), atol=ATOL, rtol=0)
+    for layer, ref in zip(cache.layers, fresh.cache.layers):
+        torch.testing.assert_close(layer.keys, ref.keys, atol=ATOL, rtol=0)
+        torch.testing.assert_close(layer.values, ref.values, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_full_forward_fills_cache_rows_subset(family: str) -> None:
+    model = make(family)
+    ids = canvas(2, 12)
+    cache = model.new_cache(4, 12)
+    model(ids, cache=cache, cache_rows=[3, 1])
+    alone = model(ids, use_cache=True).cache
+    for layer, ref in zip(cache.layers, alone.layers):
+        assert torch.equal(layer.keys[3], ref.keys[0]) and torch.equal(layer.keys[1], ref.keys[1])
+        assert torch.equal(layer.values[3], ref.values[0]) and torch.equal(layer.values[1], ref.values[1])
+        assert not layer.keys[[0, 2]].any()  # untouched rows stay empty
+
+
+# ------------------------------------------------------------------------------ left padding
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("device", "backend"), BACKEND_CASES, ids=BACKEND_IDS)
+@torch.no_grad()
+def test_left_padded_batch_matches_rows_alone(family: str, device: str, backend: str) -> None:
+    model = make(family).to(device)
+    model.set_attention_backend(backend)
+    L, pads = 18, [0, 5, 2]
+    ids = canvas(3, L).to(device)
+    mask = torch.ones(3, L, dtype=torch.long, device=device)
+    for r, p in enumerate(pads):
+        ids[r, :p] = model.config.pad_token_id
+        mask[r, :p] = 0
+    alone = [model(ids[r : r + 1, p:]).logits[0] for r, p in enumerate(pads)]
+
+    full = model(ids, attention_mask=mask, use_cache=True)
+    assert full.cache.has_padding
+    for r, p in enumerate(pads):
+        torch.testing.assert_close(full.logits[r, p:], alone[r], atol=ATOL, rtol=0)
+
+    # windows in canvas coordinates; each row's positions are its own (padding does not shift them)
+    starts, ends = [10, 9, 12], [14, 10, 18]
+    out = model.forward_windows(ids, starts, ends, full.cache)
+    s = model.logit_shift
+    for r, got in enumerate(split(out)):
+        p = pads[r]
+        torch.testing.assert_close(got, alone[r][starts[r] - p - s : ends[r] - p - s], atol=ATOL, rtol=0)
+    out = model.forward_windows(ids, [8, 16], [12, 17], full.cache, rows=[1, 2])
+    for (r, a, b), got in zip([(1, 8, 12), (2, 16, 17)], split(out)):
+        p = pads[r]
+        torch.testing.assert_close(got, alone[r][a - p - s : b - p - s], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_full_forward_into_padded_cache_uses_its_mask(family: str) -> None:
+    """A cache carries its padding mask: a full forward into it without attention_mask uses it,
+    and an attention_mask that disagrees with it is refused (the K/V, the RoPE positions and the
+    later window forwards would otherwise follow different masks)."""
+    model = make(family)
+    ids = canvas(3, 14)
+    mask = torch.ones(3, 14, dtype=torch.long)
+    mask[1, :4] = 0
+    ref = model(ids, attention_mask=mask, use_cache=True)
+    cache = model.new_cache(3, 14, attention_mask=mask)
+    out = model(ids, cache=cache)
+    torch.testing.assert_close(out.logits, ref.logits, atol=ATOL, rtol=0)
+    for layer, want in zip(cache.layers, ref.cache.layers):
+        torch.testing.assert_close(layer.keys, want.keys, atol=ATOL, rtol=0)
+    sub = model.new_cache(3, 14, attention_mask=mask)
+    model(ids[1:], cache=sub, cache_rows=[1, 2])  # the mask of the named rows
+    torch.testing.assert_close(sub.layers[1].values[1:], ref.cache.layers[1].values[1:], atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match=r"differs from the padding mask of the cache.*new_cache"):
+        model(ids, attention_mask=mask, cache=model.new_cache(3, 14))
+    with pytest.raises(ValueError, match="differs from the padding mask of the cache"):
+        model(ids[:2], attention_mask=mask[:2], cache=cache, cache_rows=[1, 2])
+    model(ids[1:], attention_mask=mask[1:], cache=cache, cache_rows=[1, 2])  # consistent: accepted
+
+
+# ------------------------------------------------------------------------------ save / load
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_save_pretrained_round_trip(family: str, tmp_path) -> None:
+    model = make(family)
+    model.set_attention_backend("reference")
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(model)
+    ids = canvas(2, 16)
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert loaded.config.window_attention == "reference"
+    assert loaded.attention_backend.name == "reference"
+    for key, value in model.config.to_diff_dict().items():
+        if key not in ("transformers_version", "dtype", "torch_dtype"):
+            assert getattr(loaded.config, key) == value, key
+    assert set(loaded.state_dict()) == set(model.state_dict())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_auto_classes_with_official_auto_map(family: str, tmp_path) -> None:
+    """A folder whose config.json names the official remote code (which is not there) still
+    loads our classes through the Auto API, with trust_remote_code=True as users write it."""
+    model = make(family)
+    model.save_pretrained(tmp_path)
+    config_path = tmp_path / "config.json"
+    config = json.loads(config_path.read_text())
+    config["auto_map"] = LLADA_AUTO_MAP if family == "llada" else DREAM_AUTO_MAP
+    config_path.write_text(json.dumps(config))
+    assert not list(tmp_path.glob("*.py"))
+
+    auto_config = AutoConfig.from_pretrained(tmp_path, trust_remote_code=True)
+    assert type(auto_config) is type(model.config)
+    assert auto_config.model_type == ("llada" if family == "llada" else "Dream")
+    ids = canvas(1, 12)
+    auto_classes = [AutoModel] + ([AutoModelForCausalLM] if family == "llada" else [])
+    for auto in auto_classes:
+        loaded = auto.from_pretrained(tmp_path, trust_remote_code=True).eval()
+        assert type(loaded) is type(model)
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def llada_official_keys(n_layers: int) -> set[str]:
+    keys = {"model.transformer.wte.weight", "model.transformer.ln_f.weight", "model.transformer.ff_out.weight"}
+    for i in range(n_layers):
+        for name in ("attn_norm", "ff_norm", "q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out"):
+            keys.add(f"model.transformer.blocks.{i}.{name}.weight")
+    return keys
+
+
+def dream_official_keys(n_layers: int) -> set[str]:
+    keys = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    for i in range(n_layers):
+        p = f"model.layers.{i}"
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            keys |= {f"{p}.self_attn.{proj}.weight", f"{p}.self_attn.{proj}.bias"}
+        keys.add(f"{p}.self_attn.o_proj.weight")
+        keys |= {f"{p}.mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")}
+        keys |= {f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"}
+    return keys
+
+
+def test_state_dict_keys_are_the_official_names() -> None:
+    # spelled out for one layer, so a renamed module cannot hide behind a shared helper
+    assert set(make_tiny_llada(n_layers=1).state_dict()) == {
+        "model.transformer.wte.weight",
+        "model.transformer.blocks.0.attn_norm.weight",
+        "model.transformer.blocks.0.ff_norm.weight",
+        "model.transformer.blocks.0.q_proj.weight",
+        "model.transformer.blocks.0.k_proj.weight",
+        "model.transformer.blocks.0.v_proj.weight",
+        "model.transformer.blocks.0.attn_out.weight",
+        "model.transformer.blocks.0.ff_proj.weight",
+        "model.transformer.blocks.0.up_proj.weight",
+        "model.transformer.blocks.0.ff_out.weight",
+        "model.transformer.ln_f.weight",
+        "model.transformer.ff_out.weight",
+    }
+    assert set(make_tiny_dream(num_hidden_layers=1).state_dict()) == {
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.k_proj.bias",
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.self_attn.v_proj.bias",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    }
+    assert set(make_tiny_llada().state_dict()) == llada_official_keys(2)
+    assert set(make_tiny_dream().state_dict()) == dream_official_keys(2)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_official_format_checkpoint_loads(family: str, tmp_path) -> None:
+    """A folder as the Hub ships it (official config.json with auto_map, safetensors under the
+    official names, no save_pretrained involved) loads with no missing or unexpected keys."""
+    model = make(family)
+    expected = llada_official_keys(2) if family == "llada" else dream_official_keys(2)
+    g = torch.Generator().manual_seed(7)
+    weights = {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in model.state_dict().items()}
+    assert set(weights) == expected
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("window_attention")  # ours, absent from the official configs
+    config["auto_map"] = LLADA_AUTO_MAP if family == "llada" else DREAM_AUTO_MAP
+    config["transformers_version"] = "4.46.3"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    loaded, info = AutoModel.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
+    assert type(loaded) is type(model)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert loaded.config.window_attention == "auto"
+    state = loaded.state_dict()
+    for k, v in weights.items():
+        assert torch.equal(state[k], v), k
+
+
+# ------------------------------------------------------------------------------ bad input
+@pytest.fixture(params=FAMILIES)
+def filled(request):
+    model = make(request.param)
+    ids = canvas(3, 16)
+    return model, ids, model(ids, use_cache=True).cache
+
+
+@torch.no_grad()
+def test_window_errors(filled) -> None:
+    model, ids, cache = filled
+    s = model.logit_shift
+    with pytest.raises(ValueError, match=r"0 <= start < end <= 16"):
+        model.forward_windows(ids, [2, 3, 4], [6, 7, 17], cache)  # past the canvas
+    with pytest.raises(ValueError, match=r"0 <= start < end <= 16"):
+        model.forward_windows(ids, [5, 3, 4], [5, 7, 8], cache)  # start == end
+    with pytest.raises(ValueError, match=r"0 <= start < end <= 16"):
+        model.forward_windows(ids, [6, 3, 4], [5, 7, 8], cache)  # start > end
+    if s == 0:
+        with pytest.raises(ValueError, match=r"0 <= start < end <= 16"):
+            model.forward_windows(ids, [-1, 3, 4], [5, 7, 8], cache)
+    else:
+        with pytest.raises(ValueError, match=r"cannot predict position 0: windows must start at 1"):
+            model.forward_windows(ids, [0, 3, 4], [5, 7, 8], cache)
+    with pytest.raises(ValueError, match=r"one \[start, end\) window per row"):
+        model.forward_windows(ids, [2, 3], [6, 7, 8], cache)
+    with pytest.raises(ValueError, match=r"one \[start, end\) window per row"):
+        model.forward_windows(ids, [2, 3], [6, 7], cache, rows=[0, 1, 2])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        model.forward_windows(ids, [2, 3], [6, 7], cache, rows=[2, 1])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        model.forward_windows(ids, [2, 3], [6, 7], cache, rows=[1, 1])
+    with pytest.raises(ValueError, match="strictly increasing indices into the cache's 3 rows"):
+        model.forward_windows(ids, [2, 3], [6, 7], cache, rows=[1, 3])
+    with pytest.raises(ValueError, match="pass the canvas of every cache row"):
+        model.forward_windows(ids[:2], [2, 3], [6, 7], cache, rows=[0, 1])
+
+
+@torch.no_grad()
+def test_cache_mismatch_errors(filled) -> None:
+    model, ids, cache = filled
+    other_family = make("dream" if model.logit_shift == 0 else "llada")
+    with pytest.raises(ValueError, match=r"another model .*new_cache\(\)"):
+        other_family.forward_windows(ids, [2, 3, 4], [6, 7, 8], cache)
+    with pytest.raises(ValueError, match=r"another model .*new_cache\(\)"):
+        other_family(ids, cache=cache)
+    # same model type, other geometry: fewer layers, other KV heads
+    if model.logit_shift == 0:
+        deeper, narrower = make_tiny_llada(n_layers=3), make_tiny_llada(n_kv_heads=2)
+    else:
+        deeper, narrower = make_tiny_dream(num_hidden_layers=3), make_tiny_dream(num_key_value_heads=1)
+    for other in (deeper, narrower):
+        with pytest.raises(ValueError, match="another model"):
+            other.forward_windows(ids, [2, 3, 4], [6, 7, 8], cache)
+    # another canvas length
+    with pytest.raises(ValueError, match="holds canvases of length 16, but input_ids has length 20"):
+        model.forward_windows(canvas(3, 20), [2, 3, 4], [6, 7, 8], cache)
+    with pytest.raises(ValueError, match="holds canvases of length 16"):
+        model(canvas(3, 20), cache=cache)
+    # full forward into a cache with another row count
+    with pytest.raises(ValueError, match="pass cache_rows"):
+        model(ids[:2], cache=cache)
+    with pytest.raises(ValueError, match="cache_rows names 1 rows but input_ids has 2"):
+        model(ids[:2], cache=cache, cache_rows=[0])
+    # not a BranchCache at all
+    with pytest.raises(TypeError, match="BranchCache"):
+        model.forward_windows(ids, [2, 3, 4], [6, 7, 8], DynamicCache())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_input_errors(family: str) -> None:
+    model = make(family)  # context: 256 positions
+    with pytest.raises(ValueError, match=r"canvas has 257 positions but the model's context is 256.*shorten"):
+        model(canvas(1, 257))
+    cache = model.new_cache(1, 300)
+    with pytest.raises(ValueError, match="context is 256"):
+        model.forward_windows(canvas(1, 300), [5], [9], cache)
+    with pytest.raises(ValueError, match=r"input_ids must be \[rows, length\]"):
+        model(canvas(1, 8)[0])
+    ids = canvas(2, 8)
+    right_padded = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+    with pytest.raises(ValueError, match="left-padded.*padding_side='left'"):
+        model(ids, attention_mask=right_padded, use_cache=True)
+    with pytest.raises(ValueError, match="left-padded"):
+        model.new_cache(2, 8, attention_mask=right_padded)
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 7\), expected \(2, 8\)"):
+        model(ids, attention_mask=torch.ones(2, 7))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unknown_backend_name(family: str) -> None:
+    model = make(family)
+    with pytest.raises(ValueError, match=r"Unknown attention backend 'flash'.*choose one of.*'sdpa'"):
+        model.set_attention_backend("flash")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"cannot run on cpu.*available here"):
+            model.set_attention_backend("torch_varlen")
+
+
+@pytest.mark.parametrize(
+    ("family", "options"),
+    [
+        ("llada", {"block_type": "sequential"}),
+        ("llada", {"alibi": True, "rope": False}),
+        ("llada", {"alibi": True}),
+        ("llada", {"attention_layer_norm": True}),
+        ("llada", {"layer_norm_type": "default"}),
+        ("llada", {"activation_type": "gelu"}),
+        ("llada", {"block_group_size": 2}),
+        ("llada", {"include_bias": True, "bias_for_layer_norm": None}),
+        ("llada", {"bias_for_layer_norm": True}),
+        ("dream", {"use_sliding_window": True}),
+        ("dream", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+        ("dream", {"hidden_act": "gelu"}),
+    ],
+)
+def test_unsupported_options_refused(family: str, options: dict) -> None:
+    with pytest.raises(NotImplementedError, match="unsupported options"):
+        make(family, **options)
+
+
+def test_supported_llada_options_build() -> None:
+    # options the released checkpoints might use, all computed: GQA, biases without norm biases,
+    # weight tying (no ff_out head), input embedding scaling, logit scaling
+    model = make_tiny_llada(
+        n_kv_heads=2, include_bias=True, bias_for_layer_norm=False, weight_tying=True, input_emb_norm=True,
+        scale_logits=True,
+    )  # fmt: skip
+    assert "model.transformer.ff_out.weight" not in model.state_dict()
+    assert "model.transformer.blocks.0.q_proj.bias" in model.state_dict()
+    assert model(canvas(1, 8)).logits.shape == (1, 8, VOCAB)
