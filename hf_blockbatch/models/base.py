@@ -27,7 +27,7 @@ from transformers.utils import ModelOutput
 from hf_blockbatch.attention.backends import AttentionBackend, get_backend
 from hf_blockbatch.attention.metadata import build_window_batch
 from hf_blockbatch.cache import BranchCache
-from hf_blockbatch.models.layers import ForwardContext, rope_cos_sin
+from hf_blockbatch.models.layers import ForwardContext, RopeTable
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,13 @@ class DiffusionLMMixin:
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def _rope(self, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        table = getattr(self, "_rope_table", None)
+        if table is None or (table.head_dim, table.theta) != (cfg.head_dim_, cfg.rope_theta):
+            table = self._rope_table = RopeTable(cfg.head_dim_, cfg.rope_theta)
+        return table(positions, length)
 
     # ---- attention backend ---------------------------------------------------------------
     @property
@@ -189,7 +196,7 @@ class DiffusionLMMixin:
                 else torch.arange(L, device=input_ids.device).expand(B, L)
             )
         hidden = self._embed(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim_, self.config.rope_theta)
+        cos, sin = self._rope(position_ids, L)
         ctx = ForwardContext(
             mode="dense",
             backend=self.attention_backend,
@@ -244,7 +251,7 @@ class DiffusionLMMixin:
                 )
         wb = build_window_batch(cache, starts - shift, ends, rows)
         hidden = self._embed(input_ids[wb.token_rows, wb.token_pos])
-        cos, sin = rope_cos_sin(wb.rope_pos, self.config.head_dim_, self.config.rope_theta)
+        cos, sin = self._rope(wb.rope_pos, input_ids.shape[1])
         ctx = ForwardContext(
             mode="window",
             backend=self.attention_backend,

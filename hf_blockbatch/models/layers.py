@@ -17,7 +17,7 @@ from hf_blockbatch.attention.backends import AttentionBackend
 from hf_blockbatch.attention.metadata import WindowBatch
 from hf_blockbatch.cache import BranchCache
 
-__all__ = ["RMSNorm", "rope_cos_sin", "apply_rope", "ForwardContext", "self_attention", "swiglu"]
+__all__ = ["RMSNorm", "RopeTable", "rope_cos_sin", "apply_rope", "ForwardContext", "self_attention", "swiglu"]
 
 
 class RMSNorm(nn.Module):
@@ -47,6 +47,30 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]
     return emb.cos(), emb.sin()
+
+
+class RopeTable:
+    """``cos``/``sin`` for positions ``[0, length)``, computed once per device (grown by doubling
+    when a longer canvas arrives, never beyond what was asked: Dream's context is 131k positions)
+    and looked up by position. Each entry is computed exactly as :func:`rope_cos_sin` computes it, so the
+    lookup is bitwise identical; it saves two transcendental passes per forward, which on small
+    models is a visible share of a decoding step. A plain attribute, not a buffer, for the same
+    reason as above (meta-device loading)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        self.head_dim, self.theta = head_dim, theta
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions`` must be ``< length`` (the canvas length, a host integer: no sync)."""
+        table = self._tables.get(positions.device)
+        if table is None or table[0].shape[0] < length:
+            size = max(length, 2 * table[0].shape[0]) if table is not None else max(length, 256)
+            pos = torch.arange(size, device=positions.device)
+            cos, sin = rope_cos_sin(pos, self.head_dim, self.theta)
+            table = self._tables[positions.device] = (cos[:, 0], sin[:, 0])
+        cos, sin = table
+        return cos[positions][..., None, :], sin[positions][..., None, :]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
