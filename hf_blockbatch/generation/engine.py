@@ -284,18 +284,27 @@ class _Run:
                 self._trace_positions(merged, "merge")
             s.advance()
         if plan.sync and self.N > 1:
+            # leaders before the sync: afterwards a synced row ties with its leader and may win the tie
+            leader = leaders(s)[0] if plan.output_trace else None
             synced = sync_to_leader(s, self.cache, plan.sync_threshold)
             if plan.output_trace:
-                self._trace_sync(synced)
+                self._trace_sync(synced, leader)
 
     def refresh(self) -> None:
-        due = due_rows(self.state, self.plan.refresh, self.plan.refresh_interval, self.cache,
-                       self.plan.divergence_threshold)  # fmt: skip
-        rows = due.nonzero().squeeze(1)
-        if rows.numel():
+        # With advance_after_full, a refresh that completes its block moves the window into a new
+        # block, which is due at once: refresh again (a block starts with a full forward), else the
+        # next block step would query a window against a cache that predates the last commits.
+        # Terminates: every full step commits at least one token per row.
+        while True:
+            due = due_rows(self.state, self.plan.refresh, self.plan.refresh_interval, self.cache,
+                           self.plan.divergence_threshold)  # fmt: skip
+            rows = due.nonzero().squeeze(1)
+            if not rows.numel():
+                return
             self.full_step(rows, "refresh")
-            if self.plan.advance_after_full:
-                self.state.advance()
+            if not self.plan.advance_after_full:
+                return
+            self.state.advance()
 
     def finish(self) -> bool:
         """Move finished requests out of the batch; True when none is left."""
@@ -368,9 +377,8 @@ class _Run:
             self.trace[r].append({"step": int(self.nfe[r]), "phase": phase, "branch": int(s.branch[i]),
                                   "positions": taken[i].nonzero().squeeze(1).tolist()})  # fmt: skip
 
-    def _trace_sync(self, synced: torch.Tensor) -> None:
+    def _trace_sync(self, synced: torch.Tensor, leader: torch.Tensor) -> None:
         s = self.state
-        leader, _ = leaders(s)
         for i in synced.nonzero().squeeze(1).tolist():
             r = int(s.request[i])
             self.trace[r].append({"step": int(self.nfe[r]), "phase": "sync", "branch": int(s.branch[i]),

@@ -1,0 +1,153 @@
+"""BlockBatch: its degenerate case equals Fast-dLLM dual, and invariants over random configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _generation_helpers import eos_model, peaked
+from conftest import EOS_ID, MASK_ID
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from hf_blockbatch.generation import BlockBatchConfig, FastDLLMConfig
+
+FAMILIES = ["llada", "dream"]
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _model(kind: str):
+    if kind not in _MODELS:
+        family, flavour = kind.split("-")
+        _MODELS[kind] = peaked(family) if flavour == "peaked" else eos_model(family)
+    return _MODELS[kind]
+
+
+def _gen(model, prompt, cfg, **kwargs):
+    return model.generate(
+        torch.tensor([prompt]), generation_config=cfg, return_dict_in_generate=True, **kwargs
+    )
+
+
+# ----------------------------------------------------------------------------- 2. BlockBatch == dual
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("b,threshold", [(4, 0.47), (6, 0.47), (8, 0.3), (16, 0.47)])
+def test_single_branch_blockbatch_is_fast_dllm_dual(family, b, threshold):
+    model = _model(f"{family}-peaked")
+    prompt = [5, 3, 8, 1, 9, 2]
+    bb = BlockBatchConfig(max_new_tokens=16, block_sizes=[b], merge=False, sync=False, refresh_interval=b,
+                          early_stop=False, threshold=threshold)  # fmt: skip
+    fd = FastDLLMConfig(max_new_tokens=16, block_length=b, cache="dual", threshold=threshold)
+    a, c = _gen(model, prompt, bb), _gen(model, prompt, fd)
+    assert a.sequences.tolist() == c.sequences.tolist()
+    assert a.nfe.tolist() == c.nfe.tolist()
+    assert a.stats[0]["nfe_refresh"] == c.stats[0]["nfe_refresh"]
+
+
+# ----------------------------------------------------------------------------- 3. invariants
+def _replay(trace: list[dict], G: int, n_branches: int) -> tuple[set[int], set[int], list[set[int]]]:
+    """Replay a trace per branch; returns (block-step NFEs, refresh NFEs, decoded sets)."""
+    decoded: list[set[int]] = [set() for _ in range(n_branches)]
+    block_steps, refresh_steps = set(), set()
+    for ev in trace:
+        br, phase = ev["branch"], ev["phase"]
+        if phase in ("init", "block", "refresh"):
+            lo, hi = ev["window"]
+            for p in ev["committed"]:
+                assert lo <= p < hi, f"{phase} commit at {p} outside the window {ev['window']}"
+                assert p not in decoded[br], f"branch {br} committed position {p} twice without a sync"
+                decoded[br].add(p)
+            (block_steps if phase == "block" else refresh_steps if phase == "refresh" else set()).add(
+                ev["step"]
+            )
+            if phase == "init":
+                assert ev["step"] == 1
+        elif phase == "merge":
+            for p in ev["positions"]:
+                assert p not in decoded[br], f"merge into branch {br} overwrote committed position {p}"
+                decoded[br].add(p)
+        elif phase == "sync":
+            assert ev["leader"] != br
+            decoded[br] = set(decoded[ev["leader"]])
+        else:
+            raise AssertionError(f"unknown trace phase {phase!r}")
+        assert all(0 <= p < G for p in decoded[br])
+    return block_steps, refresh_steps, decoded
+
+
+configs = st.fixed_dictionaries(
+    {
+        "block_sizes": st.lists(st.sampled_from([2, 4, 8, 16]), min_size=1, max_size=4, unique=True),
+        "threshold": st.sampled_from([0.3, 0.47, 0.6, 0.95]),
+        "merge": st.booleans(),
+        "merge_threshold": st.sampled_from([0.3, 0.5]),
+        "sync": st.booleans(),
+        "sync_threshold": st.integers(0, 6),
+        "refresh": st.sampled_from(["periodic", "off", "divergence"]),
+        "refresh_interval": st.sampled_from([4, 8, 32]),
+        "early_stop": st.booleans(),
+        "skip_completed_block_step": st.booleans(),
+        "temperature": st.sampled_from([0.0, 1.0]),
+    }
+)
+
+
+# derandomized (the same examples every run) and without shrinking: a failure prints its example
+@settings(max_examples=16, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+@given(
+    cfg=configs,
+    kind=st.sampled_from(["llada-peaked", "dream-peaked", "llada-eos", "dream-eos"]),
+    prompt=st.lists(st.integers(0, 91), min_size=5, max_size=10),
+    seed=st.integers(0, 2**16),
+)
+def test_blockbatch_invariants(cfg, kind, prompt, seed):
+    model = _model(kind)
+    G = 16
+    n = len(cfg["block_sizes"])
+    config = BlockBatchConfig(max_new_tokens=G, output_trace=True, **cfg)
+    out = _gen(model, prompt, config, generator=torch.Generator().manual_seed(seed))
+    seq = out.sequences[0].tolist()
+    stats = out.stats[0]
+    # the prompt is never modified
+    assert seq[: len(prompt)] == prompt
+    gen = seq[len(prompt) :]
+    # no mask before the first EOS; none at all once the request completed (or stopped: tail filled)
+    first_eos = gen.index(EOS_ID) if EOS_ID in gen else G
+    assert MASK_ID not in gen[:first_eos]
+    assert MASK_ID not in gen
+    if stats["stopped_by"] == "eos":
+        assert cfg["early_stop"] and EOS_ID in gen
+    # NFE = 1 + block steps + refresh steps, counted from the trace
+    block_steps, refresh_steps, decoded = _replay(stats["trace"], G, n)
+    assert stats["nfe"] == int(out.nfe[0]) == 1 + len(block_steps) + len(refresh_steps)
+    assert stats["nfe_block"] == len(block_steps) and stats["nfe_refresh"] == len(refresh_steps)
+    if cfg["refresh"] == "off":
+        assert not refresh_steps
+    if not cfg["merge"] or n == 1:
+        assert stats["merged"] == 0
+    if not cfg["sync"] or n == 1:
+        assert stats["syncs"] == 0
+    # the replayed decoded sets are the branches' final decoded counts, and the winner's canvas
+    for b, branch in enumerate(stats["branches"]):
+        assert len(decoded[b]) == branch["decoded"]
+    win = decoded[stats["winner_branch"]]
+    if stats["stopped_by"] == "complete":
+        assert win == set(range(G))
+    else:
+        assert set(range(first_eos + 1)) <= win
+
+
+def test_merge_and_sync_happen_and_help():
+    """On a peaked model with small branches, merges and syncs do happen (so the invariant test
+    above exercises them), and the multi-branch run needs fewer forwards than its slowest branch."""
+    model = _model("llada-peaked")
+    prompt = [5, 3, 8, 1, 9, 2]
+    cfg = BlockBatchConfig(max_new_tokens=32, block_sizes=[2, 4, 8, 16], threshold=0.47, sync_threshold=2,
+                           merge_threshold=0.3, refresh_interval=8, early_stop=False, output_trace=True)  # fmt: skip
+    out = _gen(model, prompt, cfg)
+    stats = out.stats[0]
+    assert stats["syncs"] > 0
+    assert stats["merged"] > 0
+    assert MASK_ID not in out.sequences[0].tolist()
+    alone = _gen(model, prompt, FastDLLMConfig(max_new_tokens=32, block_length=2, threshold=0.47))
+    assert int(out.nfe[0]) < int(alone.nfe[0])

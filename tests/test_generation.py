@@ -1,0 +1,294 @@
+"""Decoding layer, end to end on tiny models: reference equality, padding, seeds, early stop,
+streaming, config errors and config save/load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _generation_helpers import eos_model, peaked, ref_generate
+from conftest import EOS_ID, MASK_ID, make_tiny_llada
+from transformers import GenerationConfig
+
+from hf_blockbatch.generation import (
+    BlockBatchConfig,
+    FastDLLMConfig,
+    VanillaDiffusionConfig,
+    config_from_dict,
+)
+
+FAMILIES = ["llada", "dream"]
+PROMPT = [1, 2, 3, 4, 5, 6, 7]
+G = 16
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request):
+    return peaked(request.param)
+
+
+def _gen(model, prompt, cfg, **kwargs):
+    ids = torch.tensor([prompt]) if isinstance(prompt, list) else prompt
+    return model.generate(ids, generation_config=cfg, return_dict_in_generate=True, **kwargs)
+
+
+# ----------------------------------------------------------------------------- 1. reference equality
+REFERENCE_CASES = [
+    # (mode, block, rule kwargs); block 6 does not divide 16: the last block is shorter
+    ("none", 4, {"threshold": 0.47}),
+    ("none", 6, {"threshold": 0.47}),
+    ("prefix", 4, {"threshold": 0.47}),
+    ("prefix", 6, {"factor": 2.0}),
+    ("dual", 4, {"threshold": 0.47}),
+    ("dual", 6, {"threshold": 0.47}),
+    ("dual", 16, {"threshold": 0.47}),
+    ("dual", 8, {"factor": 2.0}),
+    ("dual", 8, {"steps": 8, "threshold": None}),
+    ("prefix", 8, {"steps": 4, "threshold": None}),
+]
+
+
+@pytest.mark.parametrize("mode,block,rule", REFERENCE_CASES)
+def test_fast_dllm_matches_reference(model, mode, block, rule):
+    ref, ref_nfe = ref_generate(model, PROMPT, G, block, mode, **rule)
+    out = _gen(model, PROMPT, FastDLLMConfig(max_new_tokens=G, block_length=block, cache=mode, **rule))
+    assert out.sequences[0].tolist() == ref
+    assert int(out.nfe[0]) == ref_nfe == out.stats[0]["nfe"]
+
+
+@pytest.mark.parametrize("steps,block", [(16, 8), (8, 16), (12, 6)])
+def test_vanilla_matches_reference(model, steps, block):
+    ref, ref_nfe = ref_generate(model, PROMPT, G, block, "none", steps=steps)
+    out = _gen(model, PROMPT, VanillaDiffusionConfig(max_new_tokens=G, steps=steps, block_length=block))
+    assert out.sequences[0].tolist() == ref
+    assert int(out.nfe[0]) == ref_nfe == steps
+    assert MASK_ID not in out.sequences[0].tolist()
+
+
+def test_skip_completed_block_step_saves_the_extra_forward(model):
+    """With a low threshold every block-start forward completes its block: the official loop still
+    runs one more forward per block; skip_completed_block_step=True does not."""
+    kw = dict(max_new_tokens=G, block_length=4, cache="dual", threshold=0.01)
+    official = _gen(model, PROMPT, FastDLLMConfig(**kw))
+    skipped = _gen(model, PROMPT, FastDLLMConfig(skip_completed_block_step=True, **kw))
+    assert official.sequences.tolist() == skipped.sequences.tolist()
+    assert int(official.nfe[0]) == 2 * (G // 4)
+    assert int(skipped.nfe[0]) == G // 4
+
+
+# ----------------------------------------------------------------------------- 4. seeds
+def test_same_seed_same_output(model):
+    cfg = BlockBatchConfig(max_new_tokens=G, block_sizes=[4, 8], threshold=0.47, temperature=1.0)
+    runs = [
+        _gen(model, PROMPT, cfg, generator=torch.Generator().manual_seed(s)).sequences for s in (1, 1, 2, 3)
+    ]
+    assert torch.equal(runs[0], runs[1])
+    assert not (torch.equal(runs[0], runs[2]) and torch.equal(runs[0], runs[3]))
+
+
+# ----------------------------------------------------------------------------- 5. padding
+PADDED_CONFIGS = [
+    VanillaDiffusionConfig(max_new_tokens=G, steps=8, block_length=8),
+    FastDLLMConfig(max_new_tokens=G, block_length=4, cache="none", threshold=0.47),
+    FastDLLMConfig(max_new_tokens=G, block_length=6, cache="prefix", threshold=0.47),
+    FastDLLMConfig(max_new_tokens=G, block_length=4, cache="dual", threshold=0.47),
+    BlockBatchConfig(
+        max_new_tokens=G, block_sizes=[2, 4, 8], threshold=0.47, sync_threshold=2, refresh_interval=8
+    ),
+]
+
+
+@pytest.mark.parametrize("cfg", PADDED_CONFIGS, ids=lambda c: f"{c.strategy}-{getattr(c, 'cache', '')}")
+def test_padded_batch_equals_alone(model, cfg):
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9], [7, 9, 3, 2, 3, 8, 4, 6, 2, 6]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[EOS_ID] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    batch = model.generate(ids, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True)
+    for i, p in enumerate(prompts):
+        alone = _gen(model, p, cfg)
+        assert batch.sequences[i, width - len(p) :].tolist() == alone.sequences[0].tolist()
+        assert batch.sequences[i, : width - len(p)].tolist() == [EOS_ID] * (width - len(p))
+        assert int(batch.nfe[i]) == int(alone.nfe[0])
+
+
+# ----------------------------------------------------------------------------- 6. early stop
+@pytest.mark.parametrize("family", FAMILIES)
+def test_early_stop_on_eos(family):
+    m = eos_model(family)
+    kw = dict(max_new_tokens=32, block_length=4, cache="dual", threshold=0.9)
+    full = _gen(m, PROMPT, FastDLLMConfig(**kw))
+    stopped = _gen(m, PROMPT, FastDLLMConfig(early_stop=True, **kw))
+    gen = stopped.sequences[0, len(PROMPT) :].tolist()
+    assert EOS_ID in gen
+    assert MASK_ID not in gen
+    assert stopped.stats[0]["stopped_by"] == "eos"
+    assert full.stats[0]["stopped_by"] == "complete"
+    assert int(stopped.nfe[0]) < int(full.nfe[0])
+    # up to and including the first EOS, the stopped run agrees with the full one
+    first = gen.index(EOS_ID)
+    assert gen[: first + 1] == full.sequences[0, len(PROMPT) : len(PROMPT) + first + 1].tolist()
+    # the block holding the first EOS is fully decoded; everything after it is padding (pad id = EOS)
+    block_end = (first // 4 + 1) * 4
+    assert gen[block_end:] == [EOS_ID] * (len(gen) - block_end)
+    assert len(gen) - block_end >= 8  # it did stop early
+
+
+# ----------------------------------------------------------------------------- 7. streaming
+class RecordingStreamer:
+    def __init__(self) -> None:
+        self.puts: list[list[int]] = []
+        self.ended = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        assert self.ended == 0, "put() after end()"
+        self.puts.append(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        self.ended += 1
+
+
+@pytest.mark.parametrize(
+    "family,cfg",
+    [
+        ("llada", BlockBatchConfig(max_new_tokens=G, block_sizes=[2, 4, 8], threshold=0.47)),
+        ("dream", FastDLLMConfig(max_new_tokens=G, block_length=4, threshold=0.47)),
+        ("llada", FastDLLMConfig(max_new_tokens=32, block_length=4, threshold=0.9, early_stop=True)),
+    ],
+)
+def test_streamer_receives_the_generated_tokens(family, cfg):
+    m = eos_model(family) if cfg.max_new_tokens == 32 else peaked(family)
+    s = RecordingStreamer()
+    out = _gen(m, PROMPT, cfg, streamer=s)
+    gen = out.sequences[0, len(PROMPT) :].tolist()
+    upto = gen[: gen.index(EOS_ID)] if EOS_ID in gen else gen
+    assert s.ended == 1
+    assert s.puts[0] == PROMPT  # as transformers' generate: the prompt first
+    streamed = [t for chunk in s.puts[1:] for t in chunk]
+    assert streamed == upto
+    assert all(len(chunk) > 0 for chunk in s.puts)
+
+
+# ----------------------------------------------------------------------------- 8. errors before any forward
+def _counting(model):
+    calls = {"n": 0}
+    fwd, win = model.forward, model.forward_windows
+
+    def forward(*a, **k):
+        calls["n"] += 1
+        return fwd(*a, **k)
+
+    def forward_windows(*a, **k):
+        calls["n"] += 1
+        return win(*a, **k)
+
+    model.forward, model.forward_windows = forward, forward_windows
+    return calls
+
+
+BAD = [
+    (lambda: BlockBatchConfig(block_sizes=[]), {}, ValueError, "block_sizes must name at least one"),
+    (lambda: BlockBatchConfig(block_sizes=[4, 0]), {}, ValueError, "positive integer"),
+    (lambda: BlockBatchConfig(block_sizes=[4, -8]), {}, ValueError, "positive integer"),
+    (lambda: FastDLLMConfig(threshold=0), {}, ValueError, "threshold must be in (0, 1]"),
+    (lambda: BlockBatchConfig(threshold=1.5), {}, ValueError, "threshold must be in (0, 1]"),
+    (lambda: FastDLLMConfig(block_length=0), {}, ValueError, "block_length must be a positive integer"),
+    (lambda: FastDLLMConfig(threshold=0.9, factor=1.0), {}, ValueError, "exactly one of threshold, factor"),
+    (lambda: FastDLLMConfig(cache="full"), {}, ValueError, "cache must be 'none', 'prefix' or 'dual'"),
+    (
+        lambda: VanillaDiffusionConfig(steps=5, block_length=8, max_new_tokens=16),
+        {},
+        ValueError,
+        "multiple of",
+    ),
+    (
+        lambda: FastDLLMConfig(),
+        {"no_such_option": 1},
+        TypeError,
+        "Unknown generation option 'no_such_option'",
+    ),
+    (lambda: GenerationConfig(max_new_tokens=8), {}, TypeError, "FastDLLMConfig or BlockBatchConfig"),
+    (lambda: FastDLLMConfig(temperature=-1.0), {}, ValueError, "temperature must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("make_cfg,kwargs,exc,message", BAD)
+def test_bad_config_fails_before_any_forward(tiny_llada, make_cfg, kwargs, exc, message):
+    calls = _counting(tiny_llada)
+    with pytest.raises(exc) as err:
+        tiny_llada.generate(torch.tensor([PROMPT]), generation_config=make_cfg(), **kwargs)
+    assert message in str(err.value)
+    assert calls["n"] == 0
+
+
+def test_bad_inputs_fail_before_any_forward(tiny_llada):
+    calls = _counting(tiny_llada)
+    cfg = FastDLLMConfig(max_new_tokens=G, block_length=4)
+    with pytest.raises(ValueError, match="left-padded"):
+        tiny_llada.generate(
+            torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[1, 1, 0]]), generation_config=cfg
+        )
+    with pytest.raises(ValueError, match="exceeds the model's context of 256 positions: shorten the prompt"):
+        tiny_llada.generate(torch.ones(1, 250, dtype=torch.long), generation_config=cfg)
+    with pytest.raises(ValueError, match="empty"):
+        tiny_llada.generate(torch.zeros(1, 0, dtype=torch.long), generation_config=cfg)
+    tiny_llada.config.mask_token_id = None
+    with pytest.raises(ValueError, match="no mask_token_id: set generation_config.mask_token_id"):
+        tiny_llada.generate(torch.tensor([PROMPT]), generation_config=cfg)
+    assert calls["n"] == 0
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        FastDLLMConfig(max_new_tokens=10, block_length=4, threshold=0.47),
+        BlockBatchConfig(max_new_tokens=10, block_sizes=[3, 4, 8], threshold=0.47),
+        VanillaDiffusionConfig(max_new_tokens=10, steps=9, block_length=4),
+    ],
+    ids=lambda c: c.strategy,
+)
+def test_block_sizes_that_do_not_divide_are_supported(cfg):
+    m = peaked("llada")
+    out = _gen(m, PROMPT, cfg)
+    assert out.sequences.shape == (1, len(PROMPT) + 10)
+    assert MASK_ID not in out.sequences[0].tolist()
+
+
+# ----------------------------------------------------------------------------- 9. save / load
+CONFIGS = [
+    VanillaDiffusionConfig(
+        max_new_tokens=64, steps=32, block_length=16, remasking="random", logits_eos_inf=True
+    ),
+    FastDLLMConfig(
+        max_new_tokens=48, cache="prefix", factor=1.5, threshold=None, early_stop=True, temperature=0.5
+    ),
+    BlockBatchConfig(
+        block_sizes=[4, 16], merge=False, sync_threshold=3, refresh="divergence", output_trace=True
+    ),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.strategy)
+def test_config_round_trip(cfg, tmp_path):
+    cfg.save_pretrained(tmp_path)
+    loaded = type(cfg).from_pretrained(tmp_path)
+    assert type(loaded) is type(cfg)
+    for name in type(cfg)._ours + ("max_new_tokens", "temperature"):
+        assert getattr(loaded, name) == getattr(cfg, name), name
+    rebuilt = config_from_dict(cfg.to_dict())
+    assert type(rebuilt) is type(cfg)
+    for name in type(cfg)._ours + ("max_new_tokens", "temperature"):
+        assert getattr(rebuilt, name) == getattr(cfg, name), name
+    rebuilt.validate()
+
+
+def test_config_from_dict_rejects_unknown_strategy():
+    with pytest.raises(ValueError, match="Unknown strategy"):
+        config_from_dict({"strategy": "beam"})
+
+
+def test_model_generation_config_is_used_by_default():
+    m = make_tiny_llada()
+    m.generation_config = FastDLLMConfig(max_new_tokens=8, block_length=4, threshold=0.5)
+    out = m.generate(torch.tensor([PROMPT]), return_dict_in_generate=True)
+    assert out.stats[0]["strategy"] == "fast_dllm"
+    assert out.sequences.shape == (1, len(PROMPT) + 8)

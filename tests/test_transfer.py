@@ -1,0 +1,132 @@
+"""The transfer rules and the sampler on hand-made tensors."""
+
+from __future__ import annotations
+
+import torch
+from _generation_helpers import ref_quota
+
+from hf_blockbatch.generation.transfer import (
+    factor_rule,
+    quota_rule,
+    quota_schedule,
+    sample_tokens,
+    threshold_rule,
+)
+
+NEG = float("-inf")
+
+
+def _t(rows, dtype=torch.float64):
+    return torch.tensor(rows, dtype=dtype)
+
+
+def test_threshold_commits_above_and_always_the_best():
+    conf = _t([[0.95, 0.2, 0.91, 0.5], [0.3, 0.1, 0.2, 0.25]])
+    cand = torch.ones(2, 4, dtype=torch.bool)
+    sel = threshold_rule(conf, cand, 0.9)
+    assert sel.tolist() == [[True, False, True, False], [True, False, False, False]]
+
+
+def test_threshold_is_inclusive_and_ignores_non_candidates():
+    conf = _t([[0.9, 0.99, 0.1, 0.95]])
+    cand = torch.tensor([[True, False, True, True]])
+    sel = threshold_rule(conf, cand, 0.9)
+    assert sel.tolist() == [[True, False, False, True]]  # 0.9 >= 0.9; the 0.99 is not a candidate
+
+
+def test_threshold_best_is_a_candidate_even_when_a_non_candidate_is_more_confident():
+    conf = _t([[0.99, 0.3, 0.4]])
+    cand = torch.tensor([[False, True, True]])
+    assert threshold_rule(conf, cand, 0.9).tolist() == [[False, False, True]]
+
+
+def test_rows_without_candidates_commit_nothing():
+    conf = _t([[0.99, 0.98], [0.5, 0.6]])
+    cand = torch.tensor([[False, False], [True, False]])
+    assert threshold_rule(conf, cand, 0.5).tolist() == [[False, False], [True, False]]
+    assert factor_rule(conf, cand, 1.0).tolist() == [[False, False], [True, False]]
+    assert quota_rule(conf, cand, torch.tensor([2, 2])).tolist() == [[False, False], [True, False]]
+
+
+def test_ties_commit_exactly_one_at_the_minimum():
+    conf = _t([[0.3, 0.3, 0.3]])
+    cand = torch.ones(1, 3, dtype=torch.bool)
+    assert int(threshold_rule(conf, cand, 0.9).sum()) == 1
+    assert int(factor_rule(conf, cand, 1.0).sum()) == 1
+    assert int(quota_rule(conf, cand, torch.tensor([2])).sum()) == 2
+    # tied above the threshold: all of them
+    assert threshold_rule(_t([[0.95, 0.95, 0.95]]), cand, 0.9).all()
+
+
+def test_factor_rule_known_example():
+    # exact binary fractions; sorted: 0.875, 0.8125, 0.75, 0.5 -> (n+1)(1-c_n): 0.25, 0.5625, 1.0, 2.5
+    conf = _t([[0.75, 0.875, 0.5, 0.8125]])
+    cand = torch.ones(1, 4, dtype=torch.bool)
+    assert factor_rule(conf, cand, 1.0).tolist() == [[False, True, False, True]]  # 1.0 < 1.0 fails: n = 2
+    assert factor_rule(conf, cand, 1.01).tolist() == [[True, True, False, True]]  # n = 3
+    assert factor_rule(conf, cand, 0.1).tolist() == [[False, True, False, False]]  # none pass: at least one
+    assert factor_rule(conf, cand, 3.0).all()
+
+
+def test_factor_rule_counts_only_candidates():
+    conf = _t([[0.99, 0.99, 0.2, 0.97]])
+    cand = torch.tensor([[False, False, True, True]])
+    # candidates sorted: 0.97 (2*0.03 = 0.06), 0.2 (3*0.8 = 2.4)
+    assert factor_rule(conf, cand, 1.0).tolist() == [[False, False, False, True]]
+
+
+def test_quota_rule_commits_the_most_confident():
+    conf = _t([[0.1, 0.7, 0.3, 0.9], [0.6, 0.5, 0.4, 0.3]])
+    cand = torch.tensor([[True, True, True, True], [False, True, True, True]])
+    sel = quota_rule(conf, cand, torch.tensor([2, 3]))
+    assert sel.tolist() == [[False, True, False, True], [False, True, True, True]]
+
+
+def test_quota_schedule_matches_llada():
+    for masked in range(0, 20):
+        for steps in range(1, 9):
+            got = [int(quota_schedule(torch.tensor(masked), steps, torch.tensor(i))) for i in range(steps)]
+            assert got == ref_quota(masked, steps), (masked, steps)
+            assert sum(got) == masked
+
+
+def test_minus_inf_confidences_still_make_progress():
+    conf = _t([[NEG, NEG, NEG], [NEG, 0.2, NEG]])
+    cand = torch.tensor([[True, True, False], [True, True, True]])
+    for sel in (
+        threshold_rule(conf, cand, 0.9),
+        factor_rule(conf, cand, 1.0),
+        quota_rule(conf, cand, torch.tensor([1, 1])),
+    ):
+        assert sel.sum(-1).tolist() == [1, 1]
+        assert not (sel & ~cand).any()
+    assert threshold_rule(conf, cand, 0.9)[1].tolist() == [False, True, False]
+
+
+def test_sample_tokens_greedy_and_confidence():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    s = sample_tokens(logits, 0.0, "low_confidence", top_k=2)
+    assert s.tokens.tolist() == [1, 0]
+    expect = torch.softmax(logits.double(), -1).max(-1).values
+    assert torch.allclose(s.confidence, expect)
+    assert s.confidence.dtype == torch.float64
+    assert s.top_ids[:, 0].tolist() == [1, 0]
+
+
+def test_sample_tokens_suppress_and_low_confidence_ids():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 0.0, 4.0]])
+    s = sample_tokens(logits, 0.0, "low_confidence", 2, suppress_logit_ids=torch.tensor([1]))
+    assert s.tokens.tolist() == [2, 2]
+    s = sample_tokens(logits, 0.0, "low_confidence", 2, low_confidence_ids=torch.tensor([2]))
+    assert s.tokens.tolist() == [1, 2]
+    assert s.confidence[1] == NEG and s.confidence[0] > 0.9
+
+
+def test_sample_tokens_gumbel_is_seeded():
+    logits = torch.randn(64, 10, generator=torch.Generator().manual_seed(0))
+    a = sample_tokens(logits, 1.0, "low_confidence", 2, torch.Generator().manual_seed(5)).tokens
+    b = sample_tokens(logits, 1.0, "low_confidence", 2, torch.Generator().manual_seed(5)).tokens
+    c = sample_tokens(logits, 1.0, "low_confidence", 2, torch.Generator().manual_seed(6)).tokens
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    r = sample_tokens(logits, 0.0, "random", 2, torch.Generator().manual_seed(5)).confidence
+    assert ((r >= 0) & (r < 1)).all()
