@@ -1,0 +1,482 @@
+"""Supervised fine-tuning of tiny masked-diffusion models with LLaDA's SFT objective.
+
+Why this objective (LLaDA paper, SFT section): the prompt is never masked; every response token
+is masked independently with probability ``t`` (one ``t`` per example) and the model is trained
+to recover the masked tokens. The response is the target, the end-of-turn token, then EOS
+padding up to a generation length: LLaDA-Instruct learns the trailing EOS this way, which is
+what lets a fixed-length canvas end early. Rows of a batch are right-padded with EOS, so every
+row is ``prompt + target + eot + EOS...``: all real tokens, no attention mask needed.
+
+Deviations chosen for tiny models on a CPU, and why:
+
+* ``t ~ U(t_min, 1)`` with a floor (default 0.1): very small ``t`` gives almost no signal per
+  step.
+* The loss is the plain mean cross-entropy over masked positions, without the ``1/t`` weight of
+  the ELBO: at this scale the weight only adds variance.
+* The generation length is drawn per batch from a range, so the model learns the EOS tail for
+  every canvas length the decoders may use (72 to 96 tokens by default: the longest target is 68 tokens with its end of turn).
+* Dream's logits are shifted (position ``i - 1`` predicts token ``i``); the loss aligns them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "TrainConfig",
+    "Example",
+    "build_model",
+    "encode_items",
+    "make_batch",
+    "apply_noise",
+    "sft_loss",
+    "train",
+    "main",
+]
+
+
+@dataclass
+class TrainConfig:
+    """Everything that determines a training run (saved next to the checkpoint)."""
+
+    family: str = "llada"
+    # model geometry
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    #: None: all heads (LLaDA), half the heads (Dream, grouped-query attention as in Qwen2)
+    n_kv_heads: int | None = None
+    mlp_hidden: int = 384
+    max_positions: int = 512
+    rope_theta: float = 10000.0
+    # optimisation
+    lr: float = 1.5e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    #: 32, not 64: on two shared CPU cores a 64-row step takes ~4 s; more, smaller steps learn faster per minute
+    batch_size: int = 32
+    steps: int = 5000
+    #: wall-clock budget in minutes (0: none); the LR schedule then follows elapsed time
+    minutes: float = 0.0
+    seed: int = 0
+    # data
+    suites: dict[str, float] = field(default_factory=lambda: {"arith": 0.5, "code": 0.25, "lists": 0.25})
+    train_items_per_suite: int = 50_000
+    #: generation length drawn per batch from [gen_min, gen_max] (multiples of 8)
+    gen_min: int = 72
+    gen_max: int = 96
+    t_min: float = 0.1
+    #: continue from a saved checkpoint folder (its weights; a fresh optimizer and LR schedule):
+    #: how a CPU-bound run is extended in stages without losing what it learned
+    init_from: str = ""
+    # evaluation
+    eval_every: int = 200
+    log_every: int = 25
+    eval_items_per_suite: int = 64
+    decode_items_per_suite: int = 32
+    decode_tokens_per_step: int = 4
+    num_threads: int = 2
+
+
+@dataclass
+class Example:
+    """One tokenized training pair: prompt ids (never masked) and response ids (target + eot)."""
+
+    prompt: list[int]
+    response: list[int]
+    suite: str = ""
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def build_model(config: TrainConfig, tokenizer: Any) -> torch.nn.Module:
+    """A freshly initialised model of ``config.family`` with the official config field names."""
+    from hf_blockbatch import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM
+    from hf_blockbatch.training.tokenizer import special_token_ids
+
+    ids = special_token_ids(tokenizer)
+    vocab = int(math.ceil(len(tokenizer) / 8) * 8)
+    if config.family == "llada":
+        cfg = LLaDAConfig(
+            d_model=config.d_model,
+            n_heads=config.n_heads,
+            n_kv_heads=config.n_kv_heads or config.n_heads,
+            n_layers=config.n_layers,
+            mlp_ratio=max(1, config.mlp_hidden // config.d_model),
+            mlp_hidden_size=config.mlp_hidden,
+            rope_theta=config.rope_theta,
+            max_sequence_length=config.max_positions,
+            vocab_size=vocab,
+            embedding_size=vocab,
+            eos_token_id=ids["eos"],
+            pad_token_id=ids["pad"],
+            bos_token_id=ids["bos"],
+            mask_token_id=ids["mask"],
+        )
+        return LLaDAModelLM(cfg)
+    if config.family == "dream":
+        cfg = DreamConfig(
+            vocab_size=vocab,
+            hidden_size=config.d_model,
+            intermediate_size=config.mlp_hidden,
+            num_hidden_layers=config.n_layers,
+            num_attention_heads=config.n_heads,
+            num_key_value_heads=config.n_kv_heads or max(1, config.n_heads // 2),
+            max_position_embeddings=config.max_positions,
+            max_window_layers=config.n_layers,
+            rope_theta=config.rope_theta,
+            mask_token_id=ids["mask"],
+            pad_token_id=ids["pad"],
+            bos_token_id=ids["bos"],
+            eos_token_id=ids["eos"],
+        )
+        return DreamModel(cfg)
+    raise ValueError(f"family must be 'llada' or 'dream', got {config.family!r}")
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def encode_items(
+    items: list[Any], task: Any, tokenizer: Any, eot_id: int, max_response: int
+) -> list[Example]:
+    """Tokenize ``items`` as chat prompt + (target, eot); drop those whose response is too long.
+
+    ``add_special_tokens=False`` because the chat template already wrote the bos token.
+    """
+    prompts = [task.prompt(it, tokenizer) for it in items]
+    p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    t_ids = tokenizer([it.target for it in items], add_special_tokens=False)["input_ids"]
+    out, dropped = [], 0
+    for p, t in zip(p_ids, t_ids):
+        resp = list(t) + [eot_id]
+        if len(resp) > max_response:
+            dropped += 1
+            continue
+        out.append(Example(list(p), resp, task.name))
+    if dropped:
+        logger.warning(
+            "%s: dropped %d of %d items longer than %d tokens", task.name, dropped, len(items), max_response
+        )
+    return out
+
+
+def make_batch(examples: list[Example], gen_length: int, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``prompt + response + EOS...`` of one common length, and the prompt mask.
+
+    Every row is right-padded with EOS to ``max(prompt) + gen_length``; the padding belongs to
+    the response (so a shorter prompt simply has a longer EOS tail). Returns ``(ids [B, L],
+    is_prompt [B, L] bool)``.
+    """
+    P = max(len(e.prompt) for e in examples)
+    L = P + gen_length
+    ids = torch.full((len(examples), L), eos_id, dtype=torch.long)
+    is_prompt = torch.zeros((len(examples), L), dtype=torch.bool)
+    for r, e in enumerate(examples):
+        if len(e.response) > gen_length:
+            raise ValueError(f"response of {len(e.response)} tokens exceeds gen_length {gen_length}")
+        n = len(e.prompt)
+        ids[r, :n] = torch.as_tensor(e.prompt)
+        ids[r, n : n + len(e.response)] = torch.as_tensor(e.response)
+        is_prompt[r, :n] = True
+    return ids, is_prompt
+
+
+def apply_noise(
+    ids: torch.Tensor,
+    is_prompt: torch.Tensor,
+    mask_id: int,
+    generator: torch.Generator,
+    t_min: float = 0.1,
+    t: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask each response token with probability ``t`` (per row, ``U(t_min, 1)`` unless given).
+
+    Prompt tokens are never masked. Each row gets at least one masked token, so no example
+    contributes nothing. Returns ``(noisy_ids, masked)``.
+    """
+    B, L = ids.shape
+    if t is None:
+        t = t_min + (1 - t_min) * torch.rand(B, generator=generator)
+    u = torch.rand(B, L, generator=generator)
+    masked = (u < t[:, None]) & ~is_prompt
+    # rows with nothing masked: mask their response token with the smallest draw
+    empty = ~masked.any(dim=1)
+    if bool(empty.any()):
+        u_resp = u.masked_fill(is_prompt, 2.0)
+        first = u_resp.argmin(dim=1)
+        masked[empty, first[empty]] = True
+    noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
+    return noisy, masked
+
+
+def sft_loss(
+    logits: torch.Tensor, targets: torch.Tensor, masked: torch.Tensor, logit_shift: int = 0
+) -> torch.Tensor:
+    """Mean cross-entropy over the masked positions.
+
+    ``logit_shift = 1`` (Dream): the logits at ``i - 1`` predict token ``i``, so the logits
+    drop their last position and the targets/mask their first. Position 0 is always a prompt
+    token, so nothing is lost.
+    """
+    if logit_shift:
+        logits = logits[:, :-logit_shift]
+        targets = targets[:, logit_shift:]
+        masked = masked[:, logit_shift:]
+    sel = logits[masked]
+    if sel.numel() == 0:
+        return logits.sum() * 0.0
+    return F.cross_entropy(sel.float(), targets[masked])
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _lr_factor(progress: float, step: int, warmup: int, min_ratio: float) -> float:
+    """Linear warmup, then cosine decay to ``min_ratio`` as ``progress`` goes 0 -> 1."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(max(progress, 0.0), 1.0)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _save_atomic(model: Any, tokenizer: Any, out_dir: Path, extra: dict[str, Any]) -> None:
+    """Write the checkpoint to a temporary folder, then move its files into ``out_dir``.
+
+    So a run killed mid-save never leaves a half-written ``model.safetensors`` behind.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=out_dir))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "best_metrics.json").write_text(json.dumps(extra, indent=2, sort_keys=True))
+        for f in tmp.iterdir():
+            os.replace(f, out_dir / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_data(config: TrainConfig, tokenizer: Any, eot_id: int) -> tuple[dict[str, list[Example]], dict]:
+    from hf_blockbatch.tasks import get_suite
+
+    train, test = {}, {}
+    for name in config.suites:
+        task = get_suite(name)
+        train[name] = encode_items(
+            task.items("train", config.train_items_per_suite), task, tokenizer, eot_id, config.gen_min
+        )
+        test[name] = task.items("test")
+    return train, test
+
+
+def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) -> dict[str, Any]:
+    """Train one model and keep the best checkpoint (by held-out decode accuracy, then loss) in ``out_dir``.
+
+    ``out_dir`` also receives ``train_log.jsonl`` (one line per log/eval event) and
+    ``train_config.json``. Returns the best metrics.
+    """
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    from hf_blockbatch.tasks import get_suite
+    from hf_blockbatch.training.eval_quick import decode_accuracy, masked_token_accuracy
+    from hf_blockbatch.training.tokenizer import asset_dir, special_token_ids
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(config.num_threads)
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    tokenizer = AutoTokenizer.from_pretrained(str(asset_dir(config.family)))
+    ids = special_token_ids(tokenizer)
+    if config.init_from:
+        from transformers import AutoModel
+
+        model = AutoModel.from_pretrained(config.init_from, dtype=torch.float32).to(device)
+        logger.info("continuing from %s", config.init_from)
+    else:
+        model = build_model(config, tokenizer).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("%s: %.2fM parameters on %s", config.family, n_params / 1e6, device)
+    (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
+
+    t0 = time.time()
+    train_data, test_items = _load_data(config, tokenizer, ids["eot"])
+    logger.info("data ready in %.1fs: %s", time.time() - t0, {k: len(v) for k, v in train_data.items()})
+    suite_names = list(config.suites)
+    weights = torch.tensor([config.suites[s] for s in suite_names], dtype=torch.float)
+
+    # fixed held-out batches, noised once with their own seed
+    g_eval = torch.Generator().manual_seed(12345)
+    heldout = []
+    for name in suite_names:
+        task = get_suite(name)
+        exs = encode_items(
+            test_items[name][: config.eval_items_per_suite], task, tokenizer, ids["eot"], config.gen_max
+        )
+        for i in range(0, len(exs), 32):
+            b, p = make_batch(exs[i : i + 32], config.gen_max, ids["eos"])
+            noisy, masked = apply_noise(b, p, ids["mask"], g_eval, t=torch.full((b.shape[0],), 0.5))
+            heldout.append((noisy, b, masked))
+
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        (no_decay if p.dim() < 2 or "norm" in n else decay).append(p)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr,
+        betas=(0.9, 0.95),
+    )
+    g = torch.Generator().manual_seed(config.seed)
+    rng = random.Random(config.seed)
+    use_amp = device.type == "cuda"
+    log_f = open(out / "train_log.jsonl", "a")  # noqa: SIM115 - kept open for the whole run
+
+    def log(rec: dict[str, Any]) -> None:
+        log_f.write(json.dumps(rec) + "\n")
+        log_f.flush()
+
+    best: dict[str, Any] = {}
+    best_key: tuple[float, float] | None = None
+
+    def evaluate(step: int) -> None:
+        nonlocal best, best_key
+        model.eval()
+        te = time.time()
+        rec: dict[str, Any] = {"event": "eval", "step": step, "elapsed_s": round(time.time() - t_start, 1)}
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
+            rec.update(masked_token_accuracy(model, heldout))
+            accs = []
+            for name in suite_names:
+                if config.decode_items_per_suite <= 0:
+                    break
+                task = get_suite(name)
+                items = test_items[name][: config.decode_items_per_suite]
+                gl = min(config.gen_max, max(config.gen_min, int(getattr(task, "default_gen_length", 128))))
+                acc, texts = decode_accuracy(
+                    model, tokenizer, task, items, gl, ids, tokens_per_step=config.decode_tokens_per_step
+                )
+                rec[f"decode_acc/{name}"] = acc
+                rec[f"sample/{name}"] = texts[0][:200]
+                accs.append(acc)
+        rec["decode_acc"] = sum(accs) / len(accs) if accs else 0.0
+        rec["eval_s"] = round(time.time() - te, 1)
+        key = (rec["decode_acc"], -rec["heldout_loss"])
+        if best_key is None or key > best_key:
+            best_key, best = key, dict(rec)
+            rec["saved"] = True
+            _save_atomic(
+                model, tokenizer, out, {**rec, "params": n_params, "config": dataclasses.asdict(config)}
+            )
+        log(rec)
+        logger.info("eval %s", {k: v for k, v in rec.items() if not k.startswith("sample")})
+        model.train()
+
+    model.train()
+    t_start = time.time()
+    budget = config.minutes * 60.0
+    bar = tqdm(total=config.steps, disable=not show_progress, dynamic_ncols=True)
+    step, ema = 0, None
+    gen_choices = list(range(config.gen_min, config.gen_max + 1, 8))
+    try:
+        while step < config.steps:
+            elapsed = time.time() - t_start
+            if budget and elapsed >= budget:
+                logger.info("wall-clock budget of %.1f min reached at step %d", config.minutes, step)
+                break
+            progress = max(step / config.steps, elapsed / budget if budget else 0.0)
+            for group in opt.param_groups:
+                group["lr"] = config.lr * _lr_factor(progress, step, config.warmup_steps, config.min_lr_ratio)
+            suites = torch.multinomial(weights, config.batch_size, replacement=True, generator=g).tolist()
+            batch = [rng.choice(train_data[suite_names[s]]) for s in suites]
+            gen_length = rng.choice(gen_choices)
+            clean, is_prompt = make_batch(batch, gen_length, ids["eos"])
+            noisy, masked = apply_noise(clean, is_prompt, ids["mask"], g, config.t_min)
+            clean, noisy, masked = clean.to(device), noisy.to(device), masked.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
+                logits = model(noisy).logits
+            loss = sft_loss(logits, clean, masked, model.logit_shift)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            opt.step()
+            step += 1
+            lv = loss.detach().item()
+            ema = lv if ema is None else 0.95 * ema + 0.05 * lv
+            bar.update(1)
+            bar.set_postfix(loss=f"{ema:.3f}", lr=f"{opt.param_groups[0]['lr']:.2e}")
+            if step % config.log_every == 0 or step == 1:
+                log({
+                    "event": "train", "step": step, "loss": lv, "loss_ema": ema, "grad_norm": float(gnorm),
+                    "lr": opt.param_groups[0]["lr"], "gen_length": gen_length,
+                    "elapsed_s": round(time.time() - t_start, 1),
+                    "s_per_step": round((time.time() - t_start) / step, 3),
+                })  # fmt: skip
+            if step % config.eval_every == 0:
+                evaluate(step)
+    except KeyboardInterrupt:
+        logger.warning("interrupted at step %d: evaluating and saving", step)
+    finally:
+        bar.close()
+    if step and step % config.eval_every != 0:
+        evaluate(step)
+    log({"event": "done", "step": step, "elapsed_s": round(time.time() - t_start, 1), "best": best})
+    log_f.close()
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: ``python -m hf_blockbatch.training.sft --family llada --out DIR --steps N [--minutes M]``."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--family", choices=("llada", "dream"), required=True)
+    p.add_argument("--out", required=True)
+    d = TrainConfig()
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in ("family", "suites"):
+            continue
+        default = getattr(d, f.name)
+        typ = int if f.name == "n_kv_heads" else type(default)
+        p.add_argument("--" + f.name.replace("_", "-"), type=typ, default=default)
+    p.add_argument("--suites", default=",".join(f"{k}:{v}" for k, v in d.suites.items()),
+                   help="comma-separated name:weight")  # fmt: skip
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kw = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(TrainConfig)
+        if f.name not in ("family", "suites")
+    }
+    suites = {
+        s.split(":")[0]: float(s.split(":")[1]) if ":" in s else 1.0 for s in args.suites.split(",") if s
+    }
+    config = TrainConfig(family=args.family, suites=suites, **kw)
+    best = train(config, args.out, show_progress=not args.no_progress)
+    print(json.dumps({k: v for k, v in best.items() if not k.startswith("sample")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
