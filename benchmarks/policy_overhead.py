@@ -25,9 +25,10 @@ import hf_blockbatch as hb
 def build_model(args):
     if args.random:
         torch.manual_seed(0)
-        cfg = hb.LLaDAConfig(d_model=128, n_heads=4, n_kv_heads=4, n_layers=4, mlp_hidden_size=384, vocab_size=1024,
-                             embedding_size=1024, max_sequence_length=512, mask_token_id=1023, eos_token_id=1022,
-                             pad_token_id=1022, rope_theta=10000.0)  # fmt: skip
+        d, v = args.d_model, args.vocab
+        cfg = hb.LLaDAConfig(d_model=d, n_heads=max(4, d // 64), n_kv_heads=max(4, d // 64), n_layers=args.layers,
+                             mlp_hidden_size=3 * d, vocab_size=v, embedding_size=v, max_sequence_length=1024,
+                             mask_token_id=v - 1, eos_token_id=v - 2, pad_token_id=v - 2, rope_theta=10000.0)  # fmt: skip
         return hb.LLaDAModelLM(cfg).eval(), None
     return hb.load_model(args.model, device="cpu")
 
@@ -36,6 +37,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tiny-llada")
     parser.add_argument("--random", action="store_true")
+    parser.add_argument("--d-model", type=int, default=128, help="random model width (tiny checkpoints: 128)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--out", default="policy_overhead.json")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -45,13 +50,14 @@ def main() -> None:
     model, tokenizer = build_model(args)
     vocab = model.config.vocab_size
     torch.manual_seed(1)
-    prompts = torch.randint(0, min(vocab, 900), (args.prompts, 24))
+    prompts = torch.randint(0, vocab - 8, (args.prompts, 24))
     threshold = 0.9 if not args.random else 0.02
     strategies = {
         "fast_dllm_dual_b32": hb.FastDLLMConfig(max_new_tokens=args.max_new_tokens, block_length=32, threshold=threshold),
         "blockbatch_default": hb.BlockBatchConfig(max_new_tokens=args.max_new_tokens, threshold=threshold),
     }
-    report = {"model": "random" if args.random else args.model, "threads": args.threads, "prompts": args.prompts,
+    model_name = f"random d{args.d_model} L{args.layers} V{args.vocab}" if args.random else args.model
+    report = {"model": model_name, "threads": args.threads, "prompts": args.prompts,
               "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "strategies": {}}  # fmt: skip
     for name, cfg in strategies.items():
         total = forward = 0.0
@@ -72,7 +78,7 @@ def main() -> None:
         print(name, json.dumps(report["strategies"][name]))
     out_dir = Path(__file__).parent / "results"
     out_dir.mkdir(exist_ok=True)
-    (out_dir / "policy_overhead.json").write_text(json.dumps(report, indent=1))
+    (out_dir / args.out).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
