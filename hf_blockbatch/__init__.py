@@ -17,6 +17,7 @@ from hf_blockbatch.generation import (
     FastDLLMConfig,
     VanillaDiffusionConfig,
     diffusion_generate,
+    enable,
 )
 from hf_blockbatch.hub import TINY_DREAM, TINY_LLADA, load_model
 from hf_blockbatch.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM
@@ -49,5 +50,6 @@ __all__ = [
     "VanillaDiffusionConfig",
     "__version__",
     "diffusion_generate",
+    "enable",
     "load_model",
 ]

@@ -9,6 +9,7 @@ from _generation_helpers import eos_model, peaked, ref_generate
 from conftest import EOS_ID, MASK_ID, make_tiny_llada
 from transformers import GenerationConfig
 
+import hf_blockbatch as hb
 from hf_blockbatch.generation import (
     BlockBatchConfig,
     FastDLLMConfig,
@@ -292,3 +293,45 @@ def test_model_generation_config_is_used_by_default():
     out = m.generate(torch.tensor([PROMPT]), return_dict_in_generate=True)
     assert out.stats[0]["strategy"] == "fast_dllm"
     assert out.sequences.shape == (1, len(PROMPT) + 8)
+
+
+class _ContractOnly(torch.nn.Module):
+    """A model that is not one of ours but implements the forward contract by delegation."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+        self.logit_shift = inner.logit_shift
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def forward_windows(self, *args, **kwargs):
+        return self.inner.forward_windows(*args, **kwargs)
+
+    def new_cache(self, *args, **kwargs):
+        return self.inner.new_cache(*args, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_enable_gives_any_contract_model_the_same_generate(family):
+    from conftest import make_tiny_dream, make_tiny_llada
+
+    model = make_tiny_llada() if family == "llada" else make_tiny_dream()
+    other = hb.enable(_ContractOnly(model))
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    cfg = hb.BlockBatchConfig(max_new_tokens=12, block_sizes=[4, 8], threshold=0.05)
+    ours = model.generate(prompt, generation_config=cfg, return_dict_in_generate=True)
+    theirs = other.generate(prompt, generation_config=cfg, return_dict_in_generate=True)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert torch.equal(ours.nfe, theirs.nfe)
+
+
+def test_enable_refuses_a_model_without_the_contract():
+    with pytest.raises(TypeError, match="forward contract"):
+        hb.enable(torch.nn.Linear(2, 2))

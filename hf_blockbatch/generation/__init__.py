@@ -7,7 +7,7 @@ from hf_blockbatch.generation.configs import (
     VanillaDiffusionConfig,
     config_from_dict,
 )
-from hf_blockbatch.generation.mixin import BlockBatchGenerationMixin, diffusion_generate
+from hf_blockbatch.generation.mixin import BlockBatchGenerationMixin, diffusion_generate, enable
 from hf_blockbatch.generation.outputs import DiffusionGenerateOutput
 
 __all__ = [
@@ -19,4 +19,5 @@ __all__ = [
     "VanillaDiffusionConfig",
     "config_from_dict",
     "diffusion_generate",
+    "enable",
 ]

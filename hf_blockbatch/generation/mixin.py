@@ -22,7 +22,9 @@ from hf_blockbatch.generation.plans import plan_from_config
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BlockBatchGenerationMixin", "diffusion_generate"]
+__all__ = ["BlockBatchGenerationMixin", "diffusion_generate", "enable"]
+
+_CONTRACT = ("forward_windows", "new_cache", "logit_shift", "config", "device")
 
 
 def _as_list(value: Any) -> list[int]:
@@ -114,6 +116,29 @@ def diffusion_generate(
     if return_dict:
         return DiffusionGenerateOutput(sequences=result.sequences, nfe=result.nfe, stats=result.stats)
     return result.sequences
+
+
+def enable(model):
+    """Give any model that implements the forward contract a ``generate`` running these strategies.
+
+    The contract (see :mod:`hf_blockbatch.models.base`): ``model(input_ids, attention_mask=...,
+    cache=..., cache_rows=...)`` returning ``.logits``, ``model.forward_windows(...)``,
+    ``model.new_cache(rows, length, attention_mask)``, ``model.logit_shift`` (0 or 1),
+    ``model.device``, and ``model.config.mask_token_id``/``eos_token_id``. The method is bound to
+    the instance, as transformers binds a ``custom_generate``; the class is left untouched.
+    """
+    missing = [name for name in _CONTRACT if not hasattr(model, name)]
+    if missing:
+        raise TypeError(
+            f"{type(model).__name__} does not implement the forward contract (missing: {', '.join(missing)}); "
+            "see hf_blockbatch.models.base."
+        )
+
+    def generate(input_ids, attention_mask=None, **kwargs):
+        return diffusion_generate(model, input_ids, attention_mask, **kwargs)
+
+    model.generate = generate
+    return model
 
 
 class BlockBatchGenerationMixin:
