@@ -3,6 +3,11 @@
 ``hf-blockbatch generate`` answers one prompt with Fast-dLLM (dual cache, block 32, τ 0.9, the
 paper's baseline) and BlockBatch (default settings) side by side, with NFE and wall time, on the
 embedded tiny LLaDA by default or on any supported checkpoint (``--model``).
+
+``hf-blockbatch bench`` runs vanilla, Fast-dLLM (with and without early stop) and BlockBatch on
+task suites and benchmarks and writes per-sample JSONL, a Markdown table with the paper's columns
+and plots (see :mod:`hf_blockbatch.eval.runner`). Under ``accelerate launch`` it shards the samples
+over the processes and process 0 merges them.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -55,6 +61,66 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+
+
+def _names(values: list[str]) -> list[str]:
+    """``--task arith code`` and ``--task arith,code`` alike."""
+    return [n for v in values for n in v.split(",") if n]
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from hf_blockbatch.eval.runner import BenchSettings, parse_overrides, run_bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = BenchSettings(
+        model=args.model, tasks=_names(args.task), methods=_names(args.methods),
+        overrides=parse_overrides(args.set, args.configs), sweep_blocks=args.sweep_blocks or [],
+        limit=args.limit, batch_size=args.batch_size, seed=args.seed, gen_length=args.gen_length,
+        output_dir=args.output_dir, device=args.device, dtype=args.dtype, device_map=args.device_map,
+        chat=False if args.no_chat else None, data_paths=dict(kv.split("=", 1) for kv in args.data),
+        progress=not args.no_progress, plots=not args.no_plots,
+    )  # fmt: skip
+    if settings.batch_size < 1:
+        raise ValueError("--batch-size must be >= 1")
+    summary = run_bench(settings)
+    if summary is not None:  # process 0
+        print((Path(settings.output_dir) / "summary.md").read_text(encoding="utf-8"))
+        print(f"written to {settings.output_dir}/: samples.jsonl summary.md summary.json run.json"
+              + ("" if args.no_plots else " accuracy_vs_nfe.png nfe_distribution.png"))  # fmt: skip
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Serve ``demo/app.py`` (the Gradio Space) locally. The app lives beside the package, not in
+    it (a Space deploys that folder), so it is loaded by file path from the checkout."""
+    import importlib.util
+
+    app_path = Path(args.app) if args.app else Path(__file__).resolve().parents[1] / "demo" / "app.py"
+    if not app_path.is_file():
+        raise FileNotFoundError(
+            f"No demo app at {app_path}: the demo ships with the repository (demo/app.py), not with the wheel. "
+            "Run this from an editable install of a checkout (pip install -e '.[demo]') or pass --app PATH."
+        )
+    spec = importlib.util.spec_from_file_location("hf_blockbatch_demo_app", app_path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module's annotations through sys.modules
+    spec.loader.exec_module(module)
+    argv = ["--model", args.model, "--concurrency", str(args.concurrency)]
+    for flag, value in (("--device", args.device), ("--host", args.host), ("--port", args.port),
+                        ("--max-new-tokens", args.max_new_tokens), ("--threads", args.threads)):  # fmt: skip
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.share:
+        argv.append("--share")
+    return module.main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-blockbatch", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -67,6 +133,55 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template (base models)")
     gen.set_defaults(func=cmd_generate)
+
+    from hf_blockbatch.eval.runner import ALL_TASKS, BASE_METHODS, TINY_TASKS
+
+    bench = sub.add_parser(
+        "bench",
+        help="all methods on task suites / benchmarks: per-sample JSONL, a Markdown table, plots",
+        description="Run vanilla, Fast-dLLM (dual, block 32, τ 0.9; with and without early stop) and "
+        "BlockBatch on tasks. Several processes: accelerate launch --num_processes N -m hf_blockbatch.cli bench ...",
+    )
+    bench.add_argument("--model", default="tiny-llada", help="tiny-llada, tiny-dream, a Hub id or a local folder")
+    bench.add_argument("--task", nargs="+", default=list(TINY_TASKS), metavar="TASK",
+                       help=f"one or more of {', '.join(ALL_TASKS)} (default: the tiny suites)")  # fmt: skip
+    bench.add_argument("--methods", nargs="+", default=list(BASE_METHODS), metavar="METHOD",
+                       help=f"any of {', '.join(BASE_METHODS)}, or a method defined in --configs")  # fmt: skip
+    bench.add_argument("--set", action="append", default=[], metavar="METHOD.FIELD=VALUE",
+                       help="override a config field, e.g. blockbatch.block_sizes=4,8,16 or fast_dllm.block_length=64 "
+                       "(fast_dllm overrides also apply to fast_dllm_early_stop and the sweep)")  # fmt: skip
+    bench.add_argument("--configs", default=None, metavar="JSON",
+                       help='a JSON file {"method": {"field": value}}; a new name with "strategy" adds a method')  # fmt: skip
+    bench.add_argument("--limit", type=int, default=None, help="first N items of each task")
+    bench.add_argument("--batch-size", type=int, default=1, help="requests per generate call (left padding)")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the sampling noise (temperature > 0)")
+    bench.add_argument("--gen-length", type=int, default=None, help="new tokens (default: the task's own)")
+    bench.add_argument("--sweep-blocks", type=_int_list, default=None, metavar="B1,B2,...",
+                       help="also run Fast-dLLM at these block sizes (the fixed-block frontier), e.g. 4,8,16,32,64")  # fmt: skip
+    bench.add_argument("--output-dir", default="benchmarks/results/bench")
+    bench.add_argument("--device", default=None, help="cpu or cuda[:i] (default: this process's GPU when present)")
+    bench.add_argument("--device-map", default=None,
+                       help="accelerate device map, e.g. auto: one model over all visible GPUs (larger than one GPU)")  # fmt: skip
+    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    bench.add_argument("--no-chat", action="store_true", help="do not apply the chat template (base models)")
+    bench.add_argument("--data", action="append", default=[], metavar="TASK=PATH",
+                       help="a local data file for a benchmark, e.g. gsm8k=gsm8k_test.jsonl")  # fmt: skip
+    bench.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    bench.set_defaults(func=cmd_bench)
+
+    demo = sub.add_parser("demo", help="the Gradio app: Fast-dLLM and BlockBatch side by side, live in the browser")
+    demo.add_argument("--model", default="tiny-llada", help="tiny-llada, tiny-dream, a Hub id or a local folder")
+    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    demo.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
+    demo.add_argument("--port", type=int, default=None, help="port (default 7860 or the next free one)")
+    demo.add_argument("--share", action="store_true", help="also open a public gradio.live link")
+    demo.add_argument("--concurrency", type=int, default=1, help="decodes at once (the model is shared)")
+    demo.add_argument("--max-new-tokens", type=int, default=None, help="upper limit of the slider (256; 512 on GPU)")
+    demo.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    demo.add_argument("--app", default=None, help="path of the app (default: demo/app.py of this checkout)")
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -43,16 +43,27 @@ def load_model(
 ):
     """Load a supported model and its tokenizer (``trust_remote_code`` is never needed: our own
     classes are registered for ``llada`` and ``Dream``). Defaults: the GPU when present, bf16 on
-    GPU, float32 on CPU."""
+    GPU, float32 on CPU.
+
+    ``device_map`` (e.g. ``"auto"``) is passed to ``from_pretrained`` so that accelerate spreads a
+    model larger than one GPU over the visible GPUs; the model is then left where accelerate put
+    it (``device`` is ignored), since moving a dispatched model would undo the placement.
+    """
     import hf_blockbatch  # noqa: F401  (registers the Auto classes)
 
     path = resolve_model_path(name_or_path)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModel.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
+    if kwargs.get("device_map") is not None:
+        if dtype is None:
+            dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        model = AutoModel.from_pretrained(path, dtype=dtype, **kwargs).eval()
+        device = getattr(model, "device", None)
+    else:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = AutoModel.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     logger.info("loaded %s (%s) on %s/%s", path, type(model).__name__, device, dtype)

@@ -1,0 +1,837 @@
+"""The bench runner: every method on every task, one JSONL row per sample, a Markdown table, plots.
+
+``hf-blockbatch bench`` is a thin shell over :func:`run_bench`. What it reproduces is the *shape*
+of the paper's Table 1: per task and method, mean latency, mean NFE and accuracy, with reductions
+relative to vanilla LLaDA and to Fast-dLLM (dual cache, block 32, τ 0.9), plus the NFE ratio
+BlockBatch / Fast-dLLM with and without Fast-dLLM's early stop (the paper's Fast-dLLM decodes to
+the end of the canvas; BlockBatch stops at EOS, so both comparisons are needed to see which part
+of the saving is early stopping and which is block-size diversity).
+
+Why a Fast-dLLM block-size sweep: the paper's claim is that block-size *diversity* beats any
+single fixed block size, not only block 32. ``sweep_blocks`` runs Fast-dLLM at each block size and
+the accuracy-vs-NFE plot draws those points as a frontier line; the summary says whether
+BlockBatch's point is dominated by any of them.
+
+Several processes (data parallel): every process decodes a contiguous shard of each task's items
+(``accelerate launch``/``torchrun`` set ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``), writes its rows to
+``shards/``, and after a barrier process 0 merges the shards in item order and writes the table and
+plots, so the merged results equal a single-process run's (with greedy decoding and batch size 1
+exactly; padded batches give the same tokens too, as the decoding core guarantees).
+
+Files written to ``output_dir``: ``samples.jsonl`` (one row per task × method × item),
+``summary.md``, ``summary.json``, ``run.json`` (settings, configs, versions),
+``accuracy_vs_nfe.png`` and ``nfe_distribution.png``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_blockbatch.eval.base import EvalItem, Task
+from hf_blockbatch.eval.stats import wilson_interval
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ALL_TASKS",
+    "BASE_METHODS",
+    "BenchSettings",
+    "ShardInfo",
+    "build_method_configs",
+    "load_task",
+    "make_plots",
+    "merge_shards",
+    "parse_overrides",
+    "partial_state",
+    "read_jsonl",
+    "render_markdown",
+    "run_bench",
+    "shard_info",
+    "shard_range",
+    "summarize",
+]
+
+TINY_TASKS: tuple[str, ...] = ("arith", "code", "lists")
+REAL_TASKS: tuple[str, ...] = ("gsm8k", "math", "humaneval", "mbpp")
+ALL_TASKS: tuple[str, ...] = TINY_TASKS + REAL_TASKS
+
+#: the four methods of the paper's comparison, in table order
+BASE_METHODS: tuple[str, ...] = ("vanilla", "fast_dllm", "fast_dllm_early_stop", "blockbatch")
+LABELS: dict[str, str] = {
+    "vanilla": "Vanilla",
+    "fast_dllm": "Fast-dLLM",
+    "fast_dllm_early_stop": "Fast-dLLM + early stop",
+    "blockbatch": "BlockBatch",
+}
+#: the baseline of the paper: Fast-dLLM dual cache, block 32, τ 0.9
+BASELINE_BLOCK = 32
+SWEEP_PREFIX = "fast_dllm_b"
+#: overrides under this name apply to every sweep point (e.g. ``fast_dllm_sweep.early_stop=false``)
+SWEEP_KEY = "fast_dllm_sweep"
+#: stats keys that are large or per step, never written per sample
+_DROP_STATS = ("trace",)
+#: row fields that differ between two runs of the same decoding (timings, process)
+TIMING_FIELDS = ("latency_s", "batch_seconds", "rank")
+TIMING_STATS = ("seconds", "forward_seconds")
+
+
+# ------------------------------------------------------------------------------------------ tasks
+
+
+def load_task(name: str, data_path: str | os.PathLike[str] | None = None) -> Task:
+    """A tiny suite (``arith``, ``code``, ``lists``) or a real benchmark (``gsm8k``, ``math``,
+    ``humaneval``, ``mbpp``) by name; both implement the same :class:`Task` contract."""
+    if name in TINY_TASKS:
+        from hf_blockbatch.tasks import get_suite
+
+        return get_suite(name)
+    from hf_blockbatch.eval.benchmarks import get_benchmark
+
+    try:
+        return get_benchmark(name, data_path=data_path)
+    except KeyError as e:
+        raise ValueError(f"unknown task {name!r}; known: {', '.join(ALL_TASKS)}") from e
+
+
+# ---------------------------------------------------------------------------------------- methods
+
+
+def _parse_value(text: str) -> Any:
+    """``--set`` values: JSON when it parses (numbers, true/false, null, lists, strings in
+    quotes), a list when there are commas (``4,8,16``), a plain string otherwise (``dual``)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    if "," in text:
+        return [_parse_value(p.strip()) for p in text.split(",") if p.strip()]
+    return text
+
+
+def parse_overrides(
+    assignments: Iterable[str] = (), config_file: str | os.PathLike[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Per-method config overrides from a JSON file (``{"blockbatch": {"block_sizes": [4, 8]}}``)
+    and ``method.field=value`` assignments (applied after the file, so the command line wins).
+
+    A JSON entry under a new name with a ``"strategy"`` (``vanilla``/``fast_dllm``/``blockbatch``)
+    defines an extra method, e.g. ``{"bb_nomerge": {"strategy": "blockbatch", "merge": false}}``;
+    name it in ``methods`` to run it.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    if config_file is not None:
+        data = json.loads(Path(config_file).read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+            raise ValueError(f"{config_file}: expected a JSON object of method -> {{field: value}}")
+        for method, fields in data.items():
+            out.setdefault(method, {}).update(fields)
+    for item in assignments:
+        key, sep, value = item.partition("=")
+        method, dot, fname = key.strip().partition(".")
+        if not sep or not dot or not method or not fname:
+            raise ValueError(f"--set expects method.field=value (e.g. blockbatch.block_sizes=4,8,16), got {item!r}")
+        out.setdefault(method, {})[fname] = _parse_value(value.strip())
+    return out
+
+
+def _vanilla_schedule(gen_length: int, block: int) -> tuple[int, int]:
+    """(steps, block) for vanilla with one step per token where the block count allows it.
+
+    Why round: LLaDA's sampler needs ``steps`` to be a multiple of the number of blocks; for a
+    generation length that is not a multiple of the block we take the smallest such ``steps``
+    ≥ ``gen_length`` (one token per step on average, as the paper's ``steps = gen length``).
+    """
+    block = min(block, gen_length)
+    blocks = -(-gen_length // block)
+    steps = blocks * -(-gen_length // blocks)
+    return steps, block
+
+
+def build_method_configs(
+    methods: Sequence[str],
+    gen_length: int,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    sweep_blocks: Sequence[int] = (),
+) -> dict[str, Any]:
+    """Name -> generation config for one task's generation length.
+
+    Defaults (the paper's setup): vanilla = ``steps = gen length``, block 32; ``fast_dllm`` = dual
+    cache, block 32, τ 0.9, no early stop; ``fast_dllm_early_stop`` = the same with early stop;
+    ``blockbatch`` = :class:`BlockBatchConfig` defaults. ``fast_dllm_early_stop`` and the sweep
+    points ``fast_dllm_b{N}`` inherit ``fast_dllm``'s overrides (then their own), so a changed
+    baseline threshold moves all Fast-dLLM variants together.
+
+    The sweep points decode *with* early stop (``fast_dllm_sweep.early_stop=false`` turns it off):
+    BlockBatch stops at EOS, so a frontier without early stop would credit block-size diversity
+    with savings that are only early stopping.
+    """
+    from hf_blockbatch.generation.configs import (
+        BlockBatchConfig,
+        FastDLLMConfig,
+        VanillaDiffusionConfig,
+        config_from_dict,
+    )
+
+    overrides = {k: dict(v) for k, v in (overrides or {}).items()}
+    # threshold 0.9 is FastDLLMConfig's own default, so a factor or steps override replaces it
+    fast_base = {"cache": "dual", "block_length": BASELINE_BLOCK, **overrides.get("fast_dllm", {})}
+
+    def make(name: str) -> Any:
+        own = overrides.get(name, {})
+        if name == "vanilla":
+            steps, block = _vanilla_schedule(gen_length, int(own.get("block_length", BASELINE_BLOCK)))
+            kw = {"max_new_tokens": gen_length, "steps": steps, "block_length": block, **own}
+            return VanillaDiffusionConfig(**kw)
+        if name == "fast_dllm":
+            return FastDLLMConfig(max_new_tokens=gen_length, **fast_base)
+        if name == "fast_dllm_early_stop":
+            return FastDLLMConfig(**{"max_new_tokens": gen_length, **fast_base, "early_stop": True, **own})
+        if name == "blockbatch":
+            return BlockBatchConfig(**{"max_new_tokens": gen_length, **own})
+        if name.startswith(SWEEP_PREFIX) and name[len(SWEEP_PREFIX) :].isdigit():
+            block = int(name[len(SWEEP_PREFIX) :])
+            kw = {"max_new_tokens": gen_length, **fast_base, "early_stop": True, **overrides.get(SWEEP_KEY, {})}
+            return FastDLLMConfig(**{**kw, "block_length": block, **own})
+        if "strategy" in own:
+            return config_from_dict({"max_new_tokens": gen_length, **own})
+        raise ValueError(
+            f"unknown method {name!r}; known: {', '.join(BASE_METHODS)} (or define one in the config file "
+            'with a "strategy")'
+        )
+
+    names = list(dict.fromkeys(list(methods) + [f"{SWEEP_PREFIX}{int(b)}" for b in sweep_blocks]))
+    configs = {}
+    for name in names:
+        cfg = make(name)
+        cfg.validate()
+        configs[name] = cfg
+    return configs
+
+
+def method_label(name: str) -> str:
+    """Display name of a method (sweep points read ``Fast-dLLM b=N (sweep)``)."""
+    if name in LABELS:
+        return LABELS[name]
+    if name.startswith(SWEEP_PREFIX) and name[len(SWEEP_PREFIX) :].isdigit():
+        return f"Fast-dLLM b={name[len(SWEEP_PREFIX) :]} (sweep)"
+    return name
+
+
+def _sweep_block(name: str) -> int | None:
+    rest = name[len(SWEEP_PREFIX) :]
+    return int(rest) if name.startswith(SWEEP_PREFIX) and rest.isdigit() else None
+
+
+def _config_key(cfg: Any) -> str:
+    return json.dumps(cfg.to_diff_dict() if hasattr(cfg, "to_diff_dict") else cfg.to_dict(), sort_keys=True)
+
+
+# ---------------------------------------------------------------------------------------- sharding
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Which process this is: ``rank`` of ``world_size``, on node-local GPU ``local_rank``."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def shard_info() -> ShardInfo:
+    """Read the launcher's environment (``accelerate launch`` and ``torchrun`` set ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``); a plain ``python`` run is rank 0 of 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    return ShardInfo(rank=rank, world_size=world, local_rank=local)
+
+
+def shard_range(n: int, rank: int, world_size: int) -> range:
+    """The contiguous slice of ``n`` items that process ``rank`` decodes.
+
+    Same split as ``accelerate``'s ``split_between_processes``: the first ``n % world_size``
+    processes take one extra item; every item goes to exactly one process.
+    """
+    base, extra = divmod(n, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+def partial_state(shard: ShardInfo) -> Any:
+    """accelerate's process state for a multi-process launch, checked against ``shard``.
+
+    Why ``cpu=`` on machines without a GPU: accelerate then only joins the launched processes
+    (gloo) when told it runs on CPUs; otherwise it would silently act as a single process and its
+    barrier would not wait for anyone.
+    """
+    from accelerate import PartialState
+
+    # shards of a large model can take long: a short collective timeout would kill the waiting rank 0
+    state = PartialState(cpu=not torch.cuda.is_available(), timeout=_dt.timedelta(days=2))
+    if state.num_processes != shard.world_size:
+        raise RuntimeError(
+            f"accelerate sees {state.num_processes} process(es) but WORLD_SIZE={shard.world_size}; "
+            "launch with `accelerate launch --num_processes N` or `torchrun --nproc_per_node N`"
+        )
+    return state
+
+
+def _default_barrier(shard: ShardInfo) -> Callable[[], None]:
+    """A barrier over the launched processes (a no-op for one process)."""
+    if shard.world_size == 1:
+        return lambda: None
+    return partial_state(shard).wait_for_everyone
+
+
+# ------------------------------------------------------------------------------------------ io
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    if hasattr(obj, "item"):
+        return obj.item()
+    return str(obj)
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Rows of a JSONL file."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _write_jsonl(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(_jsonable(row), ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def _shard_path(out_dir: Path, rank: int, world: int) -> Path:
+    return out_dir / "shards" / f"samples.rank{rank}-of-{world}.jsonl"
+
+
+def merge_shards(
+    out_dir: str | os.PathLike[str], world_size: int, task_order: Sequence[str], method_order: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Read every process's shard and return the rows in single-process order
+    (task, method, item index), so a sharded run's ``samples.jsonl`` equals an unsharded one's."""
+    out_dir = Path(out_dir)
+    rows: list[dict[str, Any]] = []
+    for rank in range(world_size):
+        path = _shard_path(out_dir, rank, world_size)
+        if not path.is_file():
+            raise FileNotFoundError(f"shard of process {rank} is missing: {path}")
+        rows.extend(read_jsonl(path))
+    t_ix = {t: i for i, t in enumerate(task_order)}
+    m_ix = {m: i for i, m in enumerate(method_order)}
+    rows.sort(key=lambda r: (t_ix.get(r["task"], len(t_ix)), m_ix.get(r["method"], len(m_ix)), r["index"]))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------- run
+
+
+@dataclass
+class BenchSettings:
+    """Everything that determines a bench run (saved to ``run.json``)."""
+
+    model: str = "tiny-llada"
+    tasks: list[str] = field(default_factory=lambda: list(TINY_TASKS))
+    methods: list[str] = field(default_factory=lambda: list(BASE_METHODS))
+    #: method -> {config field: value}, see :func:`parse_overrides`
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Fast-dLLM block sizes to sweep (the fixed-block frontier), e.g. [4, 8, 16, 32, 64]
+    sweep_blocks: list[int] = field(default_factory=list)
+    limit: int | None = None
+    batch_size: int = 1
+    seed: int = 0
+    #: None: each task's ``default_gen_length``
+    gen_length: int | None = None
+    output_dir: str = "benchmarks/results/bench"
+    #: None: the GPU of this process when present, else the CPU
+    device: str | None = None
+    #: "auto" (bf16 on GPU, float32 on CPU), "float32", "bfloat16", "float16"
+    dtype: str = "auto"
+    #: accelerate device map ("auto" spreads a model larger than one GPU over the visible GPUs)
+    device_map: str | None = None
+    #: None: use the chat template when the tokenizer has one (instruct/chat models)
+    chat: bool | None = None
+    #: local data files for the real benchmarks, task -> path
+    data_paths: dict[str, str] = field(default_factory=dict)
+    #: one small untimed decode first, so the first timed batch does not pay for kernel setup
+    warmup: bool = True
+    progress: bool = True
+    #: write the PNG plots (needs matplotlib, the ``eval`` extra)
+    plots: bool = True
+
+
+def _resolve_dtype(name: str) -> torch.dtype | None:
+    """``auto`` leaves the choice to :func:`~hf_blockbatch.hub.load_model` (bf16 on GPU)."""
+    if name == "auto":
+        return None
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    except KeyError as e:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}") from e
+
+
+def _load(settings: BenchSettings, shard: ShardInfo) -> tuple[Any, Any]:
+    from hf_blockbatch.hub import load_model
+
+    if settings.device_map is not None:
+        # the model spans devices: accelerate places it (one model per process, so combine
+        # device_map with several processes only when each process sees its own GPUs)
+        dtype = _resolve_dtype(settings.dtype)
+        return load_model(settings.model, dtype=dtype, device_map=settings.device_map)
+    device = settings.device
+    if device is None:
+        device = f"cuda:{shard.local_rank}" if torch.cuda.is_available() else "cpu"
+    return load_model(settings.model, device=device, dtype=_resolve_dtype(settings.dtype))
+
+
+def _input_device(model: Any) -> torch.device:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is not None and hasattr(emb, "weight"):
+        return emb.weight.device
+    return next(model.parameters()).device
+
+
+def _encode(tokenizer: Any, texts: Sequence[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and mask; no special tokens added (the chat template already holds BOS)."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(list(texts), add_special_tokens=False, return_tensors="pt", padding=True)
+    return enc.input_ids.to(device), enc.attention_mask.to(device)
+
+
+def _score_all(task: Task, items: Sequence[EvalItem], completions: Sequence[str]) -> list[Any]:
+    score_batch = getattr(task, "score_batch", None)
+    if callable(score_batch):
+        return list(score_batch(items, completions))
+    return [task.score(it, c) for it, c in zip(items, completions)]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _warmup(model: Any, tokenizer: Any, prompt: str, device: torch.device) -> None:
+    from hf_blockbatch.generation.configs import BlockBatchConfig, FastDLLMConfig
+
+    ids, mask = _encode(tokenizer, [prompt], device)
+    for cfg in (FastDLLMConfig(max_new_tokens=8, block_length=4), BlockBatchConfig(max_new_tokens=8, block_sizes=[4, 8])):
+        model.generate(ids, mask, generation_config=cfg, return_dict_in_generate=True)
+    _synchronize(device)
+
+
+def run_bench(
+    settings: BenchSettings,
+    model: Any = None,
+    tokenizer: Any = None,
+    shard: ShardInfo | None = None,
+    barrier: Callable[[], None] | None = None,
+) -> dict[str, Any] | None:
+    """Run the bench; process 0 returns the summary (see :func:`summarize`), others ``None``.
+
+    ``model``/``tokenizer`` skip loading (tests, notebooks). ``shard`` and ``barrier`` default to
+    the launcher's environment and accelerate's barrier; tests pass them to run the shards of a
+    multi-process run one after another in one process.
+    """
+    shard = shard or shard_info()
+    barrier = barrier or _default_barrier(shard)
+    out_dir = Path(settings.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if model is None or tokenizer is None:
+        model, tokenizer = _load(settings, shard)
+    device = _input_device(model)
+    chat = settings.chat if settings.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+
+    plans: list[tuple[str, Task, list[EvalItem], int, dict[str, Any]]] = []
+    for name in settings.tasks:
+        task = load_task(name, settings.data_paths.get(name))
+        items = task.items("test", limit=settings.limit)
+        gen_length = int(settings.gen_length or task.default_gen_length)
+        configs = build_method_configs(settings.methods, gen_length, settings.overrides, settings.sweep_blocks)
+        plans.append((name, task, items, gen_length, configs))
+
+    # a sweep point identical to the baseline (b=32 with the default fast_dllm) is not decoded twice
+    aliases: dict[str, dict[str, str]] = {}
+    for name, _task, _items, _g, configs in plans:
+        seen: dict[str, str] = {}
+        aliases[name] = {}
+        for m, cfg in configs.items():
+            key = _config_key(cfg)
+            if key in seen and _sweep_block(m) is not None:
+                aliases[name][m] = seen[key]
+            else:
+                seen.setdefault(key, m)
+
+    total = sum(len(shard_range(len(items), shard.rank, shard.world_size)) * (len(cfgs) - len(aliases[n]))
+                for n, _t, items, _g, cfgs in plans)  # fmt: skip
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=f"bench (process {shard.rank})" if shard.world_size > 1 else "bench",
+               unit="sample", disable=not settings.progress or not shard.is_main, dynamic_ncols=True)  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    warmed = not settings.warmup
+    started = time.perf_counter()
+    for name, task, items, gen_length, configs in plans:
+        mine = shard_range(len(items), shard.rank, shard.world_size)
+        if not len(mine):
+            continue
+        prompts = {i: task.prompt(items[i], tokenizer, chat=chat) for i in mine}
+        if not warmed:
+            _warmup(model, tokenizer, prompts[mine[0]], device)
+            warmed = True
+        for method, cfg in configs.items():
+            if method in aliases[name]:
+                continue
+            bar.set_postfix_str(f"{name} / {method}")
+            for b0 in range(mine.start, mine.stop, settings.batch_size):
+                idx = list(range(b0, min(b0 + settings.batch_size, mine.stop)))
+                ids, mask = _encode(tokenizer, [prompts[i] for i in idx], device)
+                # seeded by the batch's first item: sampling (temperature > 0) repeats across runs
+                gen = torch.Generator(device=device).manual_seed(settings.seed * 1_000_003 + b0)
+                _synchronize(device)
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    out = model.generate(ids, mask, generation_config=cfg, generator=gen, return_dict_in_generate=True)
+                _synchronize(device)
+                seconds = time.perf_counter() - t0
+                new = out.sequences[:, ids.shape[1] :]
+                texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+                batch_items = [items[i] for i in idx]
+                scores = _score_all(task, batch_items, texts)
+                for j, (i, item, text, score) in enumerate(zip(idx, batch_items, texts, scores)):
+                    stats = {k: v for k, v in (out.stats[j] if out.stats else {}).items() if k not in _DROP_STATS}
+                    rows.append({
+                        "task": name, "index": i, "id": item.id, "method": method, "strategy": cfg.strategy,
+                        "gen_length": gen_length, "prompt": prompts[i], "output": text,
+                        "reference": item.reference, "extracted": score.extracted, "correct": bool(score.correct),
+                        "detail": score.detail, "nfe": int(out.nfe[j]), "latency_s": seconds / len(idx),
+                        "batch_seconds": seconds, "batch_size": len(idx), "rank": shard.rank, "stats": stats,
+                    })  # fmt: skip
+                bar.update(len(idx))
+    bar.close()
+    logger.info("process %d: %d rows in %.1f s", shard.rank, len(rows), time.perf_counter() - started)
+
+    method_order = list(next(iter(plans))[4]) if plans else list(settings.methods)
+    if shard.world_size > 1:
+        _write_jsonl(_shard_path(out_dir, shard.rank, shard.world_size), rows)
+        barrier()
+        if not shard.is_main:
+            return None
+        rows = merge_shards(out_dir, shard.world_size, settings.tasks, method_order)
+        for rank in range(shard.world_size):
+            _shard_path(out_dir, rank, shard.world_size).unlink(missing_ok=True)
+        if not any((out_dir / "shards").iterdir()):
+            (out_dir / "shards").rmdir()
+    _write_jsonl(out_dir / "samples.jsonl", rows)
+
+    summary = summarize(rows, settings.tasks, method_order, aliases)
+    summary["meta"] = _run_meta(settings, shard, model, plans, chat)
+    (out_dir / "run.json").write_text(json.dumps(_jsonable(summary["meta"]), indent=2) + "\n", encoding="utf-8")
+    (out_dir / "summary.json").write_text(json.dumps(_jsonable(summary), indent=2) + "\n", encoding="utf-8")
+    (out_dir / "summary.md").write_text(render_markdown(summary), encoding="utf-8")
+    if settings.plots:
+        summary["plots"] = [str(p) for p in make_plots(summary, rows, out_dir)]
+    logger.info("results in %s", out_dir)
+    return summary
+
+
+def _run_meta(
+    settings: BenchSettings, shard: ShardInfo, model: Any, plans: Sequence[tuple], chat: bool
+) -> dict[str, Any]:
+    import transformers
+
+    import hf_blockbatch
+
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "settings": asdict(settings),
+        "model_class": type(model).__name__,
+        "device": str(_input_device(model)),
+        "dtype": str(next(model.parameters()).dtype),
+        "chat_template": chat,
+        "processes": shard.world_size,
+        "torch_threads": torch.get_num_threads(),
+        "versions": {"hf_blockbatch": hf_blockbatch.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__},  # fmt: skip
+        "tasks": {name: {"items": len(items), "gen_length": g,
+                         "configs": {m: c.to_diff_dict() for m, c in cfgs.items()}}
+                  for name, _t, items, g, cfgs in plans},  # fmt: skip
+    }
+
+
+# -------------------------------------------------------------------------------------- summary
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return float(statistics.fmean(xs)) if xs else None
+
+
+def summarize(
+    rows: Sequence[Mapping[str, Any]],
+    task_order: Sequence[str],
+    method_order: Sequence[str],
+    aliases: Mapping[str, Mapping[str, str]] | None = None,
+) -> dict[str, Any]:
+    """Per task and method: n, accuracy with its Wilson 95 % interval, mean/median NFE, mean
+    latency, branch statistics; reductions relative to vanilla and Fast-dLLM; the BlockBatch /
+    Fast-dLLM NFE ratios; and whether BlockBatch is dominated by a point of the block sweep."""
+    aliases = aliases or {}
+    tasks: dict[str, Any] = {}
+    for task in task_order:
+        cells: dict[str, Any] = {}
+        for method in method_order:
+            src = aliases.get(task, {}).get(method, method)
+            rs = [r for r in rows if r["task"] == task and r["method"] == src]
+            if not rs:
+                continue
+            k, n = sum(bool(r["correct"]) for r in rs), len(rs)
+            lo, hi = wilson_interval(k, n)
+            nfes = [int(r["nfe"]) for r in rs]
+            stats = [r.get("stats") or {} for r in rs]
+            winners: dict[str, int] = {}
+            for s in stats:
+                if s.get("winner_block_size") is not None:
+                    winners[str(s["winner_block_size"])] = winners.get(str(s["winner_block_size"]), 0) + 1
+            cells[method] = {
+                "label": method_label(method), "alias_of": src if src != method else None,
+                "n": n, "correct": k, "accuracy": k / n, "ci95": [lo, hi],
+                "nfe_mean": _mean(nfes), "nfe_median": float(statistics.median(nfes)),
+                "nfe_block_mean": _mean([s.get("nfe_block", 0) for s in stats]),
+                "nfe_refresh_mean": _mean([s.get("nfe_refresh", 0) for s in stats]),
+                "syncs_mean": _mean([s.get("syncs", 0) for s in stats]),
+                "merged_mean": _mean([s.get("merged", 0) for s in stats]),
+                "latency_mean_s": _mean([float(r["latency_s"]) for r in rs]),
+                "seconds_total": float(sum(float(r["latency_s"]) for r in rs)),
+                "winner_block_sizes": winners,
+                "sweep_block": _sweep_block(method),
+            }  # fmt: skip
+        for cell in cells.values():
+            for ref in ("vanilla", "fast_dllm"):
+                base = cells.get(ref)
+                ok = base is not None and base["nfe_mean"] and cell["nfe_mean"] is not None
+                cell[f"nfe_ratio_vs_{ref}"] = cell["nfe_mean"] / base["nfe_mean"] if ok else None
+                lat = base["latency_mean_s"] if base is not None else None
+                cell[f"speedup_vs_{ref}"] = lat / cell["latency_mean_s"] if lat and cell["latency_mean_s"] else None
+        tasks[task] = {"methods": cells, "headline": _headline(cells)}
+    return {"tasks": tasks}
+
+
+def _headline(cells: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The numbers the issue asks about: BlockBatch / Fast-dLLM NFE (with and without Fast-dLLM's
+    early stop), the accuracy gap, and the fixed-block frontier verdict."""
+    bb, fd, fde = cells.get("blockbatch"), cells.get("fast_dllm"), cells.get("fast_dllm_early_stop")
+    out: dict[str, Any] = {
+        "nfe_ratio_bb_fd": bb["nfe_mean"] / fd["nfe_mean"] if bb and fd else None,
+        "nfe_ratio_bb_fd_early_stop": bb["nfe_mean"] / fde["nfe_mean"] if bb and fde else None,
+        "acc_gap_points_bb_fd": 100 * (bb["accuracy"] - fd["accuracy"]) if bb and fd else None,
+        "frontier": None,
+    }
+    sweep = {m: c for m, c in cells.items() if c.get("sweep_block") is not None}
+    if bb and sweep:
+        dominating = [
+            (m, c) for m, c in sweep.items()
+            if c["nfe_mean"] <= bb["nfe_mean"] and c["accuracy"] >= bb["accuracy"]
+            and (c["nfe_mean"] < bb["nfe_mean"] or c["accuracy"] > bb["accuracy"])
+        ]  # fmt: skip
+        best = min(sweep.items(), key=lambda mc: mc[1]["nfe_mean"])
+        out["frontier"] = {
+            "dominated": bool(dominating),
+            "dominated_by": sorted(c["sweep_block"] for _, c in dominating),
+            "lowest_nfe_block": best[1]["sweep_block"],
+            "nfe_ratio_bb_lowest": bb["nfe_mean"] / best[1]["nfe_mean"],
+        }
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * (x - 1):+.1f} %"
+
+
+def _times(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}×"
+
+
+def _num(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def render_markdown(summary: Mapping[str, Any]) -> str:
+    """The summary as Markdown: one table per task with the paper's columns, then the headline
+    ratios and the frontier verdict."""
+    meta = summary.get("meta", {})
+    lines = ["# Bench results", ""]
+    if meta:
+        s = meta["settings"]
+        lines += [
+            f"Model `{s['model']}` ({meta['model_class']}, {meta['dtype']}) on {meta['device']}, "
+            f"{meta['processes']} process(es), batch size {s['batch_size']}, seed {s['seed']}, "
+            f"chat template {'on' if meta['chat_template'] else 'off'}; {meta['date']}.",
+            "Latency = wall time of a batch / its size; NFE = forward passes per request; accuracy with "
+            "Wilson 95 % interval. Reductions: NFE change and speed-up relative to vanilla and to Fast-dLLM "
+            "(dual cache, block 32, τ 0.9, no early stop). Sweep rows: Fast-dLLM at other block sizes, "
+            "with early stop unless configured otherwise (`run.json` holds every config).",
+            "",
+        ]
+    for task, t in summary["tasks"].items():
+        cells = t["methods"]
+        if not cells:
+            continue
+        n = max(c["n"] for c in cells.values())
+        g = meta.get("tasks", {}).get(task, {}).get("gen_length")
+        lines += [f"## {task} ({n} items" + (f", gen length {g})" if g else ")"), ""]
+        lines += [
+            "| Method | Latency (s) | NFE | Accuracy (%) [95 % CI] | NFE vs Vanilla | Speed-up vs Vanilla "
+            "| NFE vs Fast-dLLM | Speed-up vs Fast-dLLM |",
+            "|---|---:|---:|---|---:|---:|---:|---:|",
+        ]
+        for c in cells.values():
+            lo, hi = c["ci95"]
+            alias = f" (= {method_label(c['alias_of'])})" if c.get("alias_of") else ""
+            lines.append(
+                f"| {c['label']}{alias} | {_num(c['latency_mean_s'], '{:.3f}')} | {_num(c['nfe_mean'])} | "
+                f"{100 * c['accuracy']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}] | {_pct(c['nfe_ratio_vs_vanilla'])} | "
+                f"{_times(c['speedup_vs_vanilla'])} | {_pct(c['nfe_ratio_vs_fast_dllm'])} | "
+                f"{_times(c['speedup_vs_fast_dllm'])} |"
+            )
+        bb = cells.get("blockbatch")
+        if bb and bb["winner_block_sizes"]:
+            wins = ", ".join(f"{k}: {v}" for k, v in sorted(bb["winner_block_sizes"].items(), key=lambda kv: int(kv[0])))
+            lines += ["", f"BlockBatch per request: {bb['nfe_block_mean']:.1f} block + {bb['nfe_refresh_mean']:.1f} "
+                          f"refresh forwards, {bb['merged_mean']:.1f} tokens merged, {bb['syncs_mean']:.1f} syncs; "
+                          f"winner block size (count) {wins}."]  # fmt: skip
+        lines.append("")
+    heads = {k: v["headline"] for k, v in summary["tasks"].items() if v["methods"]}
+    if any(h["nfe_ratio_bb_fd"] is not None for h in heads.values()):
+        lines += [
+            "## BlockBatch against Fast-dLLM",
+            "",
+            "| Task | NFE BlockBatch / Fast-dLLM | NFE BlockBatch / Fast-dLLM + early stop | Accuracy BlockBatch − Fast-dLLM (points) | Fixed-block frontier |",
+            "|---|---:|---:|---:|---|",
+        ]
+        for task, h in heads.items():
+            fr = h["frontier"]
+            if fr is None:
+                verdict = "no sweep"
+            elif fr["dominated"]:
+                verdict = "dominated by block " + ", ".join(map(str, fr["dominated_by"]))
+            else:
+                verdict = (f"on or beyond (NFE {fr['nfe_ratio_bb_lowest']:.2f}× the lowest-NFE block, "
+                           f"{fr['lowest_nfe_block']})")  # fmt: skip
+            lines.append(
+                f"| {task} | {_num(h['nfe_ratio_bb_fd'], '{:.3f}')} | {_num(h['nfe_ratio_bb_fd_early_stop'], '{:.3f}')} "
+                f"| {_num(h['acc_gap_points_bb_fd'], '{:+.1f}')} | {verdict} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- plots
+
+
+def make_plots(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], out_dir: str | os.PathLike[str]) -> list[Path]:
+    """``accuracy_vs_nfe.png`` (one panel per task: each method's point with its Wilson interval,
+    the Fast-dLLM block sweep as a line) and ``nfe_distribution.png`` (box plots of per-request
+    NFE per method). Uses the Agg backend: no display needed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    tasks = [t for t, v in summary["tasks"].items() if v["methods"]]
+    if not tasks:
+        return []
+    ncols = min(3, len(tasks))
+    nrows = -(-len(tasks) // ncols)
+    colors = {"vanilla": "tab:gray", "fast_dllm": "tab:blue", "fast_dllm_early_stop": "tab:cyan",
+              "blockbatch": "tab:red"}  # fmt: skip
+    paths = []
+
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.2 * nrows), squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
+        cells = summary["tasks"][task]["methods"]
+        sweep = sorted((c for c in cells.values() if c.get("sweep_block") is not None), key=lambda c: c["sweep_block"])
+        if sweep:
+            ax.plot([c["nfe_mean"] for c in sweep], [100 * c["accuracy"] for c in sweep], "o--", color="tab:blue",
+                    alpha=0.5, label="Fast-dLLM block sweep")  # fmt: skip
+            for c in sweep:
+                ax.annotate(str(c["sweep_block"]), (c["nfe_mean"], 100 * c["accuracy"]), textcoords="offset points",
+                            xytext=(4, -10), fontsize=8, color="tab:blue")  # fmt: skip
+        for m, c in cells.items():
+            if c.get("sweep_block") is not None:
+                continue
+            lo, hi = c["ci95"]
+            acc = 100 * c["accuracy"]
+            ax.errorbar([c["nfe_mean"]], [acc], yerr=[[acc - 100 * lo], [100 * hi - acc]], fmt="s", capsize=3,
+                        color=colors.get(m), label=c["label"])  # fmt: skip
+        ax.set_title(task)
+        ax.set_xlabel("mean NFE per request")
+        ax.set_ylabel("accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(tasks) :]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    path = out_dir / "accuracy_vs_nfe.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.2 * nrows), squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
+        cells = summary["tasks"][task]["methods"]
+        names = list(cells)
+        data = []
+        for m in names:
+            src = cells[m].get("alias_of") or m
+            data.append([r["nfe"] for r in rows if r["task"] == task and r["method"] == src])
+        ax.boxplot(data, showmeans=True)
+        ax.set_xticks(range(1, len(names) + 1), [cells[m]["label"] for m in names], rotation=35, ha="right",
+                      fontsize=8)  # fmt: skip
+        ax.set_title(task)
+        ax.set_ylabel("NFE per request")
+        ax.grid(alpha=0.3, axis="y")
+    for ax in list(axes.flat)[len(tasks) :]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    path = out_dir / "nfe_distribution.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+    return paths

@@ -1,0 +1,339 @@
+"""The bench runner, its CLI, sharding across processes, and the lm-evaluation-harness adapter.
+
+All on a random 2-layer LLaDA with the embedded tiny tokenizer (its output head scaled, so that
+confidences spread and the methods' NFE differ). Scoring on real gold answers is tested in
+``test_eval_*``; here the point is the bookkeeping: rows complete, NFE as ``generate`` reports it,
+Wilson intervals, files written, sharded == single process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import hf_blockbatch as hb
+from hf_blockbatch.eval import runner
+from hf_blockbatch.eval.runner import (
+    BenchSettings,
+    ShardInfo,
+    build_method_configs,
+    parse_overrides,
+    run_bench,
+)
+from hf_blockbatch.eval.stats import wilson_interval
+
+torch.set_num_threads(1)
+
+ROW_KEYS = {
+    "task", "index", "id", "method", "strategy", "gen_length", "prompt", "output", "reference", "extracted",
+    "correct", "detail", "nfe", "latency_s", "batch_seconds", "batch_size", "rank", "stats",
+}  # fmt: skip
+
+
+def _random_llada(tokenizer) -> hb.LLaDAModelLM:
+    ids = {n: tokenizer.convert_tokens_to_ids(getattr(tokenizer, f"{n}_token")) for n in ("mask", "eos", "bos", "pad")}
+    vocab = -(-len(tokenizer) // 8) * 8
+    torch.manual_seed(0)
+    cfg = hb.LLaDAConfig(
+        d_model=32, n_heads=2, n_kv_heads=2, n_layers=2, mlp_hidden_size=64, vocab_size=vocab, embedding_size=vocab,
+        max_sequence_length=4096, mask_token_id=ids["mask"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+        bos_token_id=ids["bos"], rope_theta=10000.0,
+    )  # fmt: skip
+    model = hb.LLaDAModelLM(cfg).eval()
+    with torch.no_grad():  # peaked output: confidences spread over (0, 1), so thresholds matter
+        model.model.transformer.ff_out.weight.mul_(40.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model, tokenizer, folder holding both) — the folder for code paths that load by name."""
+    tok = AutoTokenizer.from_pretrained(hb.TINY_LLADA)
+    tok.padding_side = "left"
+    model = _random_llada(tok)
+    folder = tmp_path_factory.mktemp("rand-llada")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return model, tok, folder
+
+
+def _strip_timing(rows):
+    out = []
+    for r in rows:
+        r = {k: v for k, v in r.items() if k not in runner.TIMING_FIELDS}
+        r["stats"] = {k: v for k, v in r["stats"].items() if k not in runner.TIMING_STATS}
+        out.append(r)
+    return out
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def test_overrides_and_method_configs():
+    ov = parse_overrides(["blockbatch.block_sizes=4,8,16", "fast_dllm.block_length=64", "fast_dllm.threshold=0.8",
+                          "vanilla.remasking=random", "blockbatch.merge=false"])  # fmt: skip
+    assert ov["blockbatch"] == {"block_sizes": [4, 8, 16], "merge": False}
+    cfgs = build_method_configs(list(runner.BASE_METHODS), 96, ov, sweep_blocks=[8, 32])
+    assert cfgs["blockbatch"].block_sizes == [4, 8, 16] and cfgs["blockbatch"].merge is False
+    fd, fde = cfgs["fast_dllm"], cfgs["fast_dllm_early_stop"]
+    assert (fd.cache, fd.block_length, fd.threshold, fd.early_stop) == ("dual", 64, 0.8, False)
+    assert (fde.block_length, fde.threshold, fde.early_stop) == (64, 0.8, True)
+    # the sweep keeps the baseline's other fields, sets its own block, and stops early (as BlockBatch)
+    assert (cfgs["fast_dllm_b8"].block_length, cfgs["fast_dllm_b8"].threshold) == (8, 0.8)
+    assert cfgs["fast_dllm_b8"].early_stop is True
+    no_es = build_method_configs([], 96, parse_overrides(["fast_dllm_sweep.early_stop=false"]), sweep_blocks=[8])
+    assert no_es["fast_dllm_b8"].early_stop is False
+    assert cfgs["vanilla"].remasking == "random"
+    # vanilla: one step per token, block 32 (96 = 3 blocks of 32)
+    assert cfgs["vanilla"].resolved() == (96, 32)
+    # defaults are the paper's baselines
+    d = build_method_configs(["fast_dllm", "vanilla"], 40, {})
+    assert (d["fast_dllm"].cache, d["fast_dllm"].block_length, d["fast_dllm"].threshold) == ("dual", 32, 0.9)
+    steps, block = d["vanilla"].resolved()
+    assert block == 32 and steps >= 40 and steps % 2 == 0  # 40 tokens = 2 blocks: steps rounded to a multiple
+    with pytest.raises(ValueError, match="method.field=value"):
+        parse_overrides(["blockbatch=4"])
+    with pytest.raises(ValueError, match="unknown method"):
+        build_method_configs(["greedy"], 32, {})
+
+
+def test_config_file_defines_a_method(tmp_path):
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps({"bb_nomerge": {"strategy": "blockbatch", "merge": False}, "blockbatch": {"sync": False}}))
+    ov = parse_overrides(["blockbatch.sync_threshold=4"], path)
+    cfgs = build_method_configs(["blockbatch", "bb_nomerge"], 32, ov)
+    assert cfgs["bb_nomerge"].strategy == "blockbatch" and cfgs["bb_nomerge"].merge is False
+    assert cfgs["blockbatch"].sync is False and cfgs["blockbatch"].sync_threshold == 4
+
+
+def test_shard_range_covers_every_item_once():
+    for n in range(0, 11):
+        for world in (1, 2, 3, 4):
+            got = [i for r in range(world) for i in runner.shard_range(n, r, world)]
+            assert got == list(range(n))
+
+
+def test_summary_wilson_and_ratios():
+    rows = []
+    for method, nfes, correct in (("fast_dllm", [10, 10, 10, 10, 10], 4), ("blockbatch", [6, 6, 7, 7, 9], 3),
+                                  ("fast_dllm_early_stop", [8] * 5, 4), ("fast_dllm_b64", [5] * 5, 3)):  # fmt: skip
+        for i, n in enumerate(nfes):
+            rows.append({"task": "arith", "index": i, "method": method, "nfe": n, "correct": i < correct,
+                         "latency_s": n / 100, "stats": {}})  # fmt: skip
+    s = runner.summarize(rows, ["arith"], ["fast_dllm", "fast_dllm_early_stop", "blockbatch", "fast_dllm_b64"])
+    cells = s["tasks"]["arith"]["methods"]
+    lo, hi = cells["blockbatch"]["ci95"]
+    assert (lo, hi) == pytest.approx(wilson_interval(3, 5))
+    # Wilson 95 % for 3/5 (z = 1.96): 0.2307 .. 0.8824
+    assert lo == pytest.approx(0.2307, abs=1e-4) and hi == pytest.approx(0.8824, abs=1e-4)
+    h = s["tasks"]["arith"]["headline"]
+    assert h["nfe_ratio_bb_fd"] == pytest.approx(7.0 / 10.0)
+    assert h["nfe_ratio_bb_fd_early_stop"] == pytest.approx(7.0 / 8.0)
+    assert h["acc_gap_points_bb_fd"] == pytest.approx(-20.0)
+    assert h["frontier"]["dominated"] and h["frontier"]["dominated_by"] == [64]
+    assert cells["blockbatch"]["nfe_ratio_vs_fast_dllm"] == pytest.approx(0.7)
+    md = runner.render_markdown(s)
+    assert "| BlockBatch |" in md and "0.700" in md and "dominated by block 64" in md
+
+
+# ----------------------------------------------------------------------------- the runner
+
+
+def test_bench_rows_table_plots_and_nfe(tiny, tmp_path):
+    model, tok, _ = tiny
+    settings = BenchSettings(
+        model="random", tasks=["arith", "code"], limit=3, batch_size=2, gen_length=24, sweep_blocks=[8, 32],
+        output_dir=str(tmp_path / "out"), progress=False,
+    )  # fmt: skip
+    summary = run_bench(settings, model, tok, shard=ShardInfo())
+    out = Path(settings.output_dir)
+    rows = runner.read_jsonl(out / "samples.jsonl")
+    methods = list(runner.BASE_METHODS) + ["fast_dllm_b8"]
+    assert len(rows) == 2 * 3 * len(methods)
+    assert [(r["task"], r["method"], r["index"]) for r in rows] == [
+        (t, m, i) for t in ("arith", "code") for m in methods for i in range(3)
+    ]
+    for r in rows:
+        assert set(r) >= ROW_KEYS, ROW_KEYS - set(r)
+        assert "trace" not in r["stats"] and r["stats"]["nfe"] == r["nfe"]
+        assert r["latency_s"] == pytest.approx(r["batch_seconds"] / r["batch_size"])
+        assert r["prompt"].startswith(tok.bos_token) and r["reference"]
+    cells = summary["tasks"]["arith"]["methods"]
+    # the sweep decodes with early stop, so its block 32 is fast_dllm_early_stop, not run twice
+    assert cells["fast_dllm_b32"]["alias_of"] == "fast_dllm_early_stop"
+    assert cells["fast_dllm_b32"]["nfe_mean"] == cells["fast_dllm_early_stop"]["nfe_mean"]
+    for m in methods:  # Wilson interval of what the rows say
+        rs = [r for r in rows if r["task"] == "arith" and r["method"] == m]
+        assert tuple(cells[m]["ci95"]) == pytest.approx(wilson_interval(sum(r["correct"] for r in rs), len(rs)))
+    md = (out / "summary.md").read_text()
+    for label in ("Vanilla", "Fast-dLLM", "Fast-dLLM + early stop", "BlockBatch", "Fast-dLLM b=8", "## arith",
+                  "## code", "NFE BlockBatch / Fast-dLLM"):  # fmt: skip
+        assert label in md
+    for png in ("accuracy_vs_nfe.png", "nfe_distribution.png"):
+        data = (out / png).read_bytes()
+        assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["tasks"]["arith"]["configs"]["fast_dllm"]["block_length"] == 32
+
+    # NFE and text in the JSONL are what generate returns for the same batch (items 0 and 1)
+    task = runner.load_task("arith")
+    items = task.items(limit=2)
+    prompts = [task.prompt(it, tok) for it in items]
+    enc = tok(prompts, add_special_tokens=False, return_tensors="pt", padding=True)
+    cfgs = build_method_configs(list(runner.BASE_METHODS), 24, {})
+    for m, cfg in cfgs.items():
+        res = model.generate(enc.input_ids, enc.attention_mask, generation_config=cfg, return_dict_in_generate=True)
+        texts = tok.batch_decode(res.sequences[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
+        got = [r for r in rows if r["task"] == "arith" and r["method"] == m][:2]
+        assert [r["nfe"] for r in got] == res.nfe.tolist(), m
+        assert [r["output"] for r in got] == texts, m
+
+
+def test_bench_gsm8k_few_shot(tiny, tmp_path):
+    model, tok, _ = tiny
+    settings = BenchSettings(model="random", tasks=["gsm8k"], methods=["fast_dllm", "blockbatch"], limit=2,
+                             gen_length=16, output_dir=str(tmp_path / "g"), progress=False, plots=False)  # fmt: skip
+    summary = run_bench(settings, model, tok, shard=ShardInfo())
+    rows = runner.read_jsonl(tmp_path / "g" / "samples.jsonl")
+    assert len(rows) == 4 and all(r["gen_length"] == 16 for r in rows)
+    assert all("Question:" in r["prompt"] for r in rows)  # the 5-shot prompt
+    assert summary["tasks"]["gsm8k"]["headline"]["nfe_ratio_bb_fd"] is not None
+    assert not (tmp_path / "g" / "accuracy_vs_nfe.png").exists()
+
+
+def test_sharded_equals_single_process(tiny, tmp_path):
+    """Two shards (run here one after the other, as two processes would, then merged by rank 0)
+    give the same samples.jsonl as one process."""
+    model, tok, _ = tiny
+    common = dict(model="random", tasks=["arith", "lists"], methods=["fast_dllm", "blockbatch"], limit=3,
+                  gen_length=16, progress=False, plots=False)  # fmt: skip
+    single = BenchSettings(output_dir=str(tmp_path / "single"), **common)
+    run_bench(single, model, tok, shard=ShardInfo())
+    sharded = BenchSettings(output_dir=str(tmp_path / "sharded"), **common)
+    calls = []
+    assert run_bench(sharded, model, tok, shard=ShardInfo(1, 2, 1), barrier=lambda: calls.append(1)) is None
+    run_bench(sharded, model, tok, shard=ShardInfo(0, 2, 0), barrier=lambda: calls.append(0))
+    assert calls == [1, 0]
+    a = runner.read_jsonl(tmp_path / "single" / "samples.jsonl")
+    b = runner.read_jsonl(tmp_path / "sharded" / "samples.jsonl")
+    assert sorted({r["rank"] for r in b}) == [0, 1]
+    assert _strip_timing(a) == _strip_timing(b)
+    assert not list((tmp_path / "sharded" / "shards").glob("*.jsonl"))  # merged shards are removed
+    assert json.loads((tmp_path / "sharded" / "run.json").read_text())["processes"] == 2
+
+
+def test_cli_bench(tiny, tmp_path, capsys):
+    from hf_blockbatch.cli import main
+
+    _, _, folder = tiny
+    out = tmp_path / "cli"
+    rc = main(["bench", "--model", str(folder), "--task", "arith,lists", "--methods", "fast_dllm", "blockbatch",
+               "--limit", "1", "--gen-length", "8", "--set", "blockbatch.block_sizes=4,8", "--output-dir", str(out),
+               "--no-progress", "--no-plots", "--device", "cpu"])  # fmt: skip
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "| BlockBatch |" in printed and "samples.jsonl" in printed
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["tasks"]["lists"]["configs"]["blockbatch"]["block_sizes"] == [4, 8]
+    assert main(["bench", "--model", str(folder), "--task", "nope", "--output-dir", str(out)]) == 2
+
+
+# ----------------------------------------------------------------------------- lm-evaluation-harness
+
+
+class _FakeInstance:
+    """What the harness hands ``generate_until``: ``.args == (context, gen_kwargs)``."""
+
+    def __init__(self, context, gen_kwargs):
+        self.args = (context, gen_kwargs)
+
+
+def test_lm_eval_adapter_generate_until(tiny):
+    from hf_blockbatch.eval.lm_eval_model import HFBlockBatchLM
+
+    model, tok, _ = tiny
+    lm = HFBlockBatchLM(pretrained=model, tokenizer=tok, method="fast_dllm", batch_size=2, block_length=8)
+    contexts = ["Question: 1 + 2?\nAnswer:", "Question: what is 3 + 4, and then 5?\nAnswer:", "Q: x\nA:"]
+    kwargs = {"until": ["\n", "Question:"], "max_gen_toks": 16, "do_sample": False}
+    outs = lm.generate_until([_FakeInstance(c, kwargs) for c in contexts])
+    assert len(outs) == 3 and len(lm.nfe) == 3
+    for c, o in zip(contexts, outs):  # each equals our generate alone, cut at the first stop string
+        enc = tok([c], return_tensors="pt")  # raw context: the tokenizer adds BOS
+        cfg = hb.FastDLLMConfig(max_new_tokens=16, block_length=8)
+        res = model.generate(enc.input_ids, enc.attention_mask, generation_config=cfg, return_dict_in_generate=True)
+        text = tok.decode(res.sequences[0, enc.input_ids.shape[1] :], skip_special_tokens=True)
+        assert o == text.split("\n")[0].split("Question:")[0]
+    with pytest.raises(NotImplementedError, match="log-likelihood"):
+        lm.loglikelihood([_FakeInstance("a", "b")])
+    with pytest.raises(ValueError, match="method"):
+        HFBlockBatchLM(pretrained=model, tokenizer=tok, method="greedy")
+    bb = HFBlockBatchLM(pretrained=model, tokenizer=tok, method="blockbatch", block_sizes="4|8")
+    assert bb.overrides["blockbatch"]["block_sizes"] == [4, 8]
+
+
+def test_lm_eval_harness_local_task(tiny, tmp_path, monkeypatch):
+    """The harness itself, offline: a local YAML task over a local JSONL file."""
+    lm_eval = pytest.importorskip("lm_eval")
+    pytest.importorskip("datasets")
+    from lm_eval.tasks import TaskManager
+
+    import hf_blockbatch.eval.lm_eval_model  # noqa: F401  (registers hf_blockbatch)
+
+    _, _, folder = tiny
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"q": f"{a} + {b}", "a": str(a + b)}) + "\n" for a, b in ((1, 2), (3, 4), (2, 2))))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "bb_tiny_sum.yaml").write_text(
+        "task: bb_tiny_sum\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: generate_until\n"
+        'doc_to_text: "Question: {{q}}\\nAnswer:"\ndoc_to_target: "{{a}}"\n'
+        'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 8\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+    )
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    results = lm_eval.simple_evaluate(
+        model="hf_blockbatch", model_args=f"pretrained={folder},method=blockbatch,block_sizes=4|8,device=cpu",
+        tasks=["bb_tiny_sum"], task_manager=TaskManager(include_path=str(tmp_path / "tasks")), batch_size=2,
+    )  # fmt: skip
+    assert "exact_match,none" in results["results"]["bb_tiny_sum"]
+    assert results["config"]["hf_blockbatch_method"] == "blockbatch"
+
+
+# ----------------------------------------------------------------------------- two real processes
+
+
+@pytest.mark.slow
+def test_accelerate_launch_two_processes(tiny, tmp_path):
+    """``accelerate launch`` with two CPU processes (its ``--multi_gpu`` launcher runs torchrun, which
+    works without GPUs; ``--cpu`` would start one process) gives a single process's samples."""
+    if shutil.which("accelerate") is None:
+        pytest.skip("accelerate launcher not on PATH")
+    _, _, folder = tiny
+    args = ["--model", str(folder), "--task", "arith", "--methods", "fast_dllm", "blockbatch", "--limit", "4",
+            "--gen-length", "16", "--no-progress", "--no-plots", "--threads", "1", "--device", "cpu"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517"]  # fmt: skip
+    for cmd, out in ((launch, "two"), ([sys.executable], "one")):
+        proc = subprocess.run([*cmd, "-m", "hf_blockbatch.cli", "bench", *args, "--output-dir", str(tmp_path / out)],
+                              env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    two = runner.read_jsonl(tmp_path / "two" / "samples.jsonl")
+    one = runner.read_jsonl(tmp_path / "one" / "samples.jsonl")
+    assert sorted({r["rank"] for r in two}) == [0, 1]
+    assert _strip_timing(two) == _strip_timing(one)
+
+
+def test_load_model_device_map(tiny):
+    """``device_map`` goes to ``from_pretrained`` and the model stays where accelerate put it."""
+    _, _, folder = tiny
+    model, tok = hb.load_model(str(folder), device_map="cpu")
+    assert model.device.type == "cpu" and tok.padding_side == "left"
