@@ -126,21 +126,23 @@ class SDPABackend(AttentionBackend):
         return _unpad(out, wb)
 
 
-class TorchVarlenBackend(AttentionBackend):
-    """PyTorch's variable-length attention kernel (``torch.nn.attention.varlen``), CUDA only."""
+class _VarlenBackend(AttentionBackend):
+    """A CUDA variable-length kernel reading the cache in place: each cache row is two key
+    segments (its left padding, with no queries, then its tokens), see ``WindowBatch``."""
 
-    name = "torch_varlen"
     _fn: Callable | None = None
+
+    @classmethod
+    def _import(cls) -> Callable:
+        raise NotImplementedError
 
     @classmethod
     def _load(cls) -> Callable | None:
         if cls._fn is None:
             try:
-                from torch.nn.attention.varlen import varlen_attn
+                cls._fn = cls._import()
             except ImportError:
                 return None
-            cls._fn = varlen_attn
-            cls._gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
         return cls._fn
 
     @classmethod
@@ -148,47 +150,51 @@ class TorchVarlenBackend(AttentionBackend):
         return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and cls._load() is not None
 
     def window(self, q, k_cache, v_cache, wb, scale):
-        fn = self._load()
         wb.ensure_segments()
-        k = k_cache.reshape(-1, *k_cache.shape[2:])
+        k = k_cache.reshape(-1, *k_cache.shape[2:])  # [R * L, H_kv, D]: a view, no copy
         v = v_cache.reshape(-1, *v_cache.shape[2:])
+        return self._call(self._load(), q, k, v, wb, scale)
+
+    def _call(self, fn, q, k, v, wb: WindowBatch, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchVarlenBackend(_VarlenBackend):
+    """PyTorch's variable-length attention kernel (``torch.nn.attention.varlen``), CUDA only."""
+
+    name = "torch_varlen"
+
+    @classmethod
+    def _import(cls) -> Callable:
+        from torch.nn.attention.varlen import varlen_attn
+
+        cls._gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
+        return varlen_attn
+
+    def _call(self, fn, q, k, v, wb, scale):
         kwargs = {"scale": scale}
         if q.shape[1] != k.shape[1]:
             if self._gqa:
                 kwargs["enable_gqa"] = True
-            else:
+            else:  # older PyTorch: expand the KV heads
                 groups = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         return fn(q, k, v, wb.seg_cu_q, wb.seg_cu_k, wb.max_len, wb.length, **kwargs)
 
 
-class FlashVarlenBackend(AttentionBackend):
+class FlashVarlenBackend(_VarlenBackend):
     """``flash_attn.flash_attn_varlen_func`` (flash-attn 2), CUDA, fp16/bf16, native GQA."""
 
     name = "flash_varlen"
-    _fn: Callable | None = None
 
     @classmethod
-    def _load(cls) -> Callable | None:
-        if cls._fn is None:
-            try:
-                from flash_attn import flash_attn_varlen_func
-            except ImportError:
-                return None
-            cls._fn = flash_attn_varlen_func
-        return cls._fn
+    def _import(cls) -> Callable:
+        from flash_attn import flash_attn_varlen_func
 
-    @classmethod
-    def is_available(cls, device, dtype):
-        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and cls._load() is not None
+        return flash_attn_varlen_func
 
-    def window(self, q, k_cache, v_cache, wb, scale):
-        wb.ensure_segments()
-        k = k_cache.reshape(-1, *k_cache.shape[2:])
-        v = v_cache.reshape(-1, *v_cache.shape[2:])
-        return self._load()(
-            q, k, v, wb.seg_cu_q, wb.seg_cu_k, wb.max_len, wb.length, softmax_scale=scale, causal=False
-        )
+    def _call(self, fn, q, k, v, wb, scale):
+        return fn(q, k, v, wb.seg_cu_q, wb.seg_cu_k, wb.max_len, wb.length, softmax_scale=scale, causal=False)
 
 
 BACKENDS: dict[str, type[AttentionBackend]] = {

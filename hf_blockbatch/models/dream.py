@@ -19,7 +19,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 
 from hf_blockbatch.generation.mixin import BlockBatchGenerationMixin
 from hf_blockbatch.models.base import DiffusionLMMixin
-from hf_blockbatch.models.layers import ForwardContext, RMSNorm, self_attention, swiglu
+from hf_blockbatch.models.layers import ForwardContext, RMSNorm, init_weights, self_attention, swiglu
 
 __all__ = ["DreamConfig", "DreamModel"]
 
@@ -181,17 +181,8 @@ class DreamPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["DreamDecoderLayer"]
     supports_gradient_checkpointing = False
 
-    @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=std)
-        elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
+        init_weights(module, self.config.initializer_range)
 
 
 class DreamModel(DiffusionLMMixin, BlockBatchGenerationMixin, DreamPreTrainedModel):

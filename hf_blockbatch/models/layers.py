@@ -17,7 +17,7 @@ from hf_blockbatch.attention.backends import AttentionBackend
 from hf_blockbatch.attention.metadata import WindowBatch
 from hf_blockbatch.cache import BranchCache
 
-__all__ = ["RMSNorm", "RopeTable", "rope_cos_sin", "apply_rope", "ForwardContext", "self_attention", "swiglu"]
+__all__ = ["init_weights", "RMSNorm", "RopeTable", "rope_cos_sin", "apply_rope", "ForwardContext", "self_attention", "swiglu"]
 
 
 class RMSNorm(nn.Module):
@@ -33,6 +33,17 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, std: float) -> None:
+    """Initialisation for training from scratch (both families; checkpoints overwrite it)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=std)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, RMSNorm):
+        nn.init.ones_(module.weight)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

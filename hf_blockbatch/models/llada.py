@@ -22,7 +22,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 
 from hf_blockbatch.generation.mixin import BlockBatchGenerationMixin
 from hf_blockbatch.models.base import DiffusionLMMixin
-from hf_blockbatch.models.layers import ForwardContext, RMSNorm, self_attention, swiglu
+from hf_blockbatch.models.layers import ForwardContext, RMSNorm, init_weights, self_attention, swiglu
 
 __all__ = ["LLaDAConfig", "LLaDAModelLM"]
 
@@ -240,17 +240,8 @@ class LLaDAPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["LLaDALlamaBlock"]
     supports_gradient_checkpointing = False
 
-    @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.init_std
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=std)
-        elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
+        init_weights(module, self.config.init_std)
 
 
 class LLaDAModelLM(DiffusionLMMixin, BlockBatchGenerationMixin, LLaDAPreTrainedModel):
