@@ -8,6 +8,9 @@ embedded tiny LLaDA by default or on any supported checkpoint (``--model``).
 task suites and benchmarks and writes per-sample JSONL, a Markdown table with the paper's columns
 and plots (see :mod:`hf_blockbatch.eval.runner`). Under ``accelerate launch`` it shards the samples
 over the processes and process 0 merges them.
+
+``hf-blockbatch demo`` serves the Gradio app of ``demo/app.py`` (Fast-dLLM and BlockBatch side by
+side, replayed forward by forward) on this machine.
 """
 
 from __future__ import annotations

@@ -1,0 +1,210 @@
+"""The Gradio demo (demo/app.py): its replay logic, its input checks, the running app through
+``gradio_client``, ``hf-blockbatch demo``, and one comparison in a real headless browser.
+
+The app runs on a random tiny LLaDA with the embedded tokenizer (what the Space falls back to
+when the embedded weights are absent), so these tests need no trained checkpoint. The browser
+test needs Debian's ``chromium`` and Playwright; it skips, saying so, where either is missing, and
+Playwright is never allowed to download a browser of its own.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+gr = pytest.importorskip("gradio", reason="gradio is not installed (pip install -e '.[test]')")
+
+import hf_blockbatch as hb  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from demo import app  # noqa: E402
+
+PROMPT = "Mia has 3 apples. She buys 4 more apples. How many apples does she have now?"
+# max_new_tokens, fast_block, block_sizes, threshold, merge_threshold, temperature, seed, sync, refresh, chat, speed
+SETTINGS = (32, "16", ["4", "8", "16", "32"], 0.9, 0.5, 0.0, 0, 8, 32, True, "instant")
+
+
+# ------------------------------------------------------------------------------ replay and checks
+
+
+def test_build_frames_replays_commits_merges_and_syncs() -> None:
+    """A hand-written trace: frame k holds what step k changed, a sync copies the leader's set."""
+    trace = [
+        {"step": 1, "phase": "init", "branch": 0, "window": [0, 4], "committed": [0]},
+        {"step": 1, "phase": "init", "branch": 1, "window": [0, 8], "committed": [0, 5, 6]},
+        {"step": 2, "phase": "block", "branch": 0, "window": [0, 4], "committed": [1]},
+        {"step": 2, "phase": "block", "branch": 1, "window": [0, 8], "committed": [1, 2]},
+        {"step": 2, "phase": "merge", "branch": 0, "positions": [2]},
+        {"step": 3, "phase": "sync", "branch": 0, "leader": 1},
+        {"step": 4, "phase": "refresh", "branch": 0, "window": [4, 8], "committed": [3]},
+    ]
+    frames, log = app.build_frames(trace, [4, 8], 8)
+    assert [f.step for f in frames] == [0, 1, 2, 3, 4]
+    assert frames[0].branches[0].decoded == frozenset() and frames[0].branches[0].window == (0, 4)
+    b0 = frames[2].branches[0]
+    assert b0.new == {1} and b0.merged_now == {2} and b0.decoded == {0, 1, 2} and "merge +1" in b0.badges
+    synced = frames[3].branches[0]
+    assert synced.decoded == {0, 1, 2, 5, 6} and synced.copied_now == {5, 6}
+    assert synced.window == (0, 4)  # its own block holding its first mask (position 3)
+    assert frames[4].branches[0].new == {3} and "refresh" in frames[4].branches[0].badges
+    assert [line.kind for line in log] == ["init", "merge", "sync", "refresh"]
+
+
+def test_check_settings_accepts_the_defaults_and_refuses_absurd_input() -> None:
+    s = app.check_settings("hi", *SETTINGS[:-1], "fast")
+    assert s.block_sizes == [4, 8, 16, 32] and s.fast_block == 16 and s.max_new_tokens == 32
+    bad = {
+        "Type a prompt": dict(prompt="   "),
+        "characters": dict(prompt="x" * 5000),
+        "Max new tokens": dict(max_new_tokens=10**9),
+        "whole number": dict(max_new_tokens=12.5),
+        "at least one": dict(block_sizes=[]),
+        "must be among": dict(block_sizes=["3"]),
+        "Fast-dLLM block length": dict(fast_block="7"),
+        "Confidence threshold": dict(threshold=float("nan")),
+        "Temperature": dict(temperature=-1),
+        "must be a number": dict(seed="abc"),
+        "Replay speed": dict(speed="warp"),
+    }
+    for message, override in bad.items():
+        kwargs = dict(prompt="hi") | override
+        with pytest.raises(app.InputError, match=message):
+            app.check_settings(**kwargs)
+
+
+def test_no_generated_text_is_executed() -> None:
+    """The Space shows model output; it must never run it (the code suite asks for functions)."""
+    source = (ROOT / "demo" / "app.py").read_text(encoding="utf-8")
+    for pattern in (
+        r"(?<![\w.])exec\(",
+        r"(?<![\w.])eval\(",
+        r"\bsubprocess\b",
+        r"hf_blockbatch\.eval\b",
+        r"os\.system",
+    ):
+        assert not re.search(pattern, source), pattern
+
+
+def test_compare_once_samples_and_replays_every_forward(loaded) -> None:
+    """Temperature > 0 (seeded Gumbel noise) runs; the replay has one frame per forward."""
+    settings = app.check_settings(PROMPT, max_new_tokens=24, fast_block="8", block_sizes=["4", "8", "16"],
+                                  temperature=0.7, seed=3)  # fmt: skip
+    fast, block = app.compare_once(loaded, settings)
+    for side in (fast, block):
+        assert len(side.frames) == side.nfe + 1 and len(side.tokens) == 24
+        assert side.frames[-1].branches[side.winner].decoded  # the winner decoded something
+    assert fast.block_sizes == [8] and block.block_sizes == [4, 8, 16]
+    again = app.compare_once(loaded, settings)
+    assert again[1].text == block.text and again[1].nfe == block.nfe  # the seed makes it reproducible
+
+
+def test_embedded_checkpoint_fallback_says_so() -> None:
+    loaded = app.load_for_demo("tiny-llada", warmup=False)
+    if (Path(hb.TINY_LLADA) / "config.json").exists():
+        assert loaded.label == "tiny-llada" and not loaded.notice
+    else:
+        assert "no weights" in loaded.notice and loaded.label != "tiny-llada"
+
+
+# ------------------------------------------------------------------------------- the running app
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def loaded() -> app.LoadedModel:
+    torch.set_num_threads(1)
+    return app.random_tiny_llada(hb.TINY_LLADA)
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    """The app served on 127.0.0.1 in Gradio's background thread, closed after the module."""
+    demo = app.build_demo(loaded, examples=[PROMPT])
+    _, url, _ = app.launch_demo(demo, server_name="127.0.0.1", server_port=_free_port(), prevent_thread_lock=True,
+                                quiet=True)  # fmt: skip
+    yield url
+    demo.close()
+
+
+def test_client_comparison_matches_model_generate(server, loaded) -> None:
+    from gradio_client import Client
+
+    client = Client(server, verbose=False)
+    banner, fast_html, block_html, fast_text, block_text, stats = client.predict(
+        PROMPT, *SETTINGS, api_name="/compare"
+    )
+    assert fast_text.strip() and block_text.strip(), "both sides must produce text"
+    # the same request straight through the library
+    ids = app.encode_prompt(loaded.tokenizer, PROMPT)
+    ref = {}
+    for key, cfg in {
+        "fast_dllm": hb.FastDLLMConfig(max_new_tokens=32, block_length=16, threshold=0.9),
+        "blockbatch": hb.BlockBatchConfig(max_new_tokens=32, block_sizes=[4, 8, 16, 32], threshold=0.9),
+    }.items():
+        out = loaded.model.generate(ids, generation_config=cfg, return_dict_in_generate=True)
+        ref[key] = int(out.nfe[0])
+    assert stats["fast_dllm"]["nfe"] == ref["fast_dllm"] and stats["blockbatch"]["nfe"] == ref["blockbatch"]
+    # ... and the page shows those numbers
+    assert f'<span class="v">{ref["fast_dllm"]}</span><span class="l">NFE</span>' in fast_html
+    assert f'<span class="v">{ref["blockbatch"]}</span><span class="l">NFE</span>' in block_html
+    assert f"<b>{ref['blockbatch']}</b> NFE vs Fast-dLLM <b>{ref['fast_dllm']}</b>" in banner
+    assert "bb-lane" in block_html and "bb-chip" in fast_html
+
+
+def test_client_empty_prompt_warns_and_absurd_settings_fail_cleanly(server) -> None:
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError
+
+    client = Client(server, verbose=False)
+    banner, *_ = client.predict("", *SETTINGS, api_name="/compare")
+    assert "Type a prompt" in banner
+    with pytest.raises(AppError):
+        client.predict(PROMPT, 10**9, *SETTINGS[1:], api_name="/compare")
+    with pytest.raises(AppError, match="characters"):
+        client.predict("x" * 5000, *SETTINGS, api_name="/compare")
+    # the app still answers afterwards
+    assert client.predict(PROMPT, *SETTINGS, api_name="/compare")[5]["blockbatch"]["nfe"] > 0
+
+
+def test_cli_demo_loads_the_app_by_path(tmp_path, capsys) -> None:
+    """``hf-blockbatch demo`` forwards its options to the app's ``main`` (a stub app here)."""
+    from hf_blockbatch import cli
+
+    stub = tmp_path / "app.py"
+    stub.write_text("def main(argv):\n    print('ARGV', argv)\n    return 0\n", encoding="utf-8")
+    assert cli.main(["demo", "--app", str(stub), "--port", "7999", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "'--model', 'tiny-llada'" in out and "'--port', '7999'" in out and "'--threads', '1'" in out
+    assert cli.main(["demo", "--app", str(tmp_path / "missing.py")]) == 2
+    assert (ROOT / "demo" / "app.py").is_file()  # the default the CLI loads in a checkout
+
+
+# ----------------------------------------------------------------------------------- the browser
+
+
+def test_browser_runs_one_comparison_and_screenshots(server, tmp_path) -> None:
+    """One comparison in Debian's chromium: a live frame appears, then the final one; screenshot."""
+    from demo import screenshot
+
+    if screenshot.find_chromium() is None:
+        pytest.skip(
+            "no chromium at /usr/bin/chromium (Debian: apt-get install -y chromium); the browser test needs it"
+        )
+    pytest.importorskip("playwright", reason="playwright is not installed (pip install -e '.[test]')")
+    shot = tmp_path / "demo.png"
+    shown = screenshot.capture(server, shot, prompt=PROMPT, speed="fast", height=None)
+    assert "forward passes" in shown["banner"]
+    assert shown["lanes"] == 5  # the default block sizes 4, 8, 16, 32, 64
+    assert shown["fast_chips"] > 0
+    assert shot.stat().st_size > 10_000
