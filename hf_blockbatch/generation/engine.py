@@ -366,16 +366,18 @@ class _Run:
         req, br = s.request[rows].tolist(), s.branch[rows].tolist()
         ws, we = s.win_start[rows].tolist(), s.win_end[rows].tolist()
         for i, (r, b) in enumerate(zip(req, br)):
-            committed = (positions[i][select[i]] - self.gs).tolist()
+            pos = positions[i][select[i]]
             self.trace[r].append({"step": int(self.nfe[r]), "phase": phase, "branch": b,
-                                  "window": [ws[i] - self.gs, we[i] - self.gs], "committed": committed})  # fmt: skip
+                                  "window": [ws[i] - self.gs, we[i] - self.gs], "committed": (pos - self.gs).tolist(),
+                                  "tokens": s.canvas[rows[i], pos].tolist()})  # fmt: skip
 
     def _trace_positions(self, taken: torch.Tensor, phase: str) -> None:
         s = self.state
         for i in taken.any(-1).nonzero().squeeze(1).tolist():
             r = int(s.request[i])
+            pos = taken[i].nonzero().squeeze(1)
             self.trace[r].append({"step": int(self.nfe[r]), "phase": phase, "branch": int(s.branch[i]),
-                                  "positions": taken[i].nonzero().squeeze(1).tolist()})  # fmt: skip
+                                  "positions": pos.tolist(), "tokens": s.canvas[i, self.gs + pos].tolist()})  # fmt: skip
 
     def _trace_sync(self, synced: torch.Tensor, leader: torch.Tensor) -> None:
         s = self.state
