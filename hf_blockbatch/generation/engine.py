@@ -32,6 +32,7 @@ from hf_blockbatch.generation.blockbatch.sync import leaders, sync_to_leader
 from hf_blockbatch.generation.refresh import due_rows
 from hf_blockbatch.generation.state import DecodeState
 from hf_blockbatch.generation.transfer import (
+    Sampled,
     factor_rule,
     quota_rule,
     quota_schedule,
@@ -181,14 +182,19 @@ class _Run:
         return packed, pos, pad_index, pad_valid
 
     # ------------------------------------------------------------------ commits
-    def _commit(self, rows, starts, lengths, W, packed_logits, pos, pad_index, pad_valid, phase: str) -> None:
-        """Sample the packed span logits, update the probability map, apply the transfer rule
-        inside each row's window, record EOS hits."""
+    def _sample(self, packed_logits: torch.Tensor) -> Sampled:
+        plan = self.plan
+        return sample_tokens(
+            packed_logits, plan.temperature, plan.remasking, plan.top_k, self.generator, self._suppress, self._lowconf
+        )
+
+    def _commit(self, rows, starts, lengths, W, packed_logits, pos, pad_index, pad_valid, phase: str,
+                sampled: Sampled | None = None) -> None:  # fmt: skip
+        """Sample the packed span logits (unless ``sampled`` is given), update the probability map,
+        apply the transfer rule inside each row's window, record EOS hits."""
         s, plan = self.state, self.plan
-        sampled = sample_tokens(
-            packed_logits, plan.temperature, plan.remasking, plan.top_k, self.generator,
-            self._suppress, self._lowconf,
-        )  # fmt: skip
+        if sampled is None:
+            sampled = self._sample(packed_logits)
         token_rows = rows[torch.arange(rows.shape[0], device=rows.device)[:, None].expand_as(pad_valid)[pad_valid]]
         if s.prob_p is not None:
             s.prob_p[token_rows, pos - self.gs] = sampled.top_probs
@@ -255,22 +261,26 @@ class _Run:
         if self.N == 1:
             self.full_step(first, "init")
             return
-        # run on one row per request, then broadcast cache rows; commit on every row
+        # One forward and one sample per request over its whole generated region; the K/V and the
+        # sampled proposals are then shared by every branch (their canvases are identical), and each
+        # branch commits inside its own first window.
         logits = self._full_forward(first, write_cache=self.cache is not None)
         if self.cache is not None:
             others = torch.arange(s.num_rows, device=first.device)
             self.cache.copy_rows(others - others % self.N, others)
+        G = self.L - self.gs
+        packed, _, _, _ = self._dense_span_logits(
+            logits, torch.full_like(first, self.gs), torch.full_like(first, G), G
+        )
+        once = self._sample(packed)
+        shared = Sampled(*(t.view(first.shape[0], G, *t.shape[1:]).repeat_interleave(self.N, 0).flatten(0, 1)
+                           for t in (once.tokens, once.confidence, once.top_probs, once.top_ids)))  # fmt: skip
         rows = torch.arange(s.num_rows, device=first.device)
-        logits = logits.repeat_interleave(self.N, dim=0)
-        if self.plan.prob_map:
-            starts, lengths = torch.full_like(rows, self.gs), torch.full_like(rows, self.L - self.gs)
-        else:
-            starts, lengths = s.win_start, s.win_end - s.win_start
-        W = int(lengths.max())
-        packed, pos, pad_index, pad_valid = self._dense_span_logits(logits, starts, lengths, W)
+        starts, lengths = torch.full_like(rows, self.gs), torch.full_like(rows, G)
+        _, pos, pad_index, pad_valid = pack_ranges(starts, lengths, G)
         self._count(first, None)
         s.refreshes += 1
-        self._commit(rows, starts, lengths, W, packed, pos, pad_index, pad_valid, "init")
+        self._commit(rows, starts, lengths, G, None, pos, pad_index, pad_valid, "init", sampled=shared)
 
     # ------------------------------------------------------------------ policy
     def after_commit(self, full: bool) -> None:
@@ -279,7 +289,7 @@ class _Run:
             s.advance()
         s.synced_now = torch.zeros_like(s.done)
         if plan.merge and self.N > 1:
-            merged = merge(s, plan.merge_threshold)
+            merged = merge(s, plan.merge_threshold, self.N)
             if plan.output_trace:
                 self._trace_positions(merged, "merge")
             s.advance()

@@ -24,33 +24,43 @@ from hf_blockbatch.generation.state import DecodeState
 __all__ = ["merge"]
 
 
-def merge(state: DecodeState, merge_threshold: float) -> torch.Tensor:
-    """Apply one merge pass in place; returns the [R, G] bool of merged positions."""
+def merge(state: DecodeState, merge_threshold: float, branches: int) -> torch.Tensor:
+    """Apply one merge pass in place; returns the [R, G] bool of merged positions.
+
+    Rows are laid out request-major with ``branches`` rows per request (the engine keeps whole
+    requests together), so every comparison is ``[B, N, N, G]``: linear in the batch, not
+    quadratic in rows.
+    """
     gs, mask_id = state.gen_start, state.mask_id
-    gen = state.canvas[:, gs:]  # [R, G]
-    R, G = gen.shape
+    R, G = state.num_rows, state.length - gs
+    B, N = R // branches, branches
+    gen = state.canvas[:, gs:].view(B, N, G)
     decoded = gen != mask_id
-    active = ~state.done
-    same_req = state.request[:, None] == state.request[None, :]
-    idx = torch.arange(R, device=gen.device)
-    end = state.win_end
-    behind = (end[None, :] < end[:, None]) | ((end[None, :] == end[:, None]) & (idx[None, :] > idx[:, None]))
-    conflict = (decoded[:, None, :] & decoded[None, :, :] & (gen[:, None, :] != gen[None, :, :])).any(-1)
-    sources = same_req & behind & ~conflict & active[:, None] & active[None, :]  # [dst, src]
+    active = (~state.done).view(B, N)
+    end = state.win_end.view(B, N)
+    idx = torch.arange(N, device=gen.device)
+    # [b, dst, src]: sources stand behind the destination (smaller window end; ties by row order)
+    behind = (end[:, None, :] < end[:, :, None]) | (
+        (end[:, None, :] == end[:, :, None]) & (idx[None, None, :] > idx[None, :, None])
+    )
+    conflict = (decoded[:, :, None] & decoded[:, None] & (gen[:, :, None] != gen[:, None])).any(-1)
+    sources = behind & ~conflict & active[:, :, None] & active[:, None, :]
 
     pos = torch.arange(G, device=gen.device) + gs
-    in_window = (pos[None, :] >= state.win_start[:, None]) & (pos[None, :] < state.win_end[:, None])  # [R, G]
-    scanned = (sources[:, :, None] & in_window[None, :, :]).any(1)  # [dst, G]
+    in_window = (pos >= state.win_start[:, None]) & (pos < state.win_end[:, None])  # [R, G]
+    scanned = (sources[..., None] & in_window.view(B, 1, N, G)).any(2)  # [b, dst, G]
 
-    # the destination's probability for each source's token: [dst, src, G]
-    offered = gen[None, :, :].expand(R, R, G)
-    hit = state.prob_ids[:, None, :, :] == offered[..., None]  # [dst, src, G, k]
-    prob = (state.prob_p[:, None, :, :] * hit).sum(-1)
-    usable = sources[:, :, None] & decoded[None, :, :]
+    # the destination's probability for each source's token: [b, dst, src, G]
+    k = state.prob_p.shape[-1]
+    offered = gen[:, None].expand(B, N, N, G)
+    hit = state.prob_ids.view(B, N, 1, G, k) == offered[..., None]
+    prob = (state.prob_p.view(B, N, 1, G, k) * hit).sum(-1)
+    usable = sources[..., None] & decoded[:, None]
     prob = torch.where(usable, prob, torch.full_like(prob, -1.0))
-    best_prob, best_src = prob.max(dim=1)  # [dst, G]
-    best_tok = offered.gather(1, best_src[:, None, :]).squeeze(1)
-    take = scanned & ~decoded & (best_prob > merge_threshold) & active[:, None]
-    state.canvas[:, gs:] = torch.where(take, best_tok, gen)
+    best_prob, best_src = prob.max(dim=2)  # [b, dst, G]
+    best_tok = offered.gather(2, best_src[:, :, None]).squeeze(2)
+    take = scanned & ~decoded & (best_prob > merge_threshold) & active[..., None]
+    state.canvas[:, gs:] = torch.where(take, best_tok, gen).view(R, G)
+    take = take.view(R, G)
     state.merged += take.sum(-1)
     return take
