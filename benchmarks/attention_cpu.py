@@ -4,6 +4,7 @@ Compares, for one layer's attention over a cache of ``L`` positions and the six 
 (4, 8, 16, 32, 64, 128):
 
 * ``sdpa``: the library's padded path (every row padded to the longest window, one SDPA call);
+* ``sdpa_grouped``: the library's grouped path (one SDPA call per distinct window length);
 * ``per_row``: one SDPA call per row on its exact window (no padding waste, a Python loop);
 * ``reference``: the library's explicit float32 softmax path;
 * ``single_32``: one row, one window of 32 (Fast-dLLM dual), for scale.
@@ -57,6 +58,7 @@ def main() -> None:
     k, v = cache.layers[0].keys, cache.layers[0].values
     scale = D**-0.5
     sdpa, ref = get_backend("sdpa", "cpu", torch.float32), get_backend("reference", "cpu", torch.float32)
+    grouped = get_backend("sdpa_grouped", "cpu", torch.float32)
     cu = wb.cu_seqlens.tolist()
 
     def per_row():
@@ -73,12 +75,14 @@ def main() -> None:
         "geometry": {"rows": R, "length": L, "heads": H, "head_dim": D, "windows": sizes, "threads": args.threads},
         "microseconds": {
             "sdpa": timed(lambda: sdpa.window(q, k, v, wb, scale), args.repeats),
+            "sdpa_grouped": timed(lambda: grouped.window(q, k, v, wb, scale), args.repeats),
             "per_row": timed(per_row, args.repeats),
             "reference": timed(lambda: ref.window(q, k, v, wb, scale), args.repeats),
             "single_32": timed(lambda: sdpa.window(q1, k, v, wb1, scale), args.repeats),
         },
     }
     assert torch.allclose(sdpa.window(q, k, v, wb, scale), per_row(), atol=1e-5)
+    assert torch.allclose(grouped.window(q, k, v, wb, scale), per_row(), atol=1e-5)
     print(json.dumps(results, indent=1))
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)

@@ -125,10 +125,10 @@ def test_window_batch_errors() -> None:
 
 
 def test_backend_registry() -> None:
-    assert set(BACKENDS) == {"flash_varlen", "torch_varlen", "sdpa", "reference"}
+    assert set(BACKENDS) == {"flash_varlen", "torch_varlen", "sdpa_grouped", "sdpa", "reference"}
     cpu = available_backends("cpu", torch.float32)
     assert {"sdpa", "reference"} <= set(cpu) and "flash_varlen" not in cpu
-    assert get_backend("auto", "cpu", torch.float32).name == "sdpa"
+    assert get_backend("auto", "cpu", torch.float32).name == "sdpa_grouped"
     assert get_backend("reference", "cpu", torch.bfloat16).name == "reference"
     with pytest.raises(ValueError, match=r"Unknown attention backend 'xformers'; choose one of \['auto'"):
         get_backend("xformers", "cpu", torch.float32)

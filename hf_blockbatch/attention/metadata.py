@@ -65,9 +65,23 @@ class WindowBatch:
     seg_cu_q: torch.Tensor | None = None  # [2R+1] int32
     seg_cu_k: torch.Tensor | None = None  # [2R+1] int32
 
+    # the rows grouped by window length (for the grouped SDPA backend), built lazily once per step
+    length_groups_: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
     @property
     def num_tokens(self) -> int:
         return self.token_pos.shape[0]
+
+    def length_groups(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``[(local_rows [A_w], packed_index [A_w, w])]``, one entry per distinct window length
+        ``w``: every row of a group can be attended without padding. One host sync per step."""
+        if self.length_groups_ is None:
+            groups = []
+            for w in torch.unique(self.lengths).tolist():
+                local = (self.lengths == w).nonzero().squeeze(1)
+                groups.append((local, self.pad_index[local, :w]))
+            self.length_groups_ = groups
+        return self.length_groups_
 
     def ensure_segments(self) -> None:
         """Build the two-segments-per-row layout for the varlen kernels (lazily, once per step)."""
