@@ -1,0 +1,61 @@
+"""The embedded tiny checkpoints load offline and answer fixed test items (greedy, deterministic).
+
+The items are ones the shipped weights answer correctly with both Fast-dLLM (dual cache, block 32,
+τ 0.9) and BlockBatch (defaults), read from the full-split benchmark in
+``benchmarks/results/tiny/``; retraining a checkpoint means re-picking them from its new run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_blockbatch as hb
+from hf_blockbatch.tasks import get_suite
+
+CASES = {
+    "tiny-llada": [],
+    "tiny-dream": [("arith", 13), ("arith", 67), ("arith", 106), ("arith", 141)],
+}
+GEN_LENGTH = {"arith": 96, "code": 96, "lists": 64}
+
+
+def _weights(name: str) -> bool:
+    path = hb.TINY_LLADA if name == "tiny-llada" else hb.TINY_DREAM
+    return (Path(path) / "model.safetensors").exists()
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def loaded(request):
+    if not _weights(request.param):
+        pytest.skip(f"{request.param} has no shipped weights in this checkout")
+    model, tok = hb.load_model(request.param, device="cpu")
+    return request.param, model, tok
+
+
+def test_loads_offline_in_the_official_format(loaded):
+    name, model, tok = loaded
+    expected = hb.LLaDAModelLM if name == "tiny-llada" else hb.DreamModel
+    assert isinstance(model, expected)
+    assert model.config.mask_token_id == tok.convert_tokens_to_ids(tok.mask_token or "<|mdm_mask|>")
+    assert sum(p.numel() for p in model.parameters()) < 5_000_000  # ≤ 20 MB in float32
+
+
+@pytest.mark.parametrize("method", ["fast_dllm", "blockbatch"])
+def test_fixed_items_decode_to_the_right_answers(loaded, method):
+    name, model, tok = loaded
+    if not CASES[name]:
+        pytest.skip(f"no fixed items recorded for {name}")
+    for suite_name, index in CASES[name]:
+        suite = get_suite(suite_name)
+        item = suite.items("test")[index]
+        ids = tok(suite.prompt(item, tok), add_special_tokens=False, return_tensors="pt").input_ids
+        gen = GEN_LENGTH[suite_name]
+        cfg = hb.FastDLLMConfig(max_new_tokens=gen) if method == "fast_dllm" else hb.BlockBatchConfig(max_new_tokens=gen)
+        first = model.generate(ids, generation_config=cfg)
+        again = model.generate(ids, generation_config=cfg)
+        assert torch.equal(first, again), "greedy decoding must be deterministic"
+        text = tok.decode(first[0, ids.shape[1] :], skip_special_tokens=True)
+        assert suite.score(item, text).correct, f"{name} {method} {item.id}: {text!r}"
