@@ -186,12 +186,9 @@ def _load(name: str, device: str | None) -> LoadedModel:
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> torch.Tensor:
     """``[1, Lp]`` ids: through the chat template when the tokenizer has one (instruct models),
     as plain text otherwise, always without extra special tokens, as the CLI does."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=False)  # fmt: skip
-    else:
-        text = prompt
-    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    from hf_blockbatch.eval.base import apply_chat
+
+    return tokenizer(apply_chat(prompt, tokenizer, chat), add_special_tokens=False, return_tensors="pt").input_ids
 
 
 def example_prompts(per_suite: int = 2) -> list[str]:

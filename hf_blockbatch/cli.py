@@ -29,12 +29,9 @@ DEFAULT_PROMPT = "Mia has 3 apples. She buys 4 more apples. Then she gives away 
 
 
 def _encode(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
-    if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=False)  # fmt: skip
-    else:
-        text = prompt
-    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    from hf_blockbatch.eval.base import apply_chat
+
+    return tokenizer(apply_chat(prompt, tokenizer, chat), add_special_tokens=False, return_tensors="pt").input_ids
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

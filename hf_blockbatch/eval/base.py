@@ -61,3 +61,17 @@ class Task(ABC):
     @abstractmethod
     def score(self, item: EvalItem, completion: str) -> Score:
         """Score a completion (the decoded new text only, special tokens removed)."""
+
+
+def apply_chat(text: str, tokenizer: Any = None, chat: bool = True) -> str:
+    """Wrap ``text`` as one user turn with the tokenizer's chat template, when there is one.
+
+    Why one user turn holding the whole few-shot text (rather than one turn per shot): it is
+    how the instruct models' authors prompted them (LLaDA's chat template around the raw
+    prompt), and it keeps base-model and chat-model prompts textually identical inside.
+    """
+    if not chat or tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return text
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )

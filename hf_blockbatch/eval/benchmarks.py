@@ -41,9 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_blockbatch.eval.base import EvalItem, Score, Task
+from hf_blockbatch.eval.base import EvalItem, Score, Task, apply_chat
 from hf_blockbatch.eval.execution import ExecResult, run_program, run_programs
 from hf_blockbatch.eval.scoring import (
+    extract_code,
     extract_gsm8k_answer,
     gsm8k_is_correct,
     last_boxed_only_string,
@@ -174,42 +175,6 @@ def _load_rows(
 
 # --------------------------------------------------------------------------------------------
 # prompts and code extraction
-
-
-def apply_chat(text: str, tokenizer: Any = None, chat: bool = True) -> str:
-    """Wrap ``text`` as one user turn with the tokenizer's chat template, when there is one.
-
-    Why one user turn holding the whole few-shot text (rather than one turn per shot): it is
-    how the instruct models' authors prompted them (LLaDA's chat template around the raw
-    prompt), and it keeps base-model and chat-model prompts textually identical inside.
-    """
-    if not chat or tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        return text
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-    )
-
-
-_FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
-
-
-def extract_code(completion: str, stops: Sequence[str] = ()) -> str:
-    """The code in a completion: the first fenced block if there is one, else the text; cut at
-    ``stops`` (e.g. ``[DONE]``).
-
-    Why: chat models answer "Here is the function:\\n```python\\n...\\n```", base models with
-    few-shot prompts continue with bare code and then invent the next example. Both must reach
-    the tests as plain code. An unclosed fence (generation length ran out) still counts.
-    """
-    text = completion.replace("\r\n", "\n")
-    # a stop sequence before any fence ends the answer (base models: "...code\n[DONE]\n\nYou are ...")
-    m = _FENCE_RE.search(text)
-    if m is not None and truncate_at(text, stops).find("```") >= 0:
-        text = m.group(2)
-    text = truncate_at(text, stops)
-    # leftovers of the few-shot format
-    text = text.replace("[BEGIN]", "")
-    return text.rstrip() + "\n" if text.strip() else ""
 
 
 def _compiles(source: str) -> bool:

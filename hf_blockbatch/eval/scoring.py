@@ -16,6 +16,7 @@ import logging
 import math
 import re
 import threading
+from collections.abc import Sequence
 from fractions import Fraction
 
 from hf_blockbatch.eval.base import Score
@@ -34,6 +35,7 @@ __all__ = [
     "math_is_equivalent",
     "math_is_correct",
     "truncate_at",
+    "extract_code",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -431,3 +433,25 @@ def math_is_correct(completion: str, gold_answer: str) -> Score:
     pred = extract_math_answer(completion)
     correct = pred is not None and math_is_equivalent(pred, gold_answer)
     return Score(correct=correct, extracted=pred, detail=f"gold={gold_answer}")
+
+
+_FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+def extract_code(completion: str, stops: Sequence[str] = ()) -> str:
+    """The code in a completion: the first fenced block if there is one, else the text; cut at
+    ``stops`` (e.g. ``[DONE]``).
+
+    Why: chat models answer "Here is the function:\\n```python\\n...\\n```", base models with
+    few-shot prompts continue with bare code and then invent the next example. Both must reach
+    the tests as plain code. An unclosed fence (generation length ran out) still counts.
+    """
+    text = completion.replace("\r\n", "\n")
+    # a stop sequence before any fence ends the answer (base models: "...code\n[DONE]\n\nYou are ...")
+    m = _FENCE_RE.search(text)
+    if m is not None and truncate_at(text, stops).find("```") >= 0:
+        text = m.group(2)
+    text = truncate_at(text, stops)
+    # leftovers of the few-shot format
+    text = text.replace("[BEGIN]", "")
+    return text.rstrip() + "\n" if text.strip() else ""

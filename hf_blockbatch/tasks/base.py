@@ -20,7 +20,7 @@ from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_blockbatch.eval.base import EvalItem, Task
+from hf_blockbatch.eval.base import EvalItem, Task, apply_chat
 
 logger = logging.getLogger(__name__)
 
@@ -152,11 +152,7 @@ class SyntheticTask(Task):
         Zero-shot because the tiny models are trained on exactly this prompt: few-shot
         examples would only spend context on text they never saw in training.
         """
-        if chat and tokenizer is not None:
-            return tokenizer.apply_chat_template(
-                [{"role": "user", "content": item.question}], add_generation_prompt=True, tokenize=False
-            )
-        return item.question
+        return apply_chat(item.question, tokenizer, chat)
 
 
 def pick(rng: random.Random, options: list[str]) -> tuple[str, list[str]]:

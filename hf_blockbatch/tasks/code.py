@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import itertools
 import random
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from hf_blockbatch.eval.base import EvalItem, Score
+from hf_blockbatch.eval.scoring import extract_code
 from hf_blockbatch.tasks.base import Draft, SyntheticTask
 from hf_blockbatch.tasks.words import NAME_NOUNS, NAME_VERBS, WORDS
 
@@ -330,19 +330,6 @@ _MAKERS: tuple[tuple[Callable[[random.Random], _Spec], int], ...] = (
     (_string, 3),
     (_even_step, 1),
 )
-
-_FENCE_RE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
-
-
-def extract_code(completion: str) -> str:
-    """The code of a completion: the first fenced block (closed or cut off), else the text.
-
-    Why accept an unclosed fence: with a fixed generation length the closing fence is the
-    first thing a cut-off answer loses, and the function above it may still be complete.
-    """
-    m = _FENCE_RE.search(completion)
-    return m.group(1) if m else completion
-
 
 class CodeTask(SyntheticTask):
     """Short functions named in the prompt; scored by executing hidden asserts (MBPP-style)."""
