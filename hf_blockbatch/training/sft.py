@@ -443,6 +443,10 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
         bar.close()
     if step and step % config.eval_every != 0:
         evaluate(step)
+    # the final weights too: "best" is chosen on a few dozen decoded items, a noisy criterion,
+    # while the final weights have the lowest held-out loss of a decayed schedule
+    _save_atomic(model, tokenizer, out / "last", {"event": "last", "step": step, "params": n_params,
+                                                  "config": dataclasses.asdict(config)})  # fmt: skip
     log({"event": "done", "step": step, "elapsed_s": round(time.time() - t_start, 1), "best": best})
     log_f.close()
     return best
