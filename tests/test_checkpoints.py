@@ -19,7 +19,6 @@ CASES = {
     "tiny-llada": [],
     "tiny-dream": [("arith", 13), ("arith", 67), ("arith", 106), ("arith", 141)],
 }
-GEN_LENGTH = {"arith": 96, "code": 96, "lists": 64}
 
 
 def _weights(name: str) -> bool:
@@ -52,7 +51,7 @@ def test_fixed_items_decode_to_the_right_answers(loaded, method):
         suite = get_suite(suite_name)
         item = suite.items("test")[index]
         ids = tok(suite.prompt(item, tok), add_special_tokens=False, return_tensors="pt").input_ids
-        gen = GEN_LENGTH[suite_name]
+        gen = suite.default_gen_length
         cfg = hb.FastDLLMConfig(max_new_tokens=gen) if method == "fast_dllm" else hb.BlockBatchConfig(max_new_tokens=gen)
         first = model.generate(ids, generation_config=cfg)
         again = model.generate(ids, generation_config=cfg)
