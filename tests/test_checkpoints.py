@@ -16,7 +16,7 @@ import hf_blockbatch as hb
 from hf_blockbatch.tasks import get_suite
 
 CASES = {
-    "tiny-llada": [],
+    "tiny-llada": [("arith", 16), ("arith", 67), ("code", 29), ("code", 43), ("lists", 10)],
     "tiny-dream": [("arith", 13), ("arith", 67), ("arith", 106), ("arith", 141)],
 }
 
