@@ -50,7 +50,16 @@ def main() -> None:
     model, tokenizer = build_model(args)
     vocab = model.config.vocab_size
     torch.manual_seed(1)
-    prompts = torch.randint(0, vocab - 8, (args.prompts, 24))
+    if tokenizer is not None:  # real prompts: the arith suite's first test questions, left-padded
+        from hf_blockbatch.tasks import get_suite
+
+        suite = get_suite("arith")
+        texts = [suite.prompt(item, tokenizer) for item in suite.items("test", args.prompts)]
+        enc = tokenizer(texts, add_special_tokens=False, return_tensors="pt", padding=True)
+        prompts, masks = enc.input_ids, enc.attention_mask
+    else:
+        prompts = torch.randint(0, vocab - 8, (args.prompts, 24))
+        masks = torch.ones_like(prompts)
     threshold = 0.9 if not args.random else 0.02
     strategies = {
         "fast_dllm_dual_b32": hb.FastDLLMConfig(max_new_tokens=args.max_new_tokens, block_length=32, threshold=threshold),
@@ -64,7 +73,9 @@ def main() -> None:
         nfe = 0
         t0 = time.perf_counter()
         for i in range(0, args.prompts, args.batch_size):
-            out = model.generate(prompts[i : i + args.batch_size], generation_config=cfg, return_dict_in_generate=True)
+            sl = slice(i, i + args.batch_size)
+            out = model.generate(prompts[sl], attention_mask=masks[sl], generation_config=cfg,
+                                 return_dict_in_generate=True)  # fmt: skip
             total += out.stats[0]["seconds"]
             forward += out.stats[0]["forward_seconds"]
             nfe += int(out.nfe.sum())

@@ -48,8 +48,10 @@ def setup(device: str, pads: list[int], seed: int = 0):
         (None, [0, 5, 11, 2], [12, 9, 12, 3]),  # whole canvas, block, last position, one token
         ([1, 3], [4, 6], [8, 12]),  # a subset of rows
         ([2], [7], [8]),
+        ([0, 1, 3], [4, 4, 2], [8, 8, 6]),  # equal lengths on unevenly spaced rows: a gathered group
+        ([0, 2], [3, 5], [7, 9]),  # equal lengths on evenly spaced rows: a strided view of the cache
     ],
-    ids=["all-rows", "subset", "single"],
+    ids=["all-rows", "subset", "single", "uneven-group", "strided-group"],
 )
 def test_window_backend_matches_brute_force(device, backend, pads, rows, starts, ends) -> None:
     cache, g = setup(device, pads)

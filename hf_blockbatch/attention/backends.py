@@ -138,10 +138,13 @@ class GroupedSDPABackend(AttentionBackend):
     def window(self, q, k_cache, v_cache, wb, scale):
         out = torch.empty_like(q)
         gqa = q.shape[1] != k_cache.shape[2]
-        for local, index in wb.length_groups():
-            rows = wb.rows[local]
-            k = k_cache.index_select(0, rows).transpose(1, 2)
-            v = v_cache.index_select(0, rows).transpose(1, 2)
+        for local, index, view in wb.length_groups():
+            if view is not None:  # evenly spaced cache rows: a strided view, no copy
+                k, v = k_cache[view].transpose(1, 2), v_cache[view].transpose(1, 2)
+            else:
+                rows = wb.rows[local]
+                k = k_cache.index_select(0, rows).transpose(1, 2)
+                v = v_cache.index_select(0, rows).transpose(1, 2)
             mask = None if wb.key_mask is None else wb.key_mask[local][:, None, None, :]
             o = F.scaled_dot_product_attention(q[index].transpose(1, 2), k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=gqa)  # fmt: skip

@@ -66,20 +66,29 @@ class WindowBatch:
     seg_cu_k: torch.Tensor | None = None  # [2R+1] int32
 
     # the rows grouped by window length (for the grouped SDPA backend), built lazily once per step
-    length_groups_: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    length_groups_: list[tuple[torch.Tensor, torch.Tensor, slice | None]] | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.token_pos.shape[0]
 
-    def length_groups(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``[(local_rows [A_w], packed_index [A_w, w])]``, one entry per distinct window length
-        ``w``: every row of a group can be attended without padding. One host sync per step."""
+    def length_groups(self) -> list[tuple[torch.Tensor, torch.Tensor, slice | None]]:
+        """``[(local_rows [A_w], packed_index [A_w, w], cache_slice)]``, one entry per distinct
+        window length ``w``: every row of a group is attended without padding. ``cache_slice`` is
+        a strided slice of the cache rows when the group's rows are evenly spaced (BlockBatch: the
+        branches of one block size sit every N rows), so the backend reads the cache as a view
+        instead of gathering it; otherwise ``None``. One host sync per step."""
         if self.length_groups_ is None:
             groups = []
-            for w in torch.unique(self.lengths).tolist():
-                local = (self.lengths == w).nonzero().squeeze(1)
-                groups.append((local, self.pad_index[local, :w]))
+            lengths, rows = self.lengths.tolist(), self.rows.tolist()
+            for w in sorted(set(lengths)):
+                idx = [i for i, n in enumerate(lengths) if n == w]
+                local = torch.tensor(idx, device=self.rows.device)
+                cache_rows = [rows[i] for i in idx]
+                step = cache_rows[1] - cache_rows[0] if len(cache_rows) > 1 else 1
+                even = step > 0 and all(b - a == step for a, b in zip(cache_rows, cache_rows[1:]))
+                view = slice(cache_rows[0], cache_rows[-1] + 1, step) if even else None
+                groups.append((local, self.pad_index[local, :w], view))
             self.length_groups_ = groups
         return self.length_groups_
 
