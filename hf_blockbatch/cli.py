@@ -25,7 +25,8 @@ import torch
 
 __all__ = ["main"]
 
-DEFAULT_PROMPT = "Mia has 3 apples. She buys 4 more apples. Then she gives away 2 apples. How many apples does she have now?"
+# an item of the arith suite's test split (never trained on) that the embedded tiny-llada answers
+DEFAULT_PROMPT = "Ken has 2 blocks. He gives 1 to Rosa. Then he doubles his blocks. How many blocks does Ken have now?"
 
 
 def _encode(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
