@@ -310,7 +310,6 @@ def test_lm_eval_harness_local_task(tiny, tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- two real processes
 
 
-@pytest.mark.slow
 def test_accelerate_launch_two_processes(tiny, tmp_path):
     """``accelerate launch`` with two CPU processes (its ``--multi_gpu`` launcher runs torchrun, which
     works without GPUs; ``--cpu`` would start one process) gives a single process's samples."""
