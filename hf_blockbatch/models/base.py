@@ -74,6 +74,12 @@ class DiffusionLMMixin:
             table = self._rope_table = RopeTable(cfg.head_dim_, cfg.rope_theta)
         return table(positions, length)
 
+    def _context(self, mode: str, positions: torch.Tensor, length: int, **kwargs) -> ForwardContext:
+        """What every layer of one forward shares (see ``ForwardContext``)."""
+        cos, sin = self._rope(positions, length)
+        return ForwardContext(mode=mode, backend=self.attention_backend, cos=cos, sin=sin,
+                              rope_full_precision=self.config.rope_in_fp32, **kwargs)  # fmt: skip
+
     # ---- attention backend ---------------------------------------------------------------
     @property
     def attention_backend(self) -> AttentionBackend:
@@ -195,19 +201,8 @@ class DiffusionLMMixin:
                 if key_mask is not None
                 else torch.arange(L, device=input_ids.device).expand(B, L)
             )
-        hidden = self._embed(input_ids)
-        cos, sin = self._rope(position_ids, L)
-        ctx = ForwardContext(
-            mode="dense",
-            backend=self.attention_backend,
-            cos=cos,
-            sin=sin,
-            rope_full_precision=self.config.rope_in_fp32,
-            cache=cache,
-            rows=cache_rows,
-            key_mask=key_mask,
-        )
-        logits = self._head(self._run(hidden, ctx))
+        ctx = self._context("dense", position_ids, L, cache=cache, rows=cache_rows, key_mask=key_mask)
+        logits = self._head(self._run(self._embed(input_ids), ctx))
         if return_dict is False:
             return (logits, cache)
         return DiffusionLMOutput(logits=logits, cache=cache)
@@ -250,18 +245,8 @@ class DiffusionLMMixin:
                     "A shifted model (Dream) cannot predict position 0: windows must start at 1 or later."
                 )
         wb = build_window_batch(cache, starts - shift, ends, rows)
-        hidden = self._embed(input_ids[wb.token_rows, wb.token_pos])
-        cos, sin = self._rope(wb.rope_pos, input_ids.shape[1])
-        ctx = ForwardContext(
-            mode="window",
-            backend=self.attention_backend,
-            cos=cos,
-            sin=sin,
-            rope_full_precision=self.config.rope_in_fp32,
-            cache=cache,
-            wb=wb,
-        )
-        hidden = self._run(hidden, ctx)
+        ctx = self._context("window", wb.rope_pos, input_ids.shape[1], cache=cache, wb=wb)
+        hidden = self._run(self._embed(input_ids[wb.token_rows, wb.token_pos]), ctx)
         if shift:
             # the last `shift` queries of each row predict past the window: keep the others
             keep = wb.token_pos < (ends[:, None].expand_as(wb.pad_valid)[wb.pad_valid] - shift)
