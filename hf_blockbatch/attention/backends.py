@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 from collections.abc import Callable
 
 import torch
@@ -252,7 +251,3 @@ def get_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> At
             f"{available_backends(device, dtype)}."
         )
     return cls()
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

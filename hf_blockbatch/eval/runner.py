@@ -764,6 +764,18 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------- plots
 
 
+def _save_grid(fig: Any, axes: Any, used: int, path: Path) -> Path:
+    """Hide the unused panels of a subplot grid, save it, and free the figure."""
+    import matplotlib.pyplot as plt
+
+    for ax in list(axes.flat)[used:]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def make_plots(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], out_dir: str | os.PathLike[str]) -> list[Path]:
     """``accuracy_vs_nfe.png`` (one panel per task: each method's point with its Wilson interval,
     the Fast-dLLM block sweep as a line) and ``nfe_distribution.png`` (box plots of per-request
@@ -805,13 +817,7 @@ def make_plots(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], ou
         ax.set_ylabel("accuracy (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(tasks) :]:
-        ax.set_visible(False)
-    fig.tight_layout()
-    path = out_dir / "accuracy_vs_nfe.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(_save_grid(fig, axes, len(tasks), out_dir / "accuracy_vs_nfe.png"))
 
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.2 * nrows), squeeze=False)
     for ax, task in zip(axes.flat, tasks):
@@ -827,11 +833,5 @@ def make_plots(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], ou
         ax.set_title(task)
         ax.set_ylabel("NFE per request")
         ax.grid(alpha=0.3, axis="y")
-    for ax in list(axes.flat)[len(tasks) :]:
-        ax.set_visible(False)
-    fig.tight_layout()
-    path = out_dir / "nfe_distribution.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(_save_grid(fig, axes, len(tasks), out_dir / "nfe_distribution.png"))
     return paths
