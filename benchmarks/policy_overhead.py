@@ -69,7 +69,7 @@ def main() -> None:
     report = {"model": model_name, "threads": args.threads, "prompts": args.prompts,
               "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "strategies": {}}  # fmt: skip
     for name, cfg in strategies.items():
-        total = forward = 0.0
+        total = forward = sample = 0.0
         nfe = 0
         t0 = time.perf_counter()
         for i in range(0, args.prompts, args.batch_size):
@@ -78,12 +78,16 @@ def main() -> None:
                                  return_dict_in_generate=True)  # fmt: skip
             total += out.stats[0]["seconds"]
             forward += out.stats[0]["forward_seconds"]
+            sample += out.stats[0]["sample_seconds"]
             nfe += int(out.nfe.sum())
         report["strategies"][name] = {
             "wall_seconds": time.perf_counter() - t0,
             "decode_seconds": total,
             "forward_seconds": forward,
             "policy_fraction": 1 - forward / total,
+            # proposals: the softmax over the vocabulary at every queried position (part of the policy)
+            "sampling_fraction": sample / total,
+            "policy_fraction_without_sampling": 1 - (forward + sample) / total,
             "mean_nfe": nfe / args.prompts,
         }
         print(name, json.dumps(report["strategies"][name]))

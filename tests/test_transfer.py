@@ -130,3 +130,29 @@ def test_sample_tokens_gumbel_is_seeded():
     assert torch.equal(a, b) and not torch.equal(a, c)
     r = sample_tokens(logits, 0.0, "random", 2, torch.Generator().manual_seed(5)).confidence
     assert ((r >= 0) & (r < 1)).all()
+
+
+def test_sample_tokens_maps_and_eos_probability():
+    logits = torch.randn(6, 9, generator=torch.Generator().manual_seed(3))
+    probs = torch.softmax(logits.double(), -1)
+    eos = torch.tensor([4, 7])
+    none = sample_tokens(logits, 0.0, "low_confidence", 0, eos_ids=eos)
+    assert none.top_probs is None and none.top_ids is None
+    assert torch.allclose(none.eos_prob.double(), probs[:, [4, 7]].sum(-1), atol=1e-6)
+    one = sample_tokens(logits, 0.0, "low_confidence", 1)
+    assert torch.equal(one.top_ids[:, 0], probs.argmax(-1)) and one.eos_prob is None
+    assert torch.allclose(one.top_probs[:, 0].double(), probs.max(-1).values, atol=1e-6)
+    three = sample_tokens(logits, 0.0, "low_confidence", 3)
+    assert torch.equal(three.top_ids, probs.topk(3, -1).indices)
+    for s in (none, one, three):  # every map size proposes the same greedy tokens
+        assert torch.equal(s.tokens, probs.argmax(-1))
+
+
+def test_probability_map_size_is_exact_for_the_merge_threshold():
+    from hf_blockbatch.generation.engine import DecodePlan
+
+    for t, k in ((0.5, 1), (0.9, 1), (0.4, 2), (1 / 3, 2), (0.3, 3), (0.25, 3), (0.2, 4)):
+        assert DecodePlan("blockbatch", 8, [4], merge=True, merge_threshold=t).top_k == k
+        # fewer than 1/t tokens can each exceed t, so the top k always holds any token above t
+        assert (k + 1) * t >= 1 - 1e-12
+    assert DecodePlan("fast_dllm", 8, [4]).top_k == 0

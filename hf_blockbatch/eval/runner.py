@@ -84,7 +84,7 @@ SWEEP_KEY = "fast_dllm_sweep"
 _DROP_STATS = ("trace",)
 #: row fields that differ between two runs of the same decoding (timings, process)
 TIMING_FIELDS = ("latency_s", "batch_seconds", "rank")
-TIMING_STATS = ("seconds", "forward_seconds")
+TIMING_STATS = ("seconds", "forward_seconds", "sample_seconds")
 
 
 # ------------------------------------------------------------------------------------------ tasks

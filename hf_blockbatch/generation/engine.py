@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from hf_blockbatch.attention.metadata import pack_ranges
 from hf_blockbatch.generation import stop as stop_mod
 from hf_blockbatch.generation.blockbatch.merge import merge
 from hf_blockbatch.generation.blockbatch.sync import leaders, sync_to_leader
@@ -74,7 +73,10 @@ class DecodePlan:
 
     @property
     def top_k(self) -> int:
-        return max(2, math.ceil(1.0 / self.merge_threshold)) if self.merge else 2
+        """Entries per position in the probability map. A merge takes a token only when the map
+        rates it above ``merge_threshold`` t, and fewer than 1/t tokens can each hold more than t,
+        so the top ``ceil(1/t) - 1`` entries are exact (the top-1 alone at the default t = 0.5)."""
+        return max(1, math.ceil(1.0 / self.merge_threshold) - 1) if self.merge else 0
 
 
 @dataclass
@@ -128,6 +130,7 @@ class _Run:
             synced_now=torch.zeros(R, dtype=torch.bool, device=device),
             gen_start=Lp,
             mask_id=mask_id,
+            quota=plan.threshold is None and plan.factor is None,
         )
         self.state.win_start -= 1  # so the first advance counts as a move and sets the quota
         self.state.advance()
@@ -143,7 +146,11 @@ class _Run:
         self.stats: list[dict[str, Any]] = [{} for _ in range(B)]
         self.trace: list[list[dict]] = [[] for _ in range(B)]
         self.forward_seconds = 0.0
+        self.sample_seconds = 0.0
         self.streamed = 0
+        # column offsets, sliced by every step (never re-allocated): spans are at most L long, and
+        # they also index the <= R rows of a step
+        self._offsets = torch.arange(max(self.L, R) + 1, device=device)
 
     # ------------------------------------------------------------------ forwards
     def _timed(self, fn, *args, **kwargs):
@@ -175,37 +182,78 @@ class _Run:
         )
         return out.logits
 
-    def _dense_span_logits(self, logits: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, W: int):
-        """Packed logits predicting ``[start, start + length)`` from dense (unshifted) logits."""
-        local, pos, pad_index, pad_valid = pack_ranges(starts, lengths, W)
-        packed = logits[local, pos - self.model.logit_shift]
-        return packed, pos, pad_index, pad_valid
+    def _take(self, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``t[rows]`` without a copy when ``rows`` is every row (it is then ``arange(R)``: rows
+        come from ``nonzero`` and are ascending and unique)."""
+        return t if rows.shape[0] == self.state.num_rows else t[rows]
+
+    def _spans(self, rows, starts, lengths, W: int, T: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Padded ``[A, W]`` positions of the packed spans ``[start, start + length)`` and which slots
+        are real (``None`` when all are: the spans are uniform, ``T == A * W``, and the packed
+        tensors are simply viewed as ``[A, W]``, the common case with one block size)."""
+        positions = starts[:, None] + self._offsets[:W]
+        if rows.shape[0] * W == T:
+            return positions, None
+        valid = self._offsets[:W] < lengths[:, None]
+        return positions.masked_fill(~valid, self.L), valid  # padded slots point at a spare column
+
+    def _dense_span_logits(self, logits: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None):
+        """Packed logits predicting the spans' positions, from dense (unshifted) full-forward logits."""
+        local = self._offsets[: positions.shape[0], None].expand_as(positions)
+        if valid is None:
+            return logits[local, positions - self.model.logit_shift].flatten(0, 1)
+        return logits[local[valid], positions[valid] - self.model.logit_shift]
 
     # ------------------------------------------------------------------ commits
     def _sample(self, packed_logits: torch.Tensor) -> Sampled:
+        """Proposals for the packed positions; timed apart, since the softmax over the vocabulary
+        is the one policy cost that grows with the model (it is most of the policy of a small one)."""
         plan = self.plan
-        return sample_tokens(
-            packed_logits, plan.temperature, plan.remasking, plan.top_k, self.generator, self._suppress, self._lowconf
-        )
+        t = time.perf_counter()
+        out = sample_tokens(
+            packed_logits, plan.temperature, plan.remasking, plan.top_k, self.generator,
+            self._suppress, self._lowconf, self.eos_ids if plan.early_stop else None,
+        )  # fmt: skip
+        self.sample_seconds += time.perf_counter() - t
+        return out
 
-    def _commit(self, rows, starts, lengths, W, packed_logits, pos, pad_index, pad_valid, phase: str,
-                sampled: Sampled | None = None) -> None:  # fmt: skip
-        """Sample the packed span logits (unless ``sampled`` is given), update the probability map,
-        apply the transfer rule inside each row's window, record EOS hits."""
+    def _commit(self, rows, positions, valid, sampled: Sampled, phase: str, window_only: bool) -> None:
+        """Apply the transfer rule inside each row's window and write the commits to the canvas;
+        update the probability map and EOS hits.
+
+        ``positions``/``valid`` are the padded spans of the packed ``sampled`` proposals (see
+        :meth:`_spans`); ``window_only`` says the spans are exactly the rows' windows.
+        """
         s, plan = self.state, self.plan
-        if sampled is None:
-            sampled = self._sample(packed_logits)
-        token_rows = rows[torch.arange(rows.shape[0], device=rows.device)[:, None].expand_as(pad_valid)[pad_valid]]
+        A, W = positions.shape
+        if valid is None:
+            def pad(t):  # packed [T, ...] -> padded [A, W, ...]
+                return t.view(A, W, *t.shape[1:])
+        else:
+            pad_index = (valid.reshape(-1).cumsum(0) - 1).clamp_min(0).view(A, W)
+
+            def pad(t):
+                return t[pad_index]
         if s.prob_p is not None:
-            s.prob_p[token_rows, pos - self.gs] = sampled.top_probs
-            s.prob_ids[token_rows, pos - self.gs] = sampled.top_ids
-        positions = starts[:, None] + torch.arange(W, device=starts.device)[None, :]
-        tokens = sampled.tokens[pad_index]
-        conf = sampled.confidence[pad_index]
-        eos_p = (sampled.top_probs * torch.isin(sampled.top_ids, self.eos_ids)).sum(-1)[pad_index]
-        current = s.canvas[rows].gather(1, positions.clamp(max=self.L - 1))
-        in_win = pad_valid & (positions >= s.win_start[rows, None]) & (positions < s.win_end[rows, None])
-        candidates = in_win & (current == self.mask_id)
+            flat_rows = rows[:, None].expand(A, W)
+            tr, tp = (flat_rows.reshape(-1), positions.reshape(-1)) if valid is None else (flat_rows[valid], positions[valid])
+            s.prob_p[tr, tp - self.gs] = sampled.top_probs
+            s.prob_ids[tr, tp - self.gs] = sampled.top_ids
+        all_rows = rows.shape[0] == s.num_rows
+        canvas = s.canvas if all_rows else s.canvas[rows]
+        if valid is not None:  # a spare column for the padded slots
+            canvas = torch.cat([canvas, canvas.new_full((A, 1), self.pad_id)], dim=1)
+        current = canvas.gather(1, positions)
+        in_win = valid
+        if not window_only:
+            ws, we = self._take(s.win_start, rows), self._take(s.win_end, rows)
+            in_win = (positions >= ws[:, None]) & (positions < we[:, None])
+            if valid is not None:
+                in_win &= valid
+        candidates = current == self.mask_id
+        if in_win is not None:
+            candidates &= in_win
+        conf = pad(sampled.confidence)
         if plan.threshold is not None:
             select = threshold_rule(conf, candidates, plan.threshold)
         elif plan.factor is not None:
@@ -213,29 +261,39 @@ class _Run:
         else:
             count = quota_schedule(s.masked_at_block_start[rows], plan.steps_per_block, s.steps_in_block[rows])
             select = quota_rule(conf, candidates, count.clamp_min(1))
-        r_idx = rows[:, None].expand_as(select)
-        s.canvas[r_idx[select], positions[select]] = tokens[select]
+            s.steps_in_block[rows] += 1
+        new = torch.where(select, pad(sampled.tokens), current)
+        if all_rows and valid is None:
+            s.canvas.scatter_(1, positions, new)
+        else:
+            s.canvas[rows] = canvas.scatter_(1, positions, new)[:, : self.L]
         s.committed.index_add_(0, rows, select.sum(-1))
-        s.steps_in_block[rows] += 1
-        stop_mod.mark_eos(s, rows, positions, pad_valid, eos_p, self.eos_ids)
+        if plan.early_stop:
+            stop_mod.mark_eos(s, rows, new, in_win, pad(sampled.eos_prob), self.eos_ids)
         if plan.output_trace:
             self._trace_commit(rows, positions, select, phase)
 
     def block_step(self, rows: torch.Tensor) -> None:
         s, plan = self.state, self.plan
-        starts, ends = s.win_start[rows], s.win_end[rows]
+        starts, ends = self._take(s.win_start, rows), self._take(s.win_end, rows)
         lengths = ends - starts
         W = int(lengths.max())
         if plan.cache == "none":
             logits = self._full_forward(rows, write_cache=False)
-            packed, pos, pad_index, pad_valid = self._dense_span_logits(logits, starts, lengths, W)
+            positions, valid = self._spans(rows, starts, lengths, W, int(lengths.sum()))
+            packed = self._dense_span_logits(logits, positions, valid)
         else:
             q_end = ends if plan.cache == "dual" else torch.full_like(ends, self.L)
             out = self._timed(self.model.forward_windows, s.canvas, starts, q_end, self.cache, rows=rows)
-            local, pos, pad_index, pad_valid = pack_ranges(starts, lengths, W)
-            packed = out.logits[out.cu_seqlens[:-1].long()[local] + (pos - starts[local])]
+            if plan.cache == "dual":  # the packed queries are exactly the windows
+                packed = out.logits
+                positions, valid = self._spans(rows, starts, lengths, W, packed.shape[0])
+            else:  # prefix: each row's queries run to the end of the canvas; keep its window's
+                positions, valid = self._spans(rows, starts, lengths, W, int(lengths.sum()))
+                index = out.cu_seqlens[:-1].long()[:, None] + self._offsets[:W]
+                packed = out.logits[index.flatten() if valid is None else index[valid]]
         self._count(rows, self.nfe_block)
-        self._commit(rows, starts, lengths, W, packed, pos, pad_index, pad_valid, "block")
+        self._commit(rows, positions, valid, self._sample(packed), "block", window_only=True)
 
     def full_step(self, rows: torch.Tensor, phase: str) -> None:
         """A full forward over ``rows`` (the initial forward, or a refresh): rewrite their cache
@@ -248,11 +306,12 @@ class _Run:
         else:
             starts, lengths = s.win_start[rows], (s.win_end[rows] - s.win_start[rows]).clamp_min(1)
         W = int(lengths.max())
-        packed, pos, pad_index, pad_valid = self._dense_span_logits(logits, starts, lengths, W)
+        positions, valid = self._spans(rows, starts, lengths, W, int(lengths.sum()))
+        packed = self._dense_span_logits(logits, positions, valid)
         self._count(rows, self.nfe_refresh if phase == "refresh" else None)
         s.refreshes.index_add_(0, rows, torch.ones_like(rows))
         s.since_refresh[rows] = 0
-        self._commit(rows, starts, lengths, W, packed, pos, pad_index, pad_valid, phase)
+        self._commit(rows, positions, valid, self._sample(packed), phase, window_only=not plan.prob_map)
 
     def initial_step(self) -> None:
         """One full forward per request (not per branch): K/V broadcast to every branch's row."""
@@ -269,25 +328,19 @@ class _Run:
             others = torch.arange(s.num_rows, device=first.device)
             self.cache.copy_rows(others - others % self.N, others)
         G = self.L - self.gs
-        packed, _, _, _ = self._dense_span_logits(
-            logits, torch.full_like(first, self.gs), torch.full_like(first, G), G
-        )
-        once = self._sample(packed)
-        shared = Sampled(*(t.view(first.shape[0], G, *t.shape[1:]).repeat_interleave(self.N, 0).flatten(0, 1)
-                           for t in (once.tokens, once.confidence, once.top_probs, once.top_ids)))  # fmt: skip
+        starts = torch.full_like(first, self.gs)
+        positions, _ = self._spans(first, starts, torch.full_like(first, G), G, first.shape[0] * G)
+        shared = self._sample(self._dense_span_logits(logits, positions, None)).repeat_rows(first.shape[0], self.N)
         rows = torch.arange(s.num_rows, device=first.device)
-        starts, lengths = torch.full_like(rows, self.gs), torch.full_like(rows, G)
-        _, pos, pad_index, pad_valid = pack_ranges(starts, lengths, G)
         self._count(first, None)
         s.refreshes += 1
-        self._commit(rows, starts, lengths, G, None, pos, pad_index, pad_valid, "init", sampled=shared)
+        self._commit(rows, positions.repeat_interleave(self.N, 0), None, shared, "init", window_only=False)
 
     # ------------------------------------------------------------------ policy
     def after_commit(self, full: bool) -> None:
         s, plan = self.state, self.plan
         if not full or plan.advance_after_full:
             s.advance()
-        s.synced_now = torch.zeros_like(s.done)
         if plan.merge and self.N > 1:
             merged = merge(s, plan.merge_threshold, self.N)
             if plan.output_trace:
@@ -319,6 +372,9 @@ class _Run:
     def finish(self) -> bool:
         """Move finished requests out of the batch; True when none is left."""
         s = self.state
+        # a request can only end once one of its rows is done (or hit EOS, with early stop)
+        if not bool((s.done | s.eos_hit).any() if self.plan.early_stop else s.done.any()):
+            return False
         finished = stop_mod.finished_requests(s, self.B, self.plan.early_stop)
         if not bool(finished.any()):
             return False
@@ -447,6 +503,7 @@ class _Run:
         for st in self.stats:
             st["seconds"] = total
             st["forward_seconds"] = self.forward_seconds
+            st["sample_seconds"] = self.sample_seconds
         return DecodeResult(self.sequences, self.nfe, self.stats)
 
 

@@ -43,6 +43,7 @@ class DecodeState:
     synced_now: torch.Tensor  # [R] bool: synced in this step (no refresh right after a sync)
     gen_start: int
     mask_id: int
+    quota: bool = True  # keep the fixed-quota counters (the other rules never read them)
 
     @property
     def num_rows(self) -> int:
@@ -62,15 +63,15 @@ class DecodeState:
         gs, L = self.gen_start, self.length
         masks = self.canvas[:, gs:] == self.mask_id
         has_mask = masks.any(-1)
-        first = masks.float().argmax(-1)
-        start = gs + torch.div(first, self.block, rounding_mode="floor") * self.block
-        start = torch.where(has_mask, start, torch.full_like(start, L))
-        end = torch.minimum(start + self.block, torch.full_like(start, L))
+        first = masks.byte().argmax(-1)
+        start = torch.where(has_mask, gs + first - first % self.block, L)
+        end = (start + self.block).clamp_max(L)
         moved = start != self.win_start
         self.since_refresh += torch.where(moved, (start - self.win_start).clamp_min(0), 0)
-        window_masks = self.window_mask_count(start, end)
-        self.masked_at_block_start = torch.where(moved, window_masks, self.masked_at_block_start)
-        self.steps_in_block = torch.where(moved, torch.zeros_like(self.steps_in_block), self.steps_in_block)
+        if self.quota:
+            window_masks = self.window_mask_count(start, end)
+            self.masked_at_block_start = torch.where(moved, window_masks, self.masked_at_block_start)
+            self.steps_in_block = self.steps_in_block.masked_fill(moved, 0)
         self.win_start, self.win_end = start, end
         self.done = ~has_mask
         return moved

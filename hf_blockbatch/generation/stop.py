@@ -18,26 +18,28 @@ __all__ = ["mark_eos", "finished_requests", "pick_winners", "fill_after_eos"]
 def mark_eos(
     state: DecodeState,
     rows: torch.Tensor,
-    positions: torch.Tensor,
-    valid: torch.Tensor,
+    tokens: torch.Tensor,
+    in_window: torch.Tensor | None,
     eos_probs: torch.Tensor,
     eos_ids: torch.Tensor,
 ) -> None:
     """Record EOS hits for ``rows`` after a commit.
 
-    ``positions``/``valid`` ``[A, W]`` cover each row's window (and possibly more); ``eos_probs``
-    ``[A, W]`` is this step's probability of EOS at each slot.
+    ``tokens`` ``[A, W]`` is a span of each row after the commit that covers its window;
+    ``in_window`` marks the span's slots inside the window (``None``: the span is the window);
+    ``eos_probs`` ``[A, W]`` is this step's probability of EOS at each slot.
     """
-    ws, we = state.win_start[rows, None], state.win_end[rows, None]
-    in_win = valid & (positions >= ws) & (positions < we)
-    tokens = state.canvas[rows].gather(1, positions.clamp(max=state.length - 1))
-    complete = ~((tokens == state.mask_id) & in_win).any(-1)
-    is_eos = torch.isin(tokens, eos_ids) & in_win
-    hit = complete & is_eos.any(-1) & ~state.done[rows]
-    first = is_eos.float().argmax(-1, keepdim=True)
+    open_slots = tokens == state.mask_id
+    is_eos = torch.isin(tokens, eos_ids)
+    if in_window is not None:
+        open_slots &= in_window
+        is_eos &= in_window
+    hit = ~open_slots.any(-1) & is_eos.any(-1) & ~state.done[rows]
+    first = is_eos.byte().argmax(-1, keepdim=True)
     prob = eos_probs.gather(1, first).squeeze(1).to(state.eos_prob.dtype)
-    state.eos_prob[rows] = torch.where(hit & ~state.eos_hit[rows], prob, state.eos_prob[rows])
-    state.eos_hit[rows] |= hit
+    seen = state.eos_hit[rows]
+    state.eos_prob[rows] = torch.where(hit & ~seen, prob, state.eos_prob[rows])
+    state.eos_hit[rows] = seen | hit
 
 
 def finished_requests(state: DecodeState, num_requests: int, early_stop: bool) -> torch.Tensor:

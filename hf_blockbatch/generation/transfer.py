@@ -22,13 +22,25 @@ __all__ = ["Sampled", "sample_tokens", "threshold_rule", "factor_rule", "quota_r
 
 @dataclass
 class Sampled:
-    """Per packed position: the proposed token, its confidence, and the top-k probabilities that
-    the probability map keeps (for merging and EOS confidence)."""
+    """Per packed position: the proposed token, its confidence, the probability of end-of-sequence
+    (for the early-stop winner), and the top-k probabilities that the probability map keeps (for
+    merging; ``None`` when no map is kept)."""
 
     tokens: torch.Tensor  # [T] long
     confidence: torch.Tensor  # [T] float64
-    top_probs: torch.Tensor  # [T, k] float32
-    top_ids: torch.Tensor  # [T, k] long
+    eos_prob: torch.Tensor | None = None  # [T] float32, total probability of the EOS ids
+    top_probs: torch.Tensor | None = None  # [T, k] float32
+    top_ids: torch.Tensor | None = None  # [T, k] long
+
+    def repeat_rows(self, rows: int, repeats: int) -> Sampled:
+        """Each of ``rows`` equal-length row blocks repeated ``repeats`` times (shared proposals)."""
+
+        def rep(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t.view(rows, -1, *t.shape[1:]).repeat_interleave(repeats, 0).flatten(0, 1)
+
+        return Sampled(*(rep(t) for t in (self.tokens, self.confidence, self.eos_prob, self.top_probs, self.top_ids)))
 
 
 def sample_tokens(
@@ -39,40 +51,47 @@ def sample_tokens(
     generator: torch.Generator | None = None,
     suppress_logit_ids: torch.Tensor | None = None,
     low_confidence_ids: torch.Tensor | None = None,
+    eos_ids: torch.Tensor | None = None,
 ) -> Sampled:
     """Propose a token for every packed position.
 
     Greedy at temperature 0; otherwise Gumbel-max on float64 logits (LLaDA's
     ``exp(logits) / (-log u)^T``), since low-precision Gumbel noise hurts masked diffusion. The
-    confidence is the float64 softmax probability of the proposed token (``low_confidence``) or a
-    uniform random number (``random`` remasking).
+    confidence is the softmax probability of the proposed token (``low_confidence``) or a
+    uniform random number (``random`` remasking). ``top_k = 0`` skips the top-k map; ``eos_ids``
+    asks for the EOS probability.
     """
     if suppress_logit_ids is not None:
         logits = logits.index_fill(-1, suppress_logit_ids, float("-inf"))
-    k = min(top_k, logits.shape[-1])
-    # Probabilities only where they are needed: the log-normaliser over the vocabulary (float32,
-    # one pass; a float64 pass costs ~4x more on CPUs and changes a probability by ~1e-7 relative)
-    # and the top-k entries, exponentiated in float64. The top-k follows the logits' order, so
-    # the full softmax is never materialised.
-    log_z = torch.logsumexp(logits.float(), dim=-1, keepdim=True).double()
-    top_logits, top_ids = logits.topk(k, dim=-1)
-    top_probs = (top_logits.double() - log_z).exp()
+    # One fused log-softmax pass in float32, then only the entries a step reads are exponentiated
+    # in float64: a float64 softmax over the vocabulary costs ~4x more on CPUs and moves a
+    # probability by ~1e-7 relative. This is the largest cost of the policy on a small model.
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top_probs = top_ids = None
+    if top_k > 1:
+        top_logp, top_ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+        top_probs = top_logp.exp()
+        best_logp, best_ids = top_logp[:, 0], top_ids[:, 0]
+    elif top_k == 1 or temperature == 0:  # a max is several times cheaper than a top-k on CPUs
+        best_logp, best_ids = logp.max(dim=-1)
+        if top_k == 1:
+            top_probs, top_ids = best_logp.exp()[:, None], best_ids[:, None]
     if temperature > 0:
         logits64 = logits.double()
         noise = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
         tokens = torch.argmax(logits64.exp() / (-torch.log(noise)) ** temperature, dim=-1)
-        token_prob = (logits64.gather(-1, tokens[:, None]) - log_z).exp().squeeze(-1)
+        token_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)
     else:
-        tokens = top_ids[:, 0]
-        token_prob = top_probs[:, 0]
+        tokens, token_logp = best_ids, best_logp
     if remasking == "random":
         confidence = torch.rand(tokens.shape, dtype=torch.float64, device=logits.device, generator=generator)
     else:
-        confidence = token_prob
+        confidence = token_logp.double().exp()
     if low_confidence_ids is not None:
         hit = torch.isin(tokens, low_confidence_ids)
         confidence = confidence.masked_fill(hit, float("-inf"))
-    return Sampled(tokens, confidence, top_probs.float(), top_ids)
+    eos_prob = logp.index_select(-1, eos_ids).exp().sum(-1) if eos_ids is not None else None
+    return Sampled(tokens, confidence, eos_prob, top_probs, top_ids)
 
 
 def _masked_conf(confidence: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
@@ -80,14 +99,13 @@ def _masked_conf(confidence: torch.Tensor, candidates: torch.Tensor) -> torch.Te
     lowest finite value) so that a row with candidates always has a best one: progress is
     guaranteed, a step can never commit nothing while masks remain."""
     finite = confidence.clamp_min(torch.finfo(confidence.dtype).min)
-    return torch.where(candidates, finite, torch.full_like(confidence, float("-inf")))
+    return torch.where(candidates, finite, float("-inf"))
 
 
 def _force_best(select: torch.Tensor, confidence: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     """Add each row's single most confident candidate (rows without candidates are untouched)."""
     best = _masked_conf(confidence, candidates).argmax(dim=-1, keepdim=True)
-    forced = torch.zeros_like(select).scatter_(-1, best, True) & candidates
-    return select | forced
+    return select.scatter_(-1, best, candidates.gather(-1, best))
 
 
 def threshold_rule(confidence: torch.Tensor, candidates: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -11,8 +11,9 @@ the rows behind it (smaller window end; equal ends by row order). Sources are th
 destinations already merged in the same pass, so the whole pass is computed at once on the
 pre-merge canvases, as ``[R, R, G]`` masked comparisons, with no loop over rows or positions.
 
-The probability map keeps the top-k probabilities per position with ``k >= ceil(1 / threshold)``,
-which is exact for this test: a token with probability above ``1/k`` is always among the top k.
+The probability map keeps the top-k probabilities per position with ``k = ceil(1 / threshold) - 1``
+(at least 1), which is exact for this test: fewer than ``1 / threshold`` tokens can each hold more
+than ``threshold``, so a token above it is always among the top k (the top-1 at threshold 0.5).
 """
 
 from __future__ import annotations
