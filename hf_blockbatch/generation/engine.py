@@ -145,6 +145,7 @@ class _Run:
         self.by_eos = torch.zeros(B, dtype=torch.bool, device=device)
         self.stats: list[dict[str, Any]] = [{} for _ in range(B)]
         self.trace: list[list[dict]] = [[] for _ in range(B)]
+        self._cuda = device.type == "cuda"
         self.forward_seconds = 0.0
         self.sample_seconds = 0.0
         self.streamed = 0
@@ -154,11 +155,12 @@ class _Run:
 
     # ------------------------------------------------------------------ forwards
     def _timed(self, fn, *args, **kwargs):
-        if self.model.device.type == "cuda":
+        # `self._cuda` is read once: `model.device` walks the module tree (~50 us a call)
+        if self._cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
         out = fn(*args, **kwargs)
-        if self.model.device.type == "cuda":
+        if self._cuda:
             torch.cuda.synchronize()
         self.forward_seconds += time.perf_counter() - t
         return out
