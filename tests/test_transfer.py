@@ -6,6 +6,7 @@ import torch
 from _generation_helpers import ref_quota
 
 from hf_blockbatch.generation.transfer import (
+    eos_probability,
     factor_rule,
     quota_rule,
     quota_schedule,
@@ -136,11 +137,11 @@ def test_sample_tokens_maps_and_eos_probability():
     logits = torch.randn(6, 9, generator=torch.Generator().manual_seed(3))
     probs = torch.softmax(logits.double(), -1)
     eos = torch.tensor([4, 7])
-    none = sample_tokens(logits, 0.0, "low_confidence", 0, eos_ids=eos)
+    none = sample_tokens(logits, 0.0, "low_confidence", 0)
     assert none.top_probs is None and none.top_ids is None
-    assert torch.allclose(none.eos_prob.double(), probs[:, [4, 7]].sum(-1), atol=1e-6)
+    assert torch.allclose(eos_probability(logits, eos).double(), probs[:, [4, 7]].sum(-1), atol=1e-6)
     one = sample_tokens(logits, 0.0, "low_confidence", 1)
-    assert torch.equal(one.top_ids[:, 0], probs.argmax(-1)) and one.eos_prob is None
+    assert torch.equal(one.top_ids[:, 0], probs.argmax(-1))
     assert torch.allclose(one.top_probs[:, 0].double(), probs.max(-1).values, atol=1e-6)
     three = sample_tokens(logits, 0.0, "low_confidence", 3)
     assert torch.equal(three.top_ids, probs.topk(3, -1).indices)

@@ -32,6 +32,7 @@ from hf_blockbatch.generation.refresh import due_rows
 from hf_blockbatch.generation.state import DecodeState
 from hf_blockbatch.generation.transfer import (
     Sampled,
+    eos_probability,
     factor_rule,
     quota_rule,
     quota_schedule,
@@ -146,6 +147,7 @@ class _Run:
         self.stats: list[dict[str, Any]] = [{} for _ in range(B)]
         self.trace: list[list[dict]] = [[] for _ in range(B)]
         self._cuda = device.type == "cuda"
+        self._propose_masked_only = plan.temperature == 0 and plan.remasking == "low_confidence"
         self.forward_seconds = 0.0
         self.sample_seconds = 0.0
         self.streamed = 0
@@ -213,49 +215,70 @@ class _Run:
         plan = self.plan
         t = time.perf_counter()
         out = sample_tokens(
-            packed_logits, plan.temperature, plan.remasking, plan.top_k, self.generator,
-            self._suppress, self._lowconf, self.eos_ids if plan.early_stop else None,
-        )  # fmt: skip
+            packed_logits, plan.temperature, plan.remasking, plan.top_k, self.generator, self._suppress, self._lowconf
+        )
         self.sample_seconds += time.perf_counter() - t
         return out
 
-    def _commit(self, rows, positions, valid, sampled: Sampled, phase: str, window_only: bool) -> None:
-        """Apply the transfer rule inside each row's window and write the commits to the canvas;
-        update the probability map and EOS hits.
+    def _slot_index(self, valid: torch.Tensor | None, A: int, W: int) -> torch.Tensor:
+        """``[A, W]`` packed index of each padded slot (0 for padded-out slots)."""
+        if valid is None:
+            return torch.arange(A * W, device=self._offsets.device).view(A, W)
+        return (valid.reshape(-1).cumsum(0) - 1).clamp_min(0).view(A, W)
 
-        ``positions``/``valid`` are the padded spans of the packed ``sampled`` proposals (see
-        :meth:`_spans`); ``window_only`` says the spans are exactly the rows' windows.
+    def _commit(self, rows, positions, valid, packed, slot_index, phase: str, window_only: bool) -> None:
+        """Propose tokens, apply the transfer rule inside each row's window and write the commits
+        to the canvas; update the probability map and EOS hits.
+
+        ``positions``/``valid`` are the rows' padded spans (see :meth:`_spans`), ``packed`` the
+        logits ``[T, V]`` predicting them and ``slot_index`` ``[A, W]`` the row of ``packed`` for
+        each slot (rows may share one: the initial step's branches share their request's).
+        ``window_only`` says the spans are exactly the rows' windows.
+
+        Greedy low-confidence decoding (the default) proposes only at still-masked slots: nothing
+        else is ever committed or read back from the probability map (merging reads it only where
+        the row is masked), and these are about a third of a window's slots once it is under way.
+        Stochastic decoding proposes at every packed position, once, so that the random draws
+        follow the packed layout whatever the canvas holds.
         """
         s, plan = self.state, self.plan
         A, W = positions.shape
-        if valid is None:
-            def pad(t):  # packed [T, ...] -> padded [A, W, ...]
-                return t.view(A, W, *t.shape[1:])
-        else:
-            pad_index = (valid.reshape(-1).cumsum(0) - 1).clamp_min(0).view(A, W)
-
-            def pad(t):
-                return t[pad_index]
-        if s.prob_p is not None:
-            flat_rows = rows[:, None].expand(A, W)
-            tr, tp = (flat_rows.reshape(-1), positions.reshape(-1)) if valid is None else (flat_rows[valid], positions[valid])
-            s.prob_p[tr, tp - self.gs] = sampled.top_probs
-            s.prob_ids[tr, tp - self.gs] = sampled.top_ids
         all_rows = rows.shape[0] == s.num_rows
         canvas = s.canvas if all_rows else s.canvas[rows]
-        if valid is not None:  # a spare column for the padded slots
+        if valid is not None:  # a spare column (never masked) for the padded-out slots
             canvas = torch.cat([canvas, canvas.new_full((A, 1), self.pad_id)], dim=1)
         current = canvas.gather(1, positions)
+        masked = current == self.mask_id
+        if self._propose_masked_only:
+            need = masked
+            sampled = self._sample(packed[slot_index[need]])
+            conf = torch.full((A, W), -1.0, dtype=torch.float64, device=masked.device).masked_scatter_(
+                need, sampled.confidence
+            )
+            tokens = current.masked_scatter(need, sampled.tokens)
+            top_probs, top_ids = sampled.top_probs, sampled.top_ids
+        else:
+            need = valid
+            sampled = self._sample(packed)
+            conf, tokens = sampled.confidence[slot_index], sampled.tokens[slot_index]
+            if s.prob_p is not None:
+                keep = slot_index.reshape(-1) if valid is None else slot_index[valid]
+                top_probs, top_ids = sampled.top_probs[keep], sampled.top_ids[keep]
+        if s.prob_p is not None:
+            flat_rows, flat_pos = rows[:, None].expand(A, W), positions - self.gs
+            if need is None:
+                flat_rows, flat_pos = flat_rows.reshape(-1), flat_pos.reshape(-1)
+            else:
+                flat_rows, flat_pos = flat_rows[need], flat_pos[need]
+            s.prob_p[flat_rows, flat_pos] = top_probs
+            s.prob_ids[flat_rows, flat_pos] = top_ids
         in_win = valid
         if not window_only:
             ws, we = self._take(s.win_start, rows), self._take(s.win_end, rows)
             in_win = (positions >= ws[:, None]) & (positions < we[:, None])
             if valid is not None:
                 in_win &= valid
-        candidates = current == self.mask_id
-        if in_win is not None:
-            candidates &= in_win
-        conf = pad(sampled.confidence)
+        candidates = masked if in_win is None else masked & in_win
         if plan.threshold is not None:
             select = threshold_rule(conf, candidates, plan.threshold)
         elif plan.factor is not None:
@@ -264,14 +287,17 @@ class _Run:
             count = quota_schedule(s.masked_at_block_start[rows], plan.steps_per_block, s.steps_in_block[rows])
             select = quota_rule(conf, candidates, count.clamp_min(1))
             s.steps_in_block[rows] += 1
-        new = torch.where(select, pad(sampled.tokens), current)
+        new = torch.where(select, tokens, current)
         if all_rows and valid is None:
             s.canvas.scatter_(1, positions, new)
         else:
             s.canvas[rows] = canvas.scatter_(1, positions, new)[:, : self.L]
         s.committed.index_add_(0, rows, select.sum(-1))
         if plan.early_stop:
-            stop_mod.mark_eos(s, rows, new, in_win, pad(sampled.eos_prob), self.eos_ids)
+            def eos_prob_at(slot: torch.Tensor) -> torch.Tensor:  # [A, 1] slots -> [A]
+                return eos_probability(packed[slot_index.gather(1, slot).squeeze(1)], self.eos_ids)
+
+            stop_mod.mark_eos(s, rows, new, in_win, eos_prob_at, self.eos_ids)
         if plan.output_trace:
             self._trace_commit(rows, positions, select, phase)
 
@@ -295,7 +321,8 @@ class _Run:
                 index = out.cu_seqlens[:-1].long()[:, None] + self._offsets[:W]
                 packed = out.logits[index.flatten() if valid is None else index[valid]]
         self._count(rows, self.nfe_block)
-        self._commit(rows, positions, valid, self._sample(packed), "block", window_only=True)
+        slots = self._slot_index(valid, rows.shape[0], W)
+        self._commit(rows, positions, valid, packed, slots, "block", window_only=True)
 
     def full_step(self, rows: torch.Tensor, phase: str) -> None:
         """A full forward over ``rows`` (the initial forward, or a refresh): rewrite their cache
@@ -313,7 +340,8 @@ class _Run:
         self._count(rows, self.nfe_refresh if phase == "refresh" else None)
         s.refreshes.index_add_(0, rows, torch.ones_like(rows))
         s.since_refresh[rows] = 0
-        self._commit(rows, positions, valid, self._sample(packed), phase, window_only=not plan.prob_map)
+        slots = self._slot_index(valid, rows.shape[0], W)
+        self._commit(rows, positions, valid, packed, slots, phase, window_only=not plan.prob_map)
 
     def initial_step(self) -> None:
         """One full forward per request (not per branch): K/V broadcast to every branch's row."""
@@ -322,9 +350,9 @@ class _Run:
         if self.N == 1:
             self.full_step(first, "init")
             return
-        # One forward and one sample per request over its whole generated region; the K/V and the
-        # sampled proposals are then shared by every branch (their canvases are identical), and each
-        # branch commits inside its own first window.
+        # One forward per request over its whole generated region; the K/V and the logits are then
+        # shared by every branch (their canvases are identical): each branch's slots point at its
+        # request's logits, and each branch commits inside its own first window.
         logits = self._full_forward(first, write_cache=self.cache is not None)
         if self.cache is not None:
             others = torch.arange(s.num_rows, device=first.device)
@@ -332,11 +360,12 @@ class _Run:
         G = self.L - self.gs
         starts = torch.full_like(first, self.gs)
         positions, _ = self._spans(first, starts, torch.full_like(first, G), G, first.shape[0] * G)
-        shared = self._sample(self._dense_span_logits(logits, positions, None)).repeat_rows(first.shape[0], self.N)
+        packed = self._dense_span_logits(logits, positions, None)
+        slots = self._slot_index(None, first.shape[0], G).repeat_interleave(self.N, 0)
         rows = torch.arange(s.num_rows, device=first.device)
         self._count(first, None)
         s.refreshes += 1
-        self._commit(rows, positions.repeat_interleave(self.N, 0), None, shared, "init", window_only=False)
+        self._commit(rows, positions.repeat_interleave(self.N, 0), None, packed, slots, "init", window_only=False)
 
     # ------------------------------------------------------------------ policy
     def after_commit(self, full: bool) -> None:

@@ -8,6 +8,8 @@ row with the most decoded tokens (lowest branch index on ties) wins.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hf_blockbatch.generation.state import DecodeState
@@ -20,14 +22,15 @@ def mark_eos(
     rows: torch.Tensor,
     tokens: torch.Tensor,
     in_window: torch.Tensor | None,
-    eos_probs: torch.Tensor,
+    eos_prob_at: Callable[[torch.Tensor], torch.Tensor],
     eos_ids: torch.Tensor,
 ) -> None:
     """Record EOS hits for ``rows`` after a commit.
 
     ``tokens`` ``[A, W]`` is a span of each row after the commit that covers its window;
     ``in_window`` marks the span's slots inside the window (``None``: the span is the window);
-    ``eos_probs`` ``[A, W]`` is this step's probability of EOS at each slot.
+    ``eos_prob_at(slot [A, 1]) -> [A]`` gives this step's probability of EOS at a slot of each row
+    (asked once, for each row's first EOS slot, so that no probability is computed elsewhere).
     """
     open_slots = tokens == state.mask_id
     is_eos = torch.isin(tokens, eos_ids)
@@ -36,7 +39,7 @@ def mark_eos(
         is_eos &= in_window
     hit = ~open_slots.any(-1) & is_eos.any(-1) & ~state.done[rows]
     first = is_eos.byte().argmax(-1, keepdim=True)
-    prob = eos_probs.gather(1, first).squeeze(1).to(state.eos_prob.dtype)
+    prob = eos_prob_at(first).to(state.eos_prob.dtype)
     seen = state.eos_hit[rows]
     state.eos_prob[rows] = torch.where(hit & ~seen, prob, state.eos_prob[rows])
     state.eos_hit[rows] = seen | hit

@@ -17,30 +17,23 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Sampled", "sample_tokens", "threshold_rule", "factor_rule", "quota_rule", "quota_schedule"]
+__all__ = ["Sampled", "eos_probability", "sample_tokens", "threshold_rule", "factor_rule", "quota_rule", "quota_schedule"]
 
 
 @dataclass
 class Sampled:
-    """Per packed position: the proposed token, its confidence, the probability of end-of-sequence
-    (for the early-stop winner), and the top-k probabilities that the probability map keeps (for
-    merging; ``None`` when no map is kept)."""
+    """Per packed position: the proposed token, its confidence, and the top-k probabilities that
+    the probability map keeps (for merging; ``None`` when no map is kept)."""
 
     tokens: torch.Tensor  # [T] long
     confidence: torch.Tensor  # [T] float64
-    eos_prob: torch.Tensor | None = None  # [T] float32, total probability of the EOS ids
     top_probs: torch.Tensor | None = None  # [T, k] float32
     top_ids: torch.Tensor | None = None  # [T, k] long
 
-    def repeat_rows(self, rows: int, repeats: int) -> Sampled:
-        """Each of ``rows`` equal-length row blocks repeated ``repeats`` times (shared proposals)."""
 
-        def rep(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            return t.view(rows, -1, *t.shape[1:]).repeat_interleave(repeats, 0).flatten(0, 1)
-
-        return Sampled(*(rep(t) for t in (self.tokens, self.confidence, self.eos_prob, self.top_probs, self.top_ids)))
+def eos_probability(logits: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
+    """``[n]`` total probability of the end-of-sequence ids under ``logits`` ``[n, V]``."""
+    return torch.log_softmax(logits.float(), dim=-1).index_select(-1, eos_ids).exp().sum(-1)
 
 
 def sample_tokens(
@@ -51,15 +44,13 @@ def sample_tokens(
     generator: torch.Generator | None = None,
     suppress_logit_ids: torch.Tensor | None = None,
     low_confidence_ids: torch.Tensor | None = None,
-    eos_ids: torch.Tensor | None = None,
 ) -> Sampled:
     """Propose a token for every packed position.
 
     Greedy at temperature 0; otherwise Gumbel-max on float64 logits (LLaDA's
     ``exp(logits) / (-log u)^T``), since low-precision Gumbel noise hurts masked diffusion. The
     confidence is the softmax probability of the proposed token (``low_confidence``) or a
-    uniform random number (``random`` remasking). ``top_k = 0`` skips the top-k map; ``eos_ids``
-    asks for the EOS probability.
+    uniform random number (``random`` remasking). ``top_k = 0`` skips the top-k map.
     """
     if suppress_logit_ids is not None:
         logits = logits.index_fill(-1, suppress_logit_ids, float("-inf"))
@@ -90,8 +81,7 @@ def sample_tokens(
     if low_confidence_ids is not None:
         hit = torch.isin(tokens, low_confidence_ids)
         confidence = confidence.masked_fill(hit, float("-inf"))
-    eos_prob = logp.index_select(-1, eos_ids).exp().sum(-1) if eos_ids is not None else None
-    return Sampled(tokens, confidence, eos_prob, top_probs, top_ids)
+    return Sampled(tokens, confidence, top_probs, top_ids)
 
 
 def _masked_conf(confidence: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
