@@ -335,3 +335,30 @@ def test_enable_gives_any_contract_model_the_same_generate(family):
 def test_enable_refuses_a_model_without_the_contract():
     with pytest.raises(TypeError, match="forward contract"):
         hb.enable(torch.nn.Linear(2, 2))
+
+
+def test_finished_requests_retire_then_leave_the_cache(monkeypatch):
+    """Requests that end at different steps (3 to 14 forwards here): each still equals its run
+    alone (so no later forward carried it: its NFE would grow), and the cache drops whole
+    requests' rows once half the rows are retired."""
+    model, cfg = peaked("llada"), PADDED_CONFIGS[4]
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9], [7, 9, 3, 2], [2, 7, 1, 8, 2, 8], [1, 4, 1, 4, 2, 1, 3]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[EOS_ID] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kept: list[int] = []
+    keep_rows = hb.BranchCache.keep_rows
+
+    def spy(self, rows):
+        kept.append(len(rows))
+        return keep_rows(self, rows)
+
+    monkeypatch.setattr(hb.BranchCache, "keep_rows", spy)
+    batch = model.generate(ids, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True)
+    assert len(set(batch.nfe.tolist())) > 1, "the prompts must finish at different steps for this test"
+    rows = len(cfg.block_sizes)
+    assert kept and all(n % rows == 0 and n <= len(prompts) * rows // 2 for n in kept)
+    for i, p in enumerate(prompts):
+        alone = _gen(model, p, cfg)
+        assert batch.sequences[i, width - len(p) :].tolist() == alone.sequences[0].tolist()
+        assert int(batch.nfe[i]) == int(alone.nfe[0])

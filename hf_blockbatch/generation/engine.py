@@ -10,7 +10,8 @@ module runs any plan on any model that implements the forward contract of
 2. **advance** windows, **merge** and **sync** (BlockBatch), then
 3. **refresh** the rows that are due, in one batched full forward (Fast-dLLM's block-start
    forward is a refresh with ``refresh_interval = block_length``);
-4. requests that finished leave the batch.
+4. requests that finished leave the batch (retired at once; their rows are dropped from the
+   state and the cache once half the rows are retired, see :meth:`_Run.finish`).
 
 NFE is counted as the paper counts it: every forward call adds one to each request it carries.
 """
@@ -129,6 +130,7 @@ class _Run:
             syncs=zeros.clone(),
             refreshes=zeros.clone(),
             synced_now=torch.zeros(R, dtype=torch.bool, device=device),
+            retired=torch.zeros(R, dtype=torch.bool, device=device),
             gen_start=Lp,
             mask_id=mask_id,
             quota=plan.threshold is None and plan.factor is None,
@@ -401,10 +403,17 @@ class _Run:
             self.state.advance()
 
     def finish(self) -> bool:
-        """Move finished requests out of the batch; True when none is left."""
+        """Retire finished requests; True when none is left.
+
+        A finished request's rows are *retired* at once (done: no forward or policy step touches
+        them again) and physically dropped from the state and the cache only once at least half
+        of the rows are retired. Dropping copies every kept cache row, so doing it whenever any
+        request of a batch finished cost O(finishes x cache); halving keeps it O(cache) overall.
+        """
         s = self.state
         # a request can only end once one of its rows is done (or hit EOS, with early stop)
-        if not bool((s.done | s.eos_hit).any() if self.plan.early_stop else s.done.any()):
+        live = ~s.retired
+        if not bool(((s.done | s.eos_hit) & live).any() if self.plan.early_stop else (s.done & live).any()):
             return False
         finished = stop_mod.finished_requests(s, self.B, self.plan.early_stop)
         if not bool(finished.any()):
@@ -420,11 +429,16 @@ class _Run:
         self.sequences[req] = out
         self.by_eos[req] = eos_req
         self._record_stats(req, rows, eos_req)
-        keep = (~finished[s.request]).nonzero().squeeze(1)
-        s.select(keep)
-        if self.cache is not None and keep.numel():
-            self.cache.keep_rows(keep)
-        return keep.numel() == 0
+        s.retire(finished[s.request])
+        n_retired = int(s.retired.sum())
+        if n_retired == s.num_rows:
+            return True
+        if 2 * n_retired >= s.num_rows:
+            keep = (~s.retired).nonzero().squeeze(1)
+            s.select(keep)
+            if self.cache is not None:
+                self.cache.keep_rows(keep)
+        return False
 
     # ------------------------------------------------------------------ bookkeeping
     def _record_stats(self, req: torch.Tensor, winners: torch.Tensor, by_eos: torch.Tensor) -> None:
@@ -493,7 +507,7 @@ class _Run:
             stop = torch.isin(gen, self.eos_ids) | (gen == self.mask_id)
             n = int(stop.float().argmax()) if bool(stop.any()) else gen.shape[0]
         else:
-            rows = (s.request == 0).nonzero().squeeze(1)
+            rows = ((s.request == 0) & ~s.retired).nonzero().squeeze(1)
             if rows.numel() == 0:
                 return
             gen = s.canvas[rows, self.gs :]

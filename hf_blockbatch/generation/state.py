@@ -41,6 +41,7 @@ class DecodeState:
     syncs: torch.Tensor  # [R] times this row was synced
     refreshes: torch.Tensor  # [R] full forwards that refreshed this row
     synced_now: torch.Tensor  # [R] bool: synced in this step (no refresh right after a sync)
+    retired: torch.Tensor  # [R] bool: the row's request has finished (the row stays done until dropped)
     gen_start: int
     mask_id: int
     quota: bool = True  # keep the fixed-quota counters (the other rules never read them)
@@ -73,8 +74,13 @@ class DecodeState:
             self.masked_at_block_start = torch.where(moved, window_masks, self.masked_at_block_start)
             self.steps_in_block = self.steps_in_block.masked_fill(moved, 0)
         self.win_start, self.win_end = start, end
-        self.done = ~has_mask
+        self.done = ~has_mask | self.retired
         return moved
+
+    def retire(self, rows: torch.Tensor) -> None:
+        """Mark the [R] bool ``rows`` (whole finished requests) retired: done from now on."""
+        self.retired |= rows
+        self.done |= rows
 
     def window_mask_count(self, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(self.length, device=self.canvas.device)

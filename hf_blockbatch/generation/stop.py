@@ -46,14 +46,14 @@ def mark_eos(
 
 
 def finished_requests(state: DecodeState, num_requests: int, early_stop: bool) -> torch.Tensor:
-    """[B] bool over the caller's batch: requests that end now (rows of absent requests: False)."""
+    """[B] bool over the caller's batch: requests that end now (absent or retired requests: False)."""
     all_done = torch.ones(num_requests, dtype=torch.bool, device=state.canvas.device)
     all_done.scatter_reduce_(0, state.request, state.done, reduce="amin")
-    present = torch.zeros_like(all_done).index_fill_(0, state.request, True)
-    finished = all_done & present
+    live = torch.zeros_like(all_done).scatter_reduce_(0, state.request, ~state.retired, reduce="amax")
+    finished = all_done & live
     if early_stop:
         eos = torch.zeros_like(all_done).scatter_reduce_(0, state.request, state.eos_hit, reduce="amax")
-        finished |= eos
+        finished |= eos & live
     return finished
 
 
