@@ -58,24 +58,24 @@ class DecodeState:
         """[R] non-mask tokens in each row's generated region."""
         return (self.canvas[:, self.gen_start :] != self.mask_id).sum(-1)
 
-    def advance(self) -> torch.Tensor:
+    def advance(self) -> None:
         """Move every row's window to the block (of its own size) holding its first mask; rows
-        with no mask left are done. Returns the [R] bool of rows whose window moved."""
+        with no mask left (or retired) are done."""
         gs, L = self.gen_start, self.length
         masks = self.canvas[:, gs:] == self.mask_id
         has_mask = masks.any(-1)
         first = masks.byte().argmax(-1)
         start = torch.where(has_mask, gs + first - first % self.block, L)
-        end = (start + self.block).clamp_max(L)
-        moved = start != self.win_start
-        self.since_refresh += torch.where(moved, (start - self.win_start).clamp_min(0), 0)
+        # windows only move right (a sync re-derives a row's window from the leader's canvas,
+        # which may lie behind: that is not an advance)
+        self.since_refresh += (start - self.win_start).clamp_min(0)
         if self.quota:
-            window_masks = self.window_mask_count(start, end)
-            self.masked_at_block_start = torch.where(moved, window_masks, self.masked_at_block_start)
+            end = (start + self.block).clamp_max(L)
+            moved = start != self.win_start
+            self.masked_at_block_start = torch.where(moved, self.window_mask_count(start, end), self.masked_at_block_start)
             self.steps_in_block = self.steps_in_block.masked_fill(moved, 0)
-        self.win_start, self.win_end = start, end
+        self.win_start, self.win_end = start, (start + self.block).clamp_max(L)
         self.done = ~has_mask | self.retired
-        return moved
 
     def retire(self, rows: torch.Tensor) -> None:
         """Mark the [R] bool ``rows`` (whole finished requests) retired: done from now on."""
