@@ -16,8 +16,8 @@ import hf_blockbatch as hb
 from hf_blockbatch.tasks import get_suite
 
 CASES = {
-    "tiny-llada": [("arith", 16), ("arith", 67), ("code", 29), ("code", 43), ("lists", 10)],
-    "tiny-dream": [("arith", 13), ("arith", 67), ("arith", 106), ("arith", 141)],
+    "tiny-llada": [("arith", 1), ("arith", 4), ("code", 0), ("code", 3), ("lists", 0), ("lists", 3)],
+    "tiny-dream": [("arith", 1), ("arith", 4), ("code", 0), ("code", 3), ("lists", 3), ("lists", 7)],
 }
 
 
