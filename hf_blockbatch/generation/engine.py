@@ -228,7 +228,8 @@ class _Run:
             return torch.arange(A * W, device=self._offsets.device).view(A, W)
         return (valid.reshape(-1).cumsum(0) - 1).clamp_min(0).view(A, W)
 
-    def _commit(self, rows, positions, valid, packed, slot_index, phase: str, window_only: bool) -> None:
+    def _commit(self, rows, positions, valid, packed, slot_index, phase: str, window_only: bool,
+                shared: bool = False) -> None:  # fmt: skip
         """Propose tokens, apply the transfer rule inside each row's window and write the commits
         to the canvas; update the probability map and EOS hits.
 
@@ -241,7 +242,8 @@ class _Run:
         else is ever committed or read back from the probability map (merging reads it only where
         the row is masked), and these are about a third of a window's slots once it is under way.
         Stochastic decoding proposes at every packed position, once, so that the random draws
-        follow the packed layout whatever the canvas holds.
+        follow the packed layout whatever the canvas holds; so does a ``shared`` step (the initial
+        one: every slot is masked, and each request's proposals serve all its branches).
         """
         s, plan = self.state, self.plan
         A, W = positions.shape
@@ -251,7 +253,7 @@ class _Run:
             canvas = torch.cat([canvas, canvas.new_full((A, 1), self.pad_id)], dim=1)
         current = canvas.gather(1, positions)
         masked = current == self.mask_id
-        if self._propose_masked_only:
+        if self._propose_masked_only and not shared:
             need = masked
             sampled = self._sample(packed[slot_index[need]])
             conf = torch.full((A, W), -1.0, dtype=torch.float64, device=masked.device).masked_scatter_(
@@ -367,7 +369,8 @@ class _Run:
         rows = torch.arange(s.num_rows, device=first.device)
         self._count(first, None)
         s.refreshes += 1
-        self._commit(rows, positions.repeat_interleave(self.N, 0), None, packed, slots, "init", window_only=False)
+        self._commit(rows, positions.repeat_interleave(self.N, 0), None, packed, slots, "init", window_only=False,
+                     shared=True)  # fmt: skip
 
     # ------------------------------------------------------------------ policy
     def after_commit(self, full: bool) -> None:
