@@ -826,6 +826,11 @@ def _frame_steps(total: int) -> list[int]:
     return steps
 
 
+def _answer_box(label: str) -> gr.Textbox:
+    """The read-only text box under a strategy's canvas (the two columns share its look)."""
+    return gr.Textbox(label=label, lines=2, max_lines=6, interactive=False, elem_classes="bb-answer")
+
+
 def build_demo(
     loaded: LoadedModel, limits: Limits | None = None, concurrency: int = 1, examples: list[str] | None = None
 ) -> gr.Blocks:
@@ -920,22 +925,10 @@ def build_demo(
         with gr.Row(equal_height=False):
             with gr.Column():
                 fast_view = gr.HTML(render_placeholder("Fast-dLLM", "fast_dllm", "dual cache, block 32"))
-                fast_text = gr.Textbox(
-                    label="Fast-dLLM answer",
-                    lines=2,
-                    max_lines=6,
-                    interactive=False,
-                    elem_classes="bb-answer",
-                )
+                fast_text = _answer_box("Fast-dLLM answer")
             with gr.Column():
                 block_view = gr.HTML(render_placeholder("BlockBatch", "blockbatch", "blocks 4…64"))
-                block_text = gr.Textbox(
-                    label="BlockBatch answer",
-                    lines=2,
-                    max_lines=6,
-                    interactive=False,
-                    elem_classes="bb-answer",
-                )
+                block_text = _answer_box("BlockBatch answer")
         with gr.Accordion("Raw numbers", open=False):
             raw = gr.JSON(label="stats")
         if examples:

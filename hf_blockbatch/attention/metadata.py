@@ -15,7 +15,13 @@ import torch
 
 from hf_blockbatch.cache import BranchCache
 
-__all__ = ["WindowBatch", "build_window_batch", "pack_ranges"]
+__all__ = ["WindowBatch", "build_window_batch", "pack_ranges", "packed_index"]
+
+
+def packed_index(valid: torch.Tensor) -> torch.Tensor:
+    """For a padded ``[A, W]`` view whose real slots are ``valid``, the row-major packed index of
+    each slot (0 where invalid)."""
+    return (valid.reshape(-1).cumsum(0) - 1).clamp_min(0).reshape(valid.shape)
 
 
 def pack_ranges(
@@ -32,8 +38,7 @@ def pack_ranges(
     pad_valid = offsets[None, :] < lengths[:, None]
     token_pos = (starts[:, None] + offsets[None, :])[pad_valid]
     token_row = torch.arange(starts.shape[0], device=starts.device)[:, None].expand_as(pad_valid)[pad_valid]
-    pad_index = (pad_valid.reshape(-1).cumsum(0) - 1).clamp_min(0).reshape(pad_valid.shape)
-    return token_row, token_pos, pad_index, pad_valid
+    return token_row, token_pos, packed_index(pad_valid), pad_valid
 
 
 @dataclass

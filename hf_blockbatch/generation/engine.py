@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from hf_blockbatch.attention.metadata import packed_index
 from hf_blockbatch.generation import stop as stop_mod
 from hf_blockbatch.generation.blockbatch.merge import merge
 from hf_blockbatch.generation.blockbatch.sync import leaders, sync_to_leader
@@ -226,7 +227,7 @@ class _Run:
         """``[A, W]`` packed index of each padded slot (0 for padded-out slots)."""
         if valid is None:
             return torch.arange(A * W, device=self._offsets.device).view(A, W)
-        return (valid.reshape(-1).cumsum(0) - 1).clamp_min(0).view(A, W)
+        return packed_index(valid)
 
     def _commit(self, rows, positions, valid, packed, slot_index, phase: str, window_only: bool,
                 shared: bool = False) -> None:  # fmt: skip
