@@ -11,8 +11,8 @@ import hf_blockbatch as hb
 R, L, H, D, LAYERS = 5, 10, 2, 4, 3
 
 
-def random_cache(mask: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> hb.BranchCache:
-    cache = hb.BranchCache(LAYERS, R, L, H, D, dtype=dtype, attention_mask=mask, model_type="llada")
+def random_cache(mask: torch.Tensor | None = None, dtype: torch.dtype = torch.float32, rows: int = R) -> hb.BranchCache:
+    cache = hb.BranchCache(LAYERS, rows, L, H, D, dtype=dtype, attention_mask=mask, model_type="llada")
     g = torch.Generator().manual_seed(0)
     for layer in cache.layers:
         layer.keys.copy_(torch.randn(layer.keys.shape, generator=g))
@@ -96,6 +96,23 @@ def test_copy_rows_overlapping_reads_old_rows() -> None:
     cache.copy_rows([0, 1, 2], [1, 2, 3])  # a shift: each destination gets its source's *old* row
     for name, old in before.items():
         assert torch.equal(state(cache)[name][1:4], old[0:3]), name
+
+
+def test_copy_rows_same_mask_copies_only_kv() -> None:
+    cache = random_cache(left_padded_mask([0, 3, 0, 1, 0]))
+    before = state(cache)
+    mask = cache.key_mask.clone()
+    cache.copy_rows([1], [0], same_mask=True)  # the caller's promise is false here: the mask stays
+    assert torch.equal(state(cache)["k0"][0], before["k0"][1])
+    assert torch.equal(cache.key_mask, mask)
+
+
+def test_broadcast_rows_copies_each_groups_first_row() -> None:
+    cache = random_cache(left_padded_mask([2, 2, 2, 0, 0, 0]), rows=6)
+    before = state(cache)
+    cache.broadcast_rows(3)
+    for name, old in before.items():
+        assert torch.equal(state(cache)[name], old[[0, 0, 0, 3, 3, 3]]), name
 
 
 def test_copy_rows_errors() -> None:

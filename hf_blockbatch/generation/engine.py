@@ -360,8 +360,7 @@ class _Run:
         # request's logits, and each branch commits inside its own first window.
         logits = self._full_forward(first, write_cache=self.cache is not None)
         if self.cache is not None:
-            others = torch.arange(s.num_rows, device=first.device)
-            self.cache.copy_rows(others - others % self.N, others)
+            self.cache.broadcast_rows(self.N)
         G = self.L - self.gs
         starts = torch.full_like(first, self.gs)
         positions, _ = self._spans(first, starts, torch.full_like(first, G), G, first.shape[0] * G)
@@ -385,8 +384,8 @@ class _Run:
             s.advance()
         if plan.sync and self.N > 1:
             # leaders before the sync: afterwards a synced row ties with its leader and may win the tie
-            leader = leaders(s)[0] if plan.output_trace else None
-            synced = sync_to_leader(s, self.cache, plan.sync_threshold)
+            leader = leaders(s, self.N)[0] if plan.output_trace else None
+            synced = sync_to_leader(s, self.cache, plan.sync_threshold, self.N)
             if plan.output_trace:
                 self._trace_sync(synced, leader)
 

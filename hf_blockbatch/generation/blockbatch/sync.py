@@ -18,35 +18,35 @@ __all__ = ["leaders", "sync_to_leader"]
 _COPIED = ("canvas", "prob_p", "prob_ids", "since_refresh", "eos_hit", "eos_prob")
 
 
-def leaders(state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
-    """(leader row of each row's request [R], decoded counts [R])."""
-    R = state.num_rows
+def leaders(state: DecodeState, branches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(leader row of each row's request [R], decoded counts [R]).
+
+    Rows are request-major with ``branches`` rows per request (the engine keeps whole requests
+    together), so this is an argmax over a ``[B, N]`` view; argmax returns the first maximum,
+    which is the lowest branch on ties.
+    """
     decoded = state.decoded()
-    idx = torch.arange(R, device=decoded.device)
-    score = decoded * (R + 1) + (R - idx)
-    B = int(state.request.max()) + 1 if R else 0
-    best = torch.full((B,), -1, dtype=score.dtype, device=score.device)
-    best.scatter_reduce_(0, state.request, score, reduce="amax")
-    leader_score = best[state.request]
-    leader = R - (leader_score % (R + 1))
+    per_request = decoded.view(-1, branches)
+    first_row = torch.arange(0, state.num_rows, branches, device=decoded.device)
+    leader = (per_request.argmax(-1) + first_row).repeat_interleave(branches)
     return leader, decoded
 
 
-def sync_to_leader(state: DecodeState, cache: BranchCache | None, sync_threshold: int) -> torch.Tensor:
+def sync_to_leader(state: DecodeState, cache: BranchCache | None, sync_threshold: int, branches: int) -> torch.Tensor:
     """Sync lagging rows in place; returns the [R] bool of synced rows."""
-    leader, decoded = leaders(state)
-    lag = decoded[leader] - decoded
-    synced = ~state.done & (leader != torch.arange(state.num_rows, device=lag.device)) & (lag > sync_threshold)
-    synced &= decoded[leader] > 0
+    decoded = state.decoded().view(-1, branches)
+    best, leader = decoded.max(-1, keepdim=True)
+    lag = best - decoded  # [B, N]; the leader's own lag is 0, never above a threshold >= 0
+    synced = ((lag > sync_threshold) & ~state.done.view_as(lag)).view(-1)
     dst = synced.nonzero().squeeze(1)
     if dst.numel():
-        src = leader[dst]
-        state.copied.index_add_(0, dst, lag[dst])
+        src = (leader + torch.arange(0, state.num_rows, branches, device=lag.device)[:, None]).view(-1)[dst // branches]
+        state.copied.index_add_(0, dst, lag.view(-1)[dst])
         state.syncs.index_add_(0, dst, torch.ones_like(dst))
         state.copy_rows(src, dst, _COPIED)
         if cache is not None:
-            cache.copy_rows(src, dst)
-        since = state.since_refresh[dst].clone()
+            cache.copy_rows(src, dst, same_mask=True)
+        since = state.since_refresh[dst]
         state.advance()
         state.since_refresh[dst] = since  # the copy carries the leader's refresh age, not a jump
     state.synced_now = synced
