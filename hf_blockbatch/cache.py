@@ -160,7 +160,8 @@ class BranchCache(Cache):
         return self.layers[0].keys.device
 
     def nbytes(self) -> int:
-        """Bytes held by the K/V tensors (the mask and positions are negligible)."""
+        """Bytes of K/V in the cache's rows (the mask and positions are negligible). Dropping rows
+        with :meth:`keep_rows` in ascending order keeps the allocation until the cache is freed."""
         return self.storage.nbytes
 
     # ------------------------------------------------------------------ writes
@@ -184,7 +185,8 @@ class BranchCache(Cache):
 
     # ------------------------------------------------------------------ row operations
     def _slabs(self) -> torch.Tensor:
-        """The storage as ``[layers * 2, R, L * H * D]``: a row is one contiguous run per slab."""
+        """The storage as ``[layers * 2, R, L * H * D]``: a row is one contiguous run per slab (the
+        storage may be a prefix of its rows after :meth:`keep_rows`, still a view)."""
         return self.storage.view(self.storage.shape[0] * 2, self.num_rows, -1)
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor, same_mask: bool = False) -> None:
@@ -222,13 +224,26 @@ class BranchCache(Cache):
         runs[:, :, 1:].copy_(runs[:, :, :1].expand(-1, -1, group - 1, -1))
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (in that order), e.g. drop the rows of finished requests."""
+        """Keep only ``rows`` (in that order), e.g. drop the rows of finished requests.
+
+        Ascending rows (dropping finished requests) are moved down inside the existing storage,
+        one strided copy per moved row: a fresh allocation of the kept cache costs page faults
+        as well as the copy (measured ~12 ms for 96 rows of the tiny model on CPU, against the
+        ~4 ms of the copy alone). Any other order gathers into new storage.
+        """
         rows = torch.as_tensor(rows, device=self.device, dtype=torch.long)
         slabs = self._slabs()
-        kept = slabs.new_empty(slabs.shape[0], rows.shape[0], slabs.shape[2])
-        for i in range(slabs.shape[0]):  # dim-0 index_select per slab: ~3x faster on CPUs than one on dim 1
-            torch.index_select(slabs[i], 0, rows, out=kept[i])
-        self._set_storage(kept.view(*self.storage.shape[:2], rows.shape[0], *self.storage.shape[3:]))
+        kept_rows = rows.tolist()
+        if all(a < b for a, b in zip(kept_rows, kept_rows[1:])):
+            for i, r in enumerate(kept_rows):  # r >= i: a source is never overwritten before it is read
+                if r != i:
+                    slabs.select(1, i).copy_(slabs.select(1, r))
+            self._set_storage(self.storage[:, :, : len(kept_rows)])
+        else:
+            kept = slabs.new_empty(slabs.shape[0], rows.shape[0], slabs.shape[2])
+            for i in range(slabs.shape[0]):  # dim-0 index_select per slab: ~3x faster on CPUs than one on dim 1
+                torch.index_select(slabs[i], 0, rows, out=kept[i])
+            self._set_storage(kept.view(*self.storage.shape[:2], rows.shape[0], *self.storage.shape[3:]))
         self.set_attention_mask(self.key_mask.index_select(0, rows))
 
     # transformers' beam-search hook has the same meaning as keep_rows
