@@ -34,12 +34,13 @@ from hf_blockbatch.generation.refresh import due_rows
 from hf_blockbatch.generation.state import DecodeState
 from hf_blockbatch.generation.transfer import (
     Sampled,
+    candidate_scores,
     eos_probability,
-    factor_rule,
-    quota_rule,
+    factor_select,
     quota_schedule,
+    quota_select,
     sample_tokens,
-    threshold_rule,
+    threshold_select,
 )
 
 logger = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ class _Run:
             copied=zeros.clone(),
             syncs=zeros.clone(),
             refreshes=zeros.clone(),
-            synced_now=torch.zeros(R, dtype=torch.bool, device=device),
+            synced_now=None,
             retired=torch.zeros(R, dtype=torch.bool, device=device),
             gen_start=Lp,
             mask_id=mask_id,
@@ -142,9 +143,13 @@ class _Run:
         self.cache = None
         if plan.cache != "none":
             self.cache = model.new_cache(R, self.L, self.state.attention_mask)
-        self.nfe = torch.zeros(B, dtype=torch.long, device=device)
-        self.nfe_block = torch.zeros_like(self.nfe)
-        self.nfe_refresh = torch.zeros_like(self.nfe)
+        # NFE = 1 (initial forward) + block steps + refreshes. Every live request rides in every
+        # block step (a request whose rows are all done has finished), so block steps are one
+        # host counter, copied into ``nfe_block`` when a request finishes; refreshes carry only
+        # the due rows and are counted per request.
+        self.block_steps = 0
+        self.nfe_block = torch.zeros(B, dtype=torch.long, device=device)
+        self.nfe_refresh = torch.zeros_like(self.nfe_block)
         self.sequences = canvas.clone()
         self.by_eos = torch.zeros(B, dtype=torch.bool, device=device)
         self.stats: list[dict[str, Any]] = [{} for _ in range(B)]
@@ -170,12 +175,14 @@ class _Run:
         self.forward_seconds += time.perf_counter() - t
         return out
 
-    def _count(self, rows: torch.Tensor, counter: torch.Tensor | None) -> None:
-        """One forward call: +1 NFE for every request with at least one row in it."""
+    def _count_refresh(self, rows: torch.Tensor) -> None:
+        """One refresh forward: +1 NFE for every request with at least one row in it."""
         hit = torch.zeros(self.B, dtype=torch.bool, device=rows.device).index_fill_(0, self.state.request[rows], True)
-        self.nfe += hit
-        if counter is not None:
-            counter += hit
+        self.nfe_refresh += hit
+
+    def _nfe(self, request: int) -> int:
+        """Forwards so far of a live request."""
+        return 1 + self.block_steps + int(self.nfe_refresh[request])
 
     def _full_forward(self, rows: torch.Tensor, write_cache: bool) -> torch.Tensor:
         """Full forward over ``rows``; returns the dense logits ``[A, L, V]``."""
@@ -256,16 +263,20 @@ class _Run:
         masked = current == self.mask_id
         if self._propose_masked_only and not shared:
             need = masked
-            sampled = self._sample(packed[slot_index[need]])
-            conf = torch.full((A, W), -1.0, dtype=torch.float64, device=masked.device).masked_scatter_(
-                need, sampled.confidence
-            )
+            # uniform spans: slot (a, w) is packed row a * W + w, a view; else through slot_index
+            sampled = self._sample(packed.view(A, W, -1)[need] if valid is None else packed[slot_index[need]])
+            confidence = sampled.confidence
+            if self._lowconf is not None:  # suppressed (-inf) proposals stay candidates
+                confidence = confidence.clamp_min(torch.finfo(confidence.dtype).min)
+            # the rules' scores directly: -inf off the masked slots (padded slots hold no mask)
+            scores = torch.full((A, W), float("-inf"), dtype=confidence.dtype, device=masked.device)
+            scores.masked_scatter_(need, confidence)
             tokens = current.masked_scatter(need, sampled.tokens)
             top_probs, top_ids = sampled.top_probs, sampled.top_ids
         else:
             need = valid
             sampled = self._sample(packed)
-            conf, tokens = sampled.confidence[slot_index], sampled.tokens[slot_index]
+            scores, tokens = sampled.confidence[slot_index], sampled.tokens[slot_index]
             if s.prob_p is not None:
                 keep = slot_index.reshape(-1) if valid is None else slot_index[valid]
                 top_probs, top_ids = sampled.top_probs[keep], sampled.top_ids[keep]
@@ -283,14 +294,18 @@ class _Run:
             in_win = (positions >= ws[:, None]) & (positions < we[:, None])
             if valid is not None:
                 in_win &= valid
-        candidates = masked if in_win is None else masked & in_win
+        if need is masked:  # scores are already -inf off the masked slots
+            if not window_only:
+                scores = scores.masked_fill(~in_win, float("-inf"))
+        else:
+            scores = candidate_scores(scores, masked if in_win is None else masked & in_win)
         if plan.threshold is not None:
-            select = threshold_rule(conf, candidates, plan.threshold)
+            select = threshold_select(scores, plan.threshold)
         elif plan.factor is not None:
-            select = factor_rule(conf, candidates, plan.factor)
+            select = factor_select(scores, plan.factor)
         else:
             count = quota_schedule(s.masked_at_block_start[rows], plan.steps_per_block, s.steps_in_block[rows])
-            select = quota_rule(conf, candidates, count.clamp_min(1))
+            select = quota_select(scores, count.clamp_min(1))
             s.steps_in_block[rows] += 1
         new = torch.where(select, tokens, current)
         if all_rows and valid is None:
@@ -325,7 +340,7 @@ class _Run:
                 positions, valid = self._spans(rows, starts, lengths, W, int(lengths.sum()))
                 index = out.cu_seqlens[:-1].long()[:, None] + self._offsets[:W]
                 packed = out.logits[index.flatten() if valid is None else index[valid]]
-        self._count(rows, self.nfe_block)
+        self.block_steps += 1
         slots = self._slot_index(valid, rows.shape[0], W)
         self._commit(rows, positions, valid, packed, slots, "block", window_only=True)
 
@@ -342,7 +357,8 @@ class _Run:
         W = int(lengths.max())
         positions, valid = self._spans(rows, starts, lengths, W, int(lengths.sum()))
         packed = self._dense_span_logits(logits, positions, valid)
-        self._count(rows, self.nfe_refresh if phase == "refresh" else None)
+        if phase == "refresh":
+            self._count_refresh(rows)
         s.refreshes.index_add_(0, rows, torch.ones_like(rows))
         s.since_refresh[rows] = 0
         slots = self._slot_index(valid, rows.shape[0], W)
@@ -367,7 +383,6 @@ class _Run:
         packed = self._dense_span_logits(logits, positions, None)
         slots = self._slot_index(None, first.shape[0], G).repeat_interleave(self.N, 0)
         rows = torch.arange(s.num_rows, device=first.device)
-        self._count(first, None)
         s.refreshes += 1
         self._commit(rows, positions.repeat_interleave(self.N, 0), None, packed, slots, "init", window_only=False,
                      shared=True)  # fmt: skip
@@ -414,9 +429,12 @@ class _Run:
         request of a batch finished cost O(finishes x cache); halving keeps it O(cache) overall.
         """
         s = self.state
-        # a request can only end once one of its rows is done (or hit EOS, with early stop)
-        live = ~s.retired
-        if not bool(((s.done | s.eos_hit) & live).any() if self.plan.early_stop else (s.done & live).any()):
+        # a request can only end once one of its live rows is done (or hit EOS, with early stop);
+        # retired rows are done and have no EOS hit
+        ready = s.done ^ s.retired
+        if self.plan.early_stop:
+            ready |= s.eos_hit
+        if not bool(ready.any()):
             return False
         finished = stop_mod.finished_requests(s, self.B, self.plan.early_stop)
         if not bool(finished.any()):
@@ -431,8 +449,9 @@ class _Run:
             out = torch.where(eos_req[:, None], filled, out)
         self.sequences[req] = out
         self.by_eos[req] = eos_req
+        self.nfe_block[req] = self.block_steps
         self._record_stats(req, rows, eos_req)
-        s.retire(finished[s.request])
+        s.retire(finished[s.request], self.pad_id)
         n_retired = int(s.retired.sum())
         if n_retired == s.num_rows:
             return True
@@ -465,7 +484,7 @@ class _Run:
                 "winner_block_size": host["block"][w],
                 "winner_branch": host["branch"][w],
                 "stopped_by": "eos" if e else "complete",
-                "nfe": int(self.nfe[r_i]),
+                "nfe": self._nfe(r_i),
                 "nfe_block": int(self.nfe_block[r_i]),
                 "nfe_refresh": int(self.nfe_refresh[r_i]),
                 "syncs": sum(b["syncs"] for b in branches),
@@ -481,7 +500,7 @@ class _Run:
         ws, we = s.win_start[rows].tolist(), s.win_end[rows].tolist()
         for i, (r, b) in enumerate(zip(req, br)):
             pos = positions[i][select[i]]
-            self.trace[r].append({"step": int(self.nfe[r]), "phase": phase, "branch": b,
+            self.trace[r].append({"step": self._nfe(r), "phase": phase, "branch": b,
                                   "window": [ws[i] - self.gs, we[i] - self.gs], "committed": (pos - self.gs).tolist(),
                                   "tokens": s.canvas[rows[i], pos].tolist()})  # fmt: skip
 
@@ -490,14 +509,14 @@ class _Run:
         for i in taken.any(-1).nonzero().squeeze(1).tolist():
             r = int(s.request[i])
             pos = taken[i].nonzero().squeeze(1)
-            self.trace[r].append({"step": int(self.nfe[r]), "phase": phase, "branch": int(s.branch[i]),
+            self.trace[r].append({"step": self._nfe(r), "phase": phase, "branch": int(s.branch[i]),
                                   "positions": pos.tolist(), "tokens": s.canvas[i, self.gs + pos].tolist()})  # fmt: skip
 
     def _trace_sync(self, synced: torch.Tensor, leader: torch.Tensor) -> None:
         s = self.state
         for i in synced.nonzero().squeeze(1).tolist():
             r = int(s.request[i])
-            self.trace[r].append({"step": int(self.nfe[r]), "phase": "sync", "branch": int(s.branch[i]),
+            self.trace[r].append({"step": self._nfe(r), "phase": "sync", "branch": int(s.branch[i]),
                                   "leader": int(s.branch[leader[i]])})  # fmt: skip
 
     def stream(self, final: bool = False) -> None:
@@ -552,7 +571,7 @@ class _Run:
             st["seconds"] = total
             st["forward_seconds"] = self.forward_seconds
             st["sample_seconds"] = self.sample_seconds
-        return DecodeResult(self.sequences, self.nfe, self.stats)
+        return DecodeResult(self.sequences, 1 + self.nfe_block + self.nfe_refresh, self.stats)
 
 
 @torch.no_grad()

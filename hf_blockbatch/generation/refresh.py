@@ -44,4 +44,5 @@ def due_rows(
     due = state.since_refresh >= interval
     if policy == "divergence":
         due |= _divergence(state, cache) > divergence_threshold
-    return due & ~state.done & ~state.synced_now
+    due &= ~state.done
+    return due if state.synced_now is None else due & ~state.synced_now

@@ -40,7 +40,7 @@ class DecodeState:
     copied: torch.Tensor  # [R] tokens gained by syncing to the leader
     syncs: torch.Tensor  # [R] times this row was synced
     refreshes: torch.Tensor  # [R] full forwards that refreshed this row
-    synced_now: torch.Tensor  # [R] bool: synced in this step (no refresh right after a sync)
+    synced_now: torch.Tensor | None  # [R] bool: synced in this step (no refresh right after a sync); None: no sync
     retired: torch.Tensor  # [R] bool: the row's request has finished (the row stays done until dropped)
     gen_start: int
     mask_id: int
@@ -66,21 +66,26 @@ class DecodeState:
         has_mask = masks.any(-1)
         first = masks.byte().argmax(-1)
         start = torch.where(has_mask, gs + first - first % self.block, L)
-        # windows only move right (a sync re-derives a row's window from the leader's canvas,
-        # which may lie behind: that is not an advance)
-        self.since_refresh += (start - self.win_start).clamp_min(0)
+        # Windows only move right: commits and merges only fill masks, and a retired row has none.
+        # A sync may move a row's window back to the leader's; the sync restores the copied age.
+        self.since_refresh += start - self.win_start
         if self.quota:
             end = (start + self.block).clamp_max(L)
             moved = start != self.win_start
             self.masked_at_block_start = torch.where(moved, self.window_mask_count(start, end), self.masked_at_block_start)
             self.steps_in_block = self.steps_in_block.masked_fill(moved, 0)
         self.win_start, self.win_end = start, (start + self.block).clamp_max(L)
-        self.done = ~has_mask | self.retired
+        self.done = ~has_mask  # a retired row has no mask left (see retire)
 
-    def retire(self, rows: torch.Tensor) -> None:
-        """Mark the [R] bool ``rows`` (whole finished requests) retired: done from now on."""
+    def retire(self, rows: torch.Tensor, fill_id: int) -> None:
+        """Mark the [R] bool ``rows`` (whole finished requests) retired: done from now on. Their
+        masks are filled with ``fill_id`` (the answer was already taken) so that every later
+        advance sees them done, and their EOS hits are cleared."""
         self.retired |= rows
         self.done |= rows
+        self.eos_hit &= ~rows
+        gen = self.canvas[:, self.gen_start :]
+        gen.masked_fill_((gen == self.mask_id) & rows[:, None], fill_id)
 
     def window_mask_count(self, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(self.length, device=self.canvas.device)

@@ -2,7 +2,9 @@
 
 Sampling works on packed logits ``[T, V]`` (only the window positions a step needs, never the
 whole canvas); the rules work on padded ``[A, W]`` confidences with a mask of candidate slots
-(masked positions inside the row's window). Nothing here loops over rows or positions.
+(masked positions inside the row's window): ``*_rule(confidence, candidates, ...)``, or
+``*_select(scores, ...)`` on scores that are already ``-inf`` outside the candidates (what the
+engine builds, see :func:`candidate_scores`). Nothing here loops over rows or positions.
 
 Rules (see ``shared/docs/BLOCKBATCH.md``):
 
@@ -17,7 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Sampled", "eos_probability", "sample_tokens", "threshold_rule", "factor_rule", "quota_rule", "quota_schedule"]
+__all__ = [
+    "Sampled", "candidate_scores", "eos_probability", "factor_rule", "factor_select", "quota_rule", "quota_schedule",
+    "quota_select", "sample_tokens", "threshold_rule", "threshold_select",
+]  # fmt: skip
 
 
 @dataclass
@@ -84,45 +89,53 @@ def sample_tokens(
     return Sampled(tokens, confidence, top_probs, top_ids)
 
 
-def _masked_conf(confidence: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """Non-candidates to -inf; candidates kept finite (a suppressed -inf confidence becomes the
-    lowest finite value) so that a row with candidates always has a best one: progress is
-    guaranteed, a step can never commit nothing while masks remain."""
+def candidate_scores(confidence: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """What the ``*_select`` rules read: the confidence at candidates, ``-inf`` elsewhere.
+
+    Candidates stay finite (a suppressed ``-inf`` confidence becomes the lowest finite value) so
+    that a row with candidates always has a best one: progress is guaranteed, a step can never
+    commit nothing while masks remain. The engine builds these scores directly where it can.
+    """
     finite = confidence.clamp_min(torch.finfo(confidence.dtype).min)
     return torch.where(candidates, finite, float("-inf"))
 
 
-def _force_best(select: torch.Tensor, confidence: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """Add each row's single most confident candidate (rows without candidates are untouched)."""
-    best = _masked_conf(confidence, candidates).argmax(dim=-1, keepdim=True)
-    return select.scatter_(-1, best, candidates.gather(-1, best))
+def threshold_select(scores: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Commit candidates scoring ≥ threshold, and each row's single best candidate."""
+    best = scores.argmax(dim=-1, keepdim=True)
+    return (scores >= threshold).scatter_(-1, best, scores.gather(-1, best) > float("-inf"))
+
+
+def factor_select(scores: torch.Tensor, factor: float) -> torch.Tensor:
+    """Commit the n best candidates, n the largest with (n + 1)(1 − c_n) < factor (≥ 1)."""
+    sorted_conf, order = scores.sort(dim=-1, descending=True)
+    n = torch.arange(1, scores.shape[-1] + 1, device=scores.device)
+    ok = ((n + 1) * (1 - sorted_conf) < factor) & torch.isfinite(sorted_conf)
+    count = torch.where(ok, n, torch.zeros_like(n)).amax(dim=-1).clamp_min(1)
+    return quota_select(scores, count, order=order)
+
+
+def quota_select(scores: torch.Tensor, count: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+    """Commit the ``count[a]`` best candidates of each row (never a non-candidate)."""
+    if order is None:
+        order = scores.sort(dim=-1, descending=True).indices
+    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return (scores > float("-inf")) & (ranks < count[:, None])
 
 
 def threshold_rule(confidence: torch.Tensor, candidates: torch.Tensor, threshold: float) -> torch.Tensor:
     """Commit candidates with confidence ≥ threshold, and at least the most confident one."""
-    return _force_best(candidates & (confidence >= threshold), confidence, candidates)
+    return threshold_select(candidate_scores(confidence, candidates), threshold)
 
 
 def factor_rule(confidence: torch.Tensor, candidates: torch.Tensor, factor: float) -> torch.Tensor:
     """Commit the n most confident candidates, n the largest with (n + 1)(1 − c_n) < factor (≥ 1)."""
-    sorted_conf, order = _masked_conf(confidence, candidates).sort(dim=-1, descending=True)
-    n = torch.arange(1, confidence.shape[-1] + 1, device=confidence.device)
-    ok = ((n + 1) * (1 - sorted_conf) < factor) & torch.isfinite(sorted_conf)
-    count = torch.where(ok, n, torch.zeros_like(n)).amax(dim=-1).clamp_min(1)
-    return quota_rule(confidence, candidates, count, order=order)
+    return factor_select(candidate_scores(confidence, candidates), factor)
 
 
-def quota_rule(
-    confidence: torch.Tensor,
-    candidates: torch.Tensor,
-    count: torch.Tensor,
-    order: torch.Tensor | None = None,
-) -> torch.Tensor:
+def quota_rule(confidence: torch.Tensor, candidates: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Commit the ``count[a]`` most confident candidates of each row (never a non-candidate)."""
-    if order is None:
-        order = _masked_conf(confidence, candidates).sort(dim=-1, descending=True).indices
-    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-    return candidates & (ranks < count[:, None])
+    return quota_select(candidate_scores(confidence, candidates), count)
 
 
 def quota_schedule(masked_at_block_start: torch.Tensor, steps_per_block: int, step: torch.Tensor) -> torch.Tensor:
