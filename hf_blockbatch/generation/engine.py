@@ -230,11 +230,12 @@ class _Run:
         self.sample_seconds += time.perf_counter() - t
         return out
 
-    def _slot_index(self, valid: torch.Tensor | None, A: int, W: int) -> torch.Tensor:
-        """``[A, W]`` packed index of each padded slot (0 for padded-out slots)."""
-        if valid is None:
+    def _slots(self, slot_index: torch.Tensor | None, A: int, W: int) -> torch.Tensor:
+        """``[A, W]`` packed index of each padded slot: ``slot_index``, or for uniform spans
+        (``None``) simply ``a * W + w``, built only where a step needs it."""
+        if slot_index is None:
             return torch.arange(A * W, device=self._offsets.device).view(A, W)
-        return packed_index(valid)
+        return slot_index
 
     def _commit(self, rows, positions, valid, packed, slot_index, phase: str, window_only: bool,
                 shared: bool = False) -> None:  # fmt: skip
@@ -243,7 +244,8 @@ class _Run:
 
         ``positions``/``valid`` are the rows' padded spans (see :meth:`_spans`), ``packed`` the
         logits ``[T, V]`` predicting them and ``slot_index`` ``[A, W]`` the row of ``packed`` for
-        each slot (rows may share one: the initial step's branches share their request's).
+        each slot (rows may share one: the initial step's branches share their request's), or
+        ``None`` for uniform spans, whose slot ``(a, w)`` is row ``a * W + w``.
         ``window_only`` says the spans are exactly the rows' windows.
 
         Greedy low-confidence decoding (the default) proposes only at still-masked slots: nothing
@@ -264,7 +266,7 @@ class _Run:
         if self._propose_masked_only and not shared:
             need = masked
             # uniform spans: slot (a, w) is packed row a * W + w, a view; else through slot_index
-            sampled = self._sample(packed.view(A, W, -1)[need] if valid is None else packed[slot_index[need]])
+            sampled = self._sample(packed.view(A, W, -1)[need] if slot_index is None else packed[slot_index[need]])
             confidence = sampled.confidence
             if self._lowconf is not None:  # suppressed (-inf) proposals stay candidates
                 confidence = confidence.clamp_min(torch.finfo(confidence.dtype).min)
@@ -276,6 +278,7 @@ class _Run:
         else:
             need = valid
             sampled = self._sample(packed)
+            slot_index = self._slots(slot_index, A, W)
             scores, tokens = sampled.confidence[slot_index], sampled.tokens[slot_index]
             if s.prob_p is not None:
                 keep = slot_index.reshape(-1) if valid is None else slot_index[valid]
@@ -314,8 +317,8 @@ class _Run:
             s.canvas[rows] = canvas.scatter_(1, positions, new)[:, : self.L]
         s.committed.index_add_(0, rows, select.sum(-1))
         if plan.early_stop:
-            def eos_prob_at(slot: torch.Tensor) -> torch.Tensor:  # [A, 1] slots -> [A]
-                return eos_probability(packed[slot_index.gather(1, slot).squeeze(1)], self.eos_ids)
+            def eos_prob_at(local: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+                return eos_probability(packed[self._slots(slot_index, A, W)[local, slot]], self.eos_ids)
 
             stop_mod.mark_eos(s, rows, new, in_win, eos_prob_at, self.eos_ids)
         if plan.output_trace:
@@ -341,7 +344,7 @@ class _Run:
                 index = out.cu_seqlens[:-1].long()[:, None] + self._offsets[:W]
                 packed = out.logits[index.flatten() if valid is None else index[valid]]
         self.block_steps += 1
-        slots = self._slot_index(valid, rows.shape[0], W)
+        slots = None if valid is None else packed_index(valid)
         self._commit(rows, positions, valid, packed, slots, "block", window_only=True)
 
     def full_step(self, rows: torch.Tensor, phase: str) -> None:
@@ -361,7 +364,7 @@ class _Run:
             self._count_refresh(rows)
         s.refreshes.index_add_(0, rows, torch.ones_like(rows))
         s.since_refresh[rows] = 0
-        slots = self._slot_index(valid, rows.shape[0], W)
+        slots = None if valid is None else packed_index(valid)
         self._commit(rows, positions, valid, packed, slots, phase, window_only=not plan.prob_map)
 
     def initial_step(self) -> None:
@@ -381,7 +384,7 @@ class _Run:
         starts = torch.full_like(first, self.gs)
         positions, _ = self._spans(first, starts, torch.full_like(first, G), G, first.shape[0] * G)
         packed = self._dense_span_logits(logits, positions, None)
-        slots = self._slot_index(None, first.shape[0], G).repeat_interleave(self.N, 0)
+        slots = self._slots(None, first.shape[0], G).repeat_interleave(self.N, 0)
         rows = torch.arange(s.num_rows, device=first.device)
         s.refreshes += 1
         self._commit(rows, positions.repeat_interleave(self.N, 0), None, packed, slots, "init", window_only=False,
@@ -471,14 +474,14 @@ class _Run:
             "merged": s.merged, "copied": s.copied, "syncs": s.syncs, "refreshes": s.refreshes, "decoded": decoded,
         }  # fmt: skip
         host = {k: v.tolist() for k, v in cols.items()}
+        wanted = set(req.tolist())
+        rows_of: dict[int, list[int]] = {r: [] for r in wanted}
+        for i, r in enumerate(host["request"]):  # one pass over the rows, whatever finished
+            if r in wanted:
+                rows_of[r].append(i)
+        keys = ("committed", "merged", "copied", "syncs", "refreshes", "decoded")
         for r_i, w, e in zip(req.tolist(), winners.tolist(), by_eos.tolist()):
-            branches = [
-                {k: host[k][i] for k in ("block", "committed", "merged", "copied", "syncs", "refreshes", "decoded")}
-                for i in range(len(host["request"]))
-                if host["request"][i] == r_i
-            ]
-            for b in branches:
-                b["block_size"] = b.pop("block")
+            branches = [{"block_size": host["block"][i], **{k: host[k][i] for k in keys}} for i in rows_of[r_i]]
             self.stats[r_i] = {
                 "strategy": self.plan.strategy,
                 "winner_block_size": host["block"][w],

@@ -22,27 +22,29 @@ def mark_eos(
     rows: torch.Tensor,
     tokens: torch.Tensor,
     in_window: torch.Tensor | None,
-    eos_prob_at: Callable[[torch.Tensor], torch.Tensor],
+    eos_prob_at: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     eos_ids: torch.Tensor,
 ) -> None:
-    """Record EOS hits for ``rows`` after a commit.
+    """Record EOS hits for ``rows`` (rows that were just decoded, so not done) after a commit.
 
     ``tokens`` ``[A, W]`` is a span of each row after the commit that covers its window;
     ``in_window`` marks the span's slots inside the window (``None``: the span is the window);
-    ``eos_prob_at(slot [A, 1]) -> [A]`` gives this step's probability of EOS at a slot of each row
-    (asked once, for each row's first EOS slot, so that no probability is computed elsewhere).
+    ``eos_prob_at(local_rows [n], slots [n]) -> [n]`` gives this step's probability of EOS at a
+    slot of some of the rows. It is asked only for rows that hit EOS for the first time, at their
+    first EOS slot: a probability costs a softmax over the vocabulary, and a row hits once.
     """
     open_slots = tokens == state.mask_id
     is_eos = torch.isin(tokens, eos_ids)
     if in_window is not None:
         open_slots &= in_window
         is_eos &= in_window
-    hit = ~open_slots.any(-1) & is_eos.any(-1) & ~state.done[rows]
-    first = is_eos.byte().argmax(-1, keepdim=True)
-    prob = eos_prob_at(first).to(state.eos_prob.dtype)
-    seen = state.eos_hit[rows]
-    state.eos_prob[rows] = torch.where(hit & ~seen, prob, state.eos_prob[rows])
-    state.eos_hit[rows] = seen | hit
+    hit = is_eos.any(-1) & ~open_slots.any(-1) & ~state.eos_hit[rows]
+    new = hit.nonzero().squeeze(1)
+    if new.numel():
+        first = is_eos[new].byte().argmax(-1)
+        target = rows[new]
+        state.eos_prob[target] = eos_prob_at(new, first).to(state.eos_prob.dtype)
+        state.eos_hit[target] = True
 
 
 def finished_requests(state: DecodeState, num_requests: int, early_stop: bool) -> torch.Tensor:
