@@ -151,3 +151,93 @@ def test_merge_and_sync_happen_and_help():
     assert MASK_ID not in out.sequences[0].tolist()
     alone = _gen(model, prompt, FastDLLMConfig(max_new_tokens=32, block_length=2, threshold=0.47))
     assert int(out.nfe[0]) < int(alone.nfe[0])
+
+
+# ----------------------------------------------------------------------------- 4. merge and sync, exactly
+def _random_state(seed: int, B: int, N: int, G: int, k: int):
+    """A plausible mid-decoding state: branches of a request agree on most decoded positions (a
+    tiny vocabulary makes conflicts common too), windows of their own sizes hold each row's first
+    mask, and a top-k probability map sorted by probability."""
+    from hf_blockbatch.generation.state import DecodeState
+
+    g = torch.Generator().manual_seed(seed)
+    R, gs, M = B * N, 3, 9  # mask id 9, tokens 0..3
+    base = torch.randint(0, 4, (B, G), generator=g).repeat_interleave(N, 0)
+    noise = torch.randint(0, 4, (R, G), generator=g)
+    gen = torch.where(torch.rand(R, G, generator=g) < 0.04, noise, base)
+    gen = torch.where(torch.rand(R, G, generator=g) < 0.5, torch.full_like(gen, M), gen)
+    gen[torch.rand(R, generator=g) < 0.2] = base[0, 0]  # some rows fully decoded (done)
+    canvas = torch.cat([torch.zeros(R, gs, dtype=torch.long), gen], 1)
+    block = torch.tensor([2, 3, 4, 6, 8, 12][:N]).repeat(B)
+    probs = torch.rand(R, G, k, generator=g).sort(-1, descending=True).values
+    probs = probs / probs.sum(-1, keepdim=True) * torch.rand(R, G, 1, generator=g).clamp_min(0.3)
+    ids = torch.stack([torch.randperm(5, generator=g)[:k] for _ in range(R * G)]).view(R, G, k)
+    ids[ids == 4] = M  # the map may rate the mask token itself
+    # mostly the request's token on top (the model agrees with the branches), ids kept distinct
+    top = torch.where(torch.rand(R, G, generator=g) < 0.7, base, ids[..., 0])
+    ids[..., 0] = torch.where((ids[..., 1:] == top[..., None]).any(-1), ids[..., 0], top)
+    zeros = torch.zeros(R, dtype=torch.long)
+    state = DecodeState(
+        canvas=canvas, attention_mask=torch.ones_like(canvas, dtype=torch.bool), request=torch.arange(B).repeat_interleave(N),
+        branch=torch.arange(N).repeat(B), block=block, win_start=zeros + gs - 1, win_end=zeros + gs - 1,
+        done=zeros.bool(), since_refresh=zeros.clone(), steps_in_block=zeros.clone(), masked_at_block_start=zeros.clone(),
+        prob_p=probs, prob_ids=ids, eos_hit=zeros.bool(), eos_prob=zeros.double(), committed=zeros.clone(),
+        merged=zeros.clone(), copied=zeros.clone(), syncs=zeros.clone(), refreshes=zeros.clone(), synced_now=None,
+        retired=zeros.bool(), gen_start=gs, mask_id=M, quota=False,
+    )  # fmt: skip
+    state.advance()
+    return state
+
+
+def _plain_merge(state, threshold: float, N: int) -> torch.Tensor:
+    """BLOCKBATCH.md step 4 with loops: destinations take, on pre-merge canvases, from compatible
+    active sources behind them (smaller window end; equal ends: higher row), at masked positions
+    inside some such source's window, the source token the destination's map rates highest."""
+    c, gs, M = state.canvas.tolist(), state.gen_start, state.mask_id
+    out = [row[:] for row in c]
+    ws, we, done = state.win_start.tolist(), state.win_end.tolist(), state.done.tolist()
+    L, k = len(c[0]), state.prob_p.shape[-1]
+    for d in range(len(c)):
+        if done[d]:
+            continue
+        srcs = [
+            s for s in range(d - d % N, d - d % N + N)
+            if s != d and not done[s] and (we[s] < we[d] or (we[s] == we[d] and s > d))
+            and not any(c[d][p] != M and c[s][p] != M and c[d][p] != c[s][p] for p in range(gs, L))
+        ]  # fmt: skip
+        for p in range(gs, L):
+            if c[d][p] != M or not any(ws[s] <= p < we[s] for s in srcs):
+                continue
+            best, token = -1.0, None
+            for s in srcs:
+                if c[s][p] == M:
+                    continue
+                prob = sum(float(state.prob_p[d, p - gs, j]) for j in range(k) if int(state.prob_ids[d, p - gs, j]) == c[s][p])
+                if prob > best:
+                    best, token = prob, c[s][p]
+            if best > threshold:
+                out[d][p] = token
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.3, 0.2])
+@pytest.mark.parametrize("seed", range(12))
+def test_merge_equals_a_plain_loop_implementation(seed, threshold):
+    from hf_blockbatch.generation.blockbatch.merge import merge
+
+    N = 3 + seed % 4
+    k = max(1, -(-10 // int(threshold * 10)) - 1)  # ceil(1 / t) - 1, as the engine keeps
+    state = _random_state(seed, B=2, N=N, G=14, k=k)
+    expect = _plain_merge(state, threshold, N)
+    before = state.canvas.clone()
+    taken = merge(state, threshold, N)
+    assert torch.equal(state.canvas, expect)
+    assert torch.equal(taken, (state.canvas != before)[:, state.gen_start :])
+    assert state.merged.tolist() == taken.sum(-1).tolist()
+
+
+def test_merge_reference_states_do_merge():
+    """The states above exercise merging (a merge that never takes would pass the test above)."""
+    taken = sum(int((_plain_merge(s, 0.5, 3 + i % 4) != s.canvas).sum())
+                for i, s in enumerate(_random_state(i, 2, 3 + i % 4, 14, 1) for i in range(12)))  # fmt: skip
+    assert taken >= 12

@@ -14,6 +14,7 @@ pre-merge canvases, as ``[R, R, G]`` masked comparisons, with no loop over rows 
 The probability map keeps the top-k probabilities per position with ``k = ceil(1 / threshold) - 1``
 (at least 1), which is exact for this test: fewer than ``1 / threshold`` tokens can each hold more
 than ``threshold``, so a token above it is always among the top k (the top-1 at threshold 0.5).
+``tests/test_blockbatch.py`` checks the pass against a plain loop over rows and positions.
 """
 
 from __future__ import annotations
@@ -31,37 +32,47 @@ def merge(state: DecodeState, merge_threshold: float, branches: int) -> torch.Te
     Rows are laid out request-major with ``branches`` rows per request (the engine keeps whole
     requests together), so every comparison is ``[B, N, N, G]``: linear in the batch, not
     quadratic in rows.
+
+    Only a token in the destination's top-k map can score above the threshold, and the map is
+    sorted by probability, so instead of rating every source's token the pass asks, for each of
+    the destination's k candidate tokens, whether some usable source decoded it; the first
+    candidate offered and above the threshold is the best one.
     """
     gs, mask_id = state.gen_start, state.mask_id
     R, G = state.num_rows, state.length - gs
     B, N = R // branches, branches
     gen = state.canvas[:, gs:].view(B, N, G)
     decoded = gen != mask_id
-    active = (~state.done).view(B, N)
-    end = state.win_end.view(B, N)
     idx = torch.arange(N, device=gen.device)
-    # [b, dst, src]: sources stand behind the destination (smaller window end; ties by row order)
-    behind = (end[:, None, :] < end[:, :, None]) | (
-        (end[:, None, :] == end[:, :, None]) & (idx[None, None, :] > idx[None, :, None])
-    )
-    conflict = (decoded[:, :, None] & decoded[:, None] & (gen[:, :, None] != gen[:, None])).any(-1)
-    sources = behind & ~conflict & active[:, :, None] & active[:, None, :]
+    # [b, dst, src]: sources stand behind the destination: a smaller window end, or an equal end
+    # and a higher row. One key orders both: end * (N + 1) - row.
+    key = state.win_end.view(B, N) * (N + 1) - idx
+    behind = key[:, None, :] < key[:, :, None]
+    # Compatible: the positions decoded in both (a batched matmul of counts, exact in float32)
+    # all agree. With each row's masks tagged by a distinct negative number, tokens compare
+    # equal exactly where both rows decoded the same token.
+    fdec = decoded.float()
+    both = fdec @ fdec.transpose(1, 2)
+    tagged = torch.where(decoded, gen, -1 - idx[:, None])
+    agree = (tagged[:, :, None] == tagged[:, None]).sum(-1)
+    # done destinations have no masked position left, so only sources need to be active
+    sources = behind & (agree == both) & ~state.done.view(B, 1, N)
 
-    pos = torch.arange(G, device=gen.device) + gs
+    pos = torch.arange(gs, gs + G, device=gen.device)
     in_window = (pos >= state.win_start[:, None]) & (pos < state.win_end[:, None])  # [R, G]
-    scanned = (sources[..., None] & in_window.view(B, 1, N, G)).any(2)  # [b, dst, G]
+    scanned = (sources.float() @ in_window.view(B, N, G).float()) > 0  # [b, dst, G]: in some source's window
 
-    # the destination's probability for each source's token: [b, dst, src, G]
     k = state.prob_p.shape[-1]
-    offered = gen[:, None].expand(B, N, N, G)
-    hit = state.prob_ids.view(B, N, 1, G, k) == offered[..., None]
-    prob = (state.prob_p.view(B, N, 1, G, k) * hit).sum(-1)
-    usable = sources[..., None] & decoded[:, None]
-    prob = torch.where(usable, prob, torch.full_like(prob, -1.0))
-    best_prob, best_src = prob.max(dim=2)  # [b, dst, G]
-    best_tok = offered.gather(2, best_src[:, :, None]).squeeze(2)
-    take = scanned & ~decoded & (best_prob > merge_threshold) & active[..., None]
-    state.canvas[:, gs:] = torch.where(take, best_tok, gen).view(R, G)
+    top_ids = state.prob_ids.view(B, N, G, k)
+    wanted = (state.prob_p.view(B, N, G, k) > merge_threshold) & (top_ids != mask_id)  # a source token is never the mask
+    offered = ((gen[:, None, :, :, None] == top_ids[:, :, None]) & sources[..., None, None]).any(2)  # [b, dst, G, k]
+    ok = wanted & offered & (scanned & ~decoded)[..., None]
+    if k == 1:
+        take, token = ok[..., 0], top_ids[..., 0]
+    else:
+        take = ok.any(-1)
+        token = top_ids.gather(-1, ok.byte().argmax(-1, keepdim=True)).squeeze(-1)
+    state.canvas[:, gs:] = torch.where(take, token, gen).view(R, G)
     take = take.view(R, G)
     state.merged += take.sum(-1)
     return take
