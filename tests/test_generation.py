@@ -318,14 +318,30 @@ class _ContractOnly(torch.nn.Module):
         return self.inner.new_cache(*args, **kwargs)
 
 
-@pytest.mark.parametrize("family", ["llada", "dream"])
-def test_enable_gives_any_contract_model_the_same_generate(family):
-    from conftest import make_tiny_dream, make_tiny_llada
+CONTRACT_CONFIGS = [
+    hb.BlockBatchConfig(max_new_tokens=12, block_sizes=[4, 8], threshold=0.05),
+    hb.BlockBatchConfig(max_new_tokens=12, block_sizes=[4, 8, 12], threshold=0.3, early_stop=True),
+    hb.FastDLLMConfig(max_new_tokens=12, block_length=4, threshold=0.3, cache="dual", early_stop=True),
+    hb.FastDLLMConfig(max_new_tokens=12, block_length=8, threshold=0.3, cache="prefix"),
+    hb.FastDLLMConfig(max_new_tokens=12, block_length=8, threshold=0.3, cache="none"),
+    hb.VanillaDiffusionConfig(max_new_tokens=12, steps=6, block_length=4),
+]
 
-    model = make_tiny_llada() if family == "llada" else make_tiny_dream()
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("cfg", CONTRACT_CONFIGS, ids=lambda c: f"{c.strategy}-{getattr(c, 'cache', '')}")
+def test_enable_gives_any_contract_model_the_same_generate(family, cfg):
+    """A contract model without ``supports_logits_mask`` gets dense logits, selected by the
+    decoder: the same tokens and NFE as ours, whose forwards compute only the logits read."""
+    from _generation_helpers import peaked
+
+    model = peaked(family)
     other = hb.enable(_ContractOnly(model))
-    prompt = torch.tensor([[5, 6, 7, 8, 9]])
-    cfg = hb.BlockBatchConfig(max_new_tokens=12, block_sizes=[4, 8], threshold=0.05)
+    prompt = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 7, 3, 2]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    ours = model.generate(prompt, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True)
+    theirs = other.generate(prompt, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True)
+    assert not hasattr(other, "supports_logits_mask") and model.supports_logits_mask
     ours = model.generate(prompt, generation_config=cfg, return_dict_in_generate=True)
     theirs = other.generate(prompt, generation_config=cfg, return_dict_in_generate=True)
     assert torch.equal(ours.sequences, theirs.sequences)

@@ -350,6 +350,34 @@ def test_official_format_checkpoint_loads(family: str, tmp_path) -> None:
 
 
 # ------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_logits_mask_returns_exactly_the_masked_logits(family: str) -> None:
+    """Both forwards: only the masked positions go through the head, packed in row-major order;
+    the K/V written are the same as without a mask."""
+    model = make(family)
+    ids = canvas(3, 16)
+    g = torch.Generator().manual_seed(1)
+    full = model(ids, use_cache=True)
+    mask = torch.rand(3, 16, generator=g) < 0.4
+    masked = model(ids, use_cache=True, logits_mask=mask)
+    assert masked.logits.shape == (int(mask.sum()), VOCAB)
+    torch.testing.assert_close(masked.logits, full.logits[mask], atol=ATOL, rtol=0)
+    for a, b in zip(masked.cache.layers, full.cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+    starts, ends = [6, 3, 9], [11, 4, 16]
+    dense = model.forward_windows(ids, starts, ends, full.cache)
+    pick = torch.rand(dense.logits.shape[0], generator=g) < 0.5
+    out = model.forward_windows(ids, starts, ends, full.cache, logits_mask=pick)
+    torch.testing.assert_close(out.logits, dense.logits[pick], atol=ATOL, rtol=0)
+    assert torch.equal(out.cu_seqlens, dense.cu_seqlens)
+    with pytest.raises(ValueError, match=r"logits_mask has shape \(3,\), expected \(13,\)"):
+        model.forward_windows(ids, starts, ends, full.cache, logits_mask=pick[:3])
+    with pytest.raises(ValueError, match=r"logits_mask has shape \(3, 15\), expected \(3, 16\)"):
+        model(ids, logits_mask=mask[:, :15])
+
+
 @pytest.fixture(params=FAMILIES)
 def filled(request):
     model = make(request.param)

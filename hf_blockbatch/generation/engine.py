@@ -90,6 +90,19 @@ class DecodeResult:
     stats: list[dict[str, Any]]
 
 
+@dataclass
+class _Span:
+    """The slots a step reads: ``[A, W]`` positions of a span of each of its rows, padded."""
+
+    rows: torch.Tensor  # [A] state rows
+    positions: torch.Tensor  # [A, W] canvas positions (padded slots: L, a spare column)
+    valid: torch.Tensor | None  # [A, W] real slots (None: all, the spans are uniform)
+    canvas: torch.Tensor  # the rows' canvases, with the spare column when padded
+    current: torch.Tensor  # [A, W] what they hold at the slots
+    masked: torch.Tensor  # [A, W] still masked
+    keep: torch.Tensor | None  # [A, W] slots whose logits the step reads (None: every real slot)
+
+
 class _Run:
     """One call of :func:`run_plan`: the state and the steps that change it."""
 
@@ -156,6 +169,7 @@ class _Run:
         self.trace: list[list[dict]] = [[] for _ in range(B)]
         self._cuda = device.type == "cuda"
         self._propose_masked_only = plan.temperature == 0 and plan.remasking == "low_confidence"
+        self._mask_logits = bool(getattr(model, "supports_logits_mask", False))
         self.forward_seconds = 0.0
         self.sample_seconds = 0.0
         self.streamed = 0
@@ -184,39 +198,87 @@ class _Run:
         """Forwards so far of a live request."""
         return 1 + self.block_steps + int(self.nfe_refresh[request])
 
-    def _full_forward(self, rows: torch.Tensor, write_cache: bool) -> torch.Tensor:
-        """Full forward over ``rows``; returns the dense logits ``[A, L, V]``."""
+    def _take(self, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``t[rows]`` without a copy when ``rows`` is every row (it is then ``arange(R)``: rows
+        come from ``nonzero`` and are ascending and unique)."""
+        return t if rows.shape[0] == self.state.num_rows else t[rows]
+
+    def _span(self, rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, shared: bool = False) -> _Span:
+        """The slots ``[start, start + length)`` of each row, padded to ``[A, W]``, and what the
+        rows' canvases hold there.
+
+        Greedy low-confidence decoding (the default) reads logits only at still-masked slots
+        (``keep``; plus EOS slots with early stop, whose probability picks a winner): nothing else
+        is ever committed or read back from the probability map (merging reads it only where the
+        row is masked), and these are about a third of a window's slots once it is under way, so
+        the other hidden states never go through the head. Stochastic decoding reads every slot,
+        so that the random draws follow the packed layout whatever the canvas holds; so does a
+        ``shared`` step (the initial one: every slot is masked, and each request's proposals serve
+        all its branches).
+        """
         s = self.state
+        W = int(lengths.max())
+        positions = starts[:, None] + self._offsets[:W]
+        valid = None
+        if not bool((lengths == W).all()):
+            valid = self._offsets[:W] < lengths[:, None]
+            positions = positions.masked_fill(~valid, self.L)  # padded slots point at a spare column
+        canvas = self._take(s.canvas, rows)
+        if valid is not None:  # the spare column: never masked
+            canvas = torch.cat([canvas, canvas.new_full((rows.shape[0], 1), self.pad_id)], dim=1)
+        current = canvas.gather(1, positions)
+        masked = current == self.mask_id
+        keep = None
+        if self._propose_masked_only and not shared:
+            keep = masked
+            if self.plan.early_stop:
+                keep = keep | torch.isin(current, self.eos_ids)
+                if valid is not None:
+                    keep &= valid
+        return _Span(rows, positions, valid, canvas, current, masked, keep)
+
+    def _read(self, span: _Span) -> torch.Tensor | None:
+        """``[A, W]`` slots whose logits the step reads; ``None``: every slot."""
+        return span.keep if span.keep is not None else span.valid
+
+    def _full_logits(self, span: _Span, write_cache: bool) -> torch.Tensor:
+        """Full forward over the span's rows; returns the packed logits predicting the slots it reads."""
+        s, rows = self.state, span.rows
+        read = self._read(span)
+        want = torch.zeros(rows.shape[0], self.L + 1, dtype=torch.bool, device=rows.device)
+        # a padded slot points at L, which is L - 1 for a shifted model: a hidden state that predicts
+        # no position of the canvas, so no real slot shares it
+        want.scatter_(1, span.positions - self.model.logit_shift, True if read is None else read)
+        want = want[:, : self.L]
+        kwargs = {"logits_mask": want} if self._mask_logits else {}
         out = self._timed(
             self.model,
             s.canvas[rows],
             attention_mask=s.attention_mask[rows],
             cache=self.cache if write_cache else None,
             cache_rows=rows if write_cache else None,
+            **kwargs,
         )
-        return out.logits
+        return out.logits if self._mask_logits else out.logits[want]
 
-    def _take(self, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``t[rows]`` without a copy when ``rows`` is every row (it is then ``arange(R)``: rows
-        come from ``nonzero`` and are ascending and unique)."""
-        return t if rows.shape[0] == self.state.num_rows else t[rows]
-
-    def _spans(self, rows, starts, lengths, W: int, T: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Padded ``[A, W]`` positions of the packed spans ``[start, start + length)`` and which slots
-        are real (``None`` when all are: the spans are uniform, ``T == A * W``, and the packed
-        tensors are simply viewed as ``[A, W]``, the common case with one block size)."""
-        positions = starts[:, None] + self._offsets[:W]
-        if rows.shape[0] * W == T:
-            return positions, None
-        valid = self._offsets[:W] < lengths[:, None]
-        return positions.masked_fill(~valid, self.L), valid  # padded slots point at a spare column
-
-    def _dense_span_logits(self, logits: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None):
-        """Packed logits predicting the spans' positions, from dense (unshifted) full-forward logits."""
-        local = self._offsets[: positions.shape[0], None].expand_as(positions)
-        if valid is None:
-            return logits[local, positions - self.model.logit_shift].flatten(0, 1)
-        return logits[local[valid], positions[valid] - self.model.logit_shift]
+    def _window_logits(self, span: _Span, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Window forward over the span's rows (dual: queries are the windows; prefix: they run to
+        the end of the canvas); returns the packed logits predicting the slots it reads."""
+        s, rows = self.state, span.rows
+        read = self._read(span)
+        if self.plan.cache == "dual":
+            q_end = ends
+            pick = None if read is None else (read.reshape(-1) if span.valid is None else read[span.valid])
+        else:  # prefix: each row's packed queries are [start, L); the span is their first `length`
+            q_end = torch.full_like(ends, self.L)
+            q_len = self.L - starts
+            Wq = int(q_len.max())
+            sel = torch.zeros(rows.shape[0], Wq, dtype=torch.bool, device=rows.device)
+            sel[:, : span.positions.shape[1]] = True if read is None else read
+            pick = sel[self._offsets[:Wq] < q_len[:, None]]
+        kwargs = {"logits_mask": pick} if self._mask_logits and pick is not None else {}
+        out = self._timed(self.model.forward_windows, s.canvas, starts, q_end, self.cache, rows=rows, **kwargs)
+        return out.logits if kwargs or pick is None else out.logits[pick]
 
     # ------------------------------------------------------------------ commits
     def _sample(self, packed_logits: torch.Tensor) -> Sampled:
@@ -230,43 +292,31 @@ class _Run:
         self.sample_seconds += time.perf_counter() - t
         return out
 
-    def _slots(self, slot_index: torch.Tensor | None, A: int, W: int) -> torch.Tensor:
-        """``[A, W]`` packed index of each padded slot: ``slot_index``, or for uniform spans
-        (``None``) simply ``a * W + w``, built only where a step needs it."""
-        if slot_index is None:
+    def _slots(self, valid: torch.Tensor | None, A: int, W: int) -> torch.Tensor:
+        """``[A, W]`` row of the packed logits for each slot when every slot is read: ``a * W + w``
+        for uniform spans, else counted over the real slots (padded slots: 0)."""
+        if valid is None:
             return torch.arange(A * W, device=self._offsets.device).view(A, W)
-        return slot_index
+        return packed_index(valid)
 
-    def _commit(self, rows, positions, valid, packed, slot_index, phase: str, window_only: bool,
-                shared: bool = False) -> None:  # fmt: skip
+    def _commit(self, span: _Span, packed: torch.Tensor, phase: str, window_only: bool,
+                slot_index: torch.Tensor | None = None) -> None:  # fmt: skip
         """Propose tokens, apply the transfer rule inside each row's window and write the commits
         to the canvas; update the probability map and EOS hits.
 
-        ``positions``/``valid`` are the rows' padded spans (see :meth:`_spans`), ``packed`` the
-        logits ``[T, V]`` predicting them and ``slot_index`` ``[A, W]`` the row of ``packed`` for
-        each slot (rows may share one: the initial step's branches share their request's), or
-        ``None`` for uniform spans, whose slot ``(a, w)`` is row ``a * W + w``.
+        ``packed`` holds the logits predicting the slots the step reads (see :meth:`_span`), in
+        row-major slot order; with every slot read, ``slot_index`` ``[A, W]`` may instead give the
+        row of ``packed`` for each slot (the initial step's branches share their request's).
         ``window_only`` says the spans are exactly the rows' windows.
-
-        Greedy low-confidence decoding (the default) proposes only at still-masked slots: nothing
-        else is ever committed or read back from the probability map (merging reads it only where
-        the row is masked), and these are about a third of a window's slots once it is under way.
-        Stochastic decoding proposes at every packed position, once, so that the random draws
-        follow the packed layout whatever the canvas holds; so does a ``shared`` step (the initial
-        one: every slot is masked, and each request's proposals serve all its branches).
         """
         s, plan = self.state, self.plan
+        rows, positions, valid, canvas, current, masked = (
+            span.rows, span.positions, span.valid, span.canvas, span.current, span.masked
+        )
         A, W = positions.shape
-        all_rows = rows.shape[0] == s.num_rows
-        canvas = s.canvas if all_rows else s.canvas[rows]
-        if valid is not None:  # a spare column (never masked) for the padded-out slots
-            canvas = torch.cat([canvas, canvas.new_full((A, 1), self.pad_id)], dim=1)
-        current = canvas.gather(1, positions)
-        masked = current == self.mask_id
-        if self._propose_masked_only and not shared:
+        if span.keep is not None:  # greedy: proposals at the masked slots only
             need = masked
-            # uniform spans: slot (a, w) is packed row a * W + w, a view; else through slot_index
-            sampled = self._sample(packed.view(A, W, -1)[need] if slot_index is None else packed[slot_index[need]])
+            sampled = self._sample(packed if span.keep is masked else packed[masked[span.keep]])
             confidence = sampled.confidence
             if self._lowconf is not None:  # suppressed (-inf) proposals stay candidates
                 confidence = confidence.clamp_min(torch.finfo(confidence.dtype).min)
@@ -278,7 +328,8 @@ class _Run:
         else:
             need = valid
             sampled = self._sample(packed)
-            slot_index = self._slots(slot_index, A, W)
+            if slot_index is None:
+                slot_index = self._slots(valid, A, W)
             scores, tokens = sampled.confidence[slot_index], sampled.tokens[slot_index]
             if s.prob_p is not None:
                 keep = slot_index.reshape(-1) if valid is None else slot_index[valid]
@@ -311,14 +362,18 @@ class _Run:
             select = quota_select(scores, count.clamp_min(1))
             s.steps_in_block[rows] += 1
         new = torch.where(select, tokens, current)
-        if all_rows and valid is None:
+        if rows.shape[0] == s.num_rows and valid is None:
             s.canvas.scatter_(1, positions, new)
         else:
             s.canvas[rows] = canvas.scatter_(1, positions, new)[:, : self.L]
         s.committed.index_add_(0, rows, select.sum(-1))
         if plan.early_stop:
             def eos_prob_at(local: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-                return eos_probability(packed[self._slots(slot_index, A, W)[local, slot]], self.eos_ids)
+                if span.keep is not None:  # the packed row of a kept slot: the kept slots up to it
+                    row = span.keep.reshape(-1).cumsum(0)[local * W + slot] - 1
+                else:
+                    row = slot_index[local, slot]
+                return eos_probability(packed[row], self.eos_ids)
 
             stop_mod.mark_eos(s, rows, new, in_win, eos_prob_at, self.eos_ids)
         if plan.output_trace:
@@ -327,45 +382,30 @@ class _Run:
     def block_step(self, rows: torch.Tensor) -> None:
         s, plan = self.state, self.plan
         starts, ends = self._take(s.win_start, rows), self._take(s.win_end, rows)
-        lengths = ends - starts
-        W = int(lengths.max())
+        span = self._span(rows, starts, ends - starts)
         if plan.cache == "none":
-            logits = self._full_forward(rows, write_cache=False)
-            positions, valid = self._spans(rows, starts, lengths, W, int(lengths.sum()))
-            packed = self._dense_span_logits(logits, positions, valid)
+            packed = self._full_logits(span, write_cache=False)
         else:
-            q_end = ends if plan.cache == "dual" else torch.full_like(ends, self.L)
-            out = self._timed(self.model.forward_windows, s.canvas, starts, q_end, self.cache, rows=rows)
-            if plan.cache == "dual":  # the packed queries are exactly the windows
-                packed = out.logits
-                positions, valid = self._spans(rows, starts, lengths, W, packed.shape[0])
-            else:  # prefix: each row's queries run to the end of the canvas; keep its window's
-                positions, valid = self._spans(rows, starts, lengths, W, int(lengths.sum()))
-                index = out.cu_seqlens[:-1].long()[:, None] + self._offsets[:W]
-                packed = out.logits[index.flatten() if valid is None else index[valid]]
+            packed = self._window_logits(span, starts, ends)
         self.block_steps += 1
-        slots = None if valid is None else packed_index(valid)
-        self._commit(rows, positions, valid, packed, slots, "block", window_only=True)
+        self._commit(span, packed, "block", window_only=True)
 
     def full_step(self, rows: torch.Tensor, phase: str) -> None:
         """A full forward over ``rows`` (the initial forward, or a refresh): rewrite their cache
         rows, update their probability maps everywhere, commit in their windows."""
         s, plan = self.state, self.plan
-        logits = self._full_forward(rows, write_cache=self.cache is not None)
         if plan.prob_map:
             starts = torch.full_like(rows, self.gs)
             lengths = torch.full_like(rows, self.L - self.gs)
         else:
             starts, lengths = s.win_start[rows], (s.win_end[rows] - s.win_start[rows]).clamp_min(1)
-        W = int(lengths.max())
-        positions, valid = self._spans(rows, starts, lengths, W, int(lengths.sum()))
-        packed = self._dense_span_logits(logits, positions, valid)
+        span = self._span(rows, starts, lengths)
+        packed = self._full_logits(span, write_cache=self.cache is not None)
         if phase == "refresh":
             self._count_refresh(rows)
         s.refreshes.index_add_(0, rows, torch.ones_like(rows))
         s.since_refresh[rows] = 0
-        slots = None if valid is None else packed_index(valid)
-        self._commit(rows, positions, valid, packed, slots, phase, window_only=not plan.prob_map)
+        self._commit(span, packed, phase, window_only=not plan.prob_map)
 
     def initial_step(self) -> None:
         """One full forward per request (not per branch): K/V broadcast to every branch's row."""
@@ -377,18 +417,17 @@ class _Run:
         # One forward per request over its whole generated region; the K/V and the logits are then
         # shared by every branch (their canvases are identical): each branch's slots point at its
         # request's logits, and each branch commits inside its own first window.
-        logits = self._full_forward(first, write_cache=self.cache is not None)
+        G = self.L - self.gs
+        span = self._span(first, torch.full_like(first, self.gs), torch.full_like(first, G), shared=True)
+        packed = self._full_logits(span, write_cache=self.cache is not None)
         if self.cache is not None:
             self.cache.broadcast_rows(self.N)
-        G = self.L - self.gs
-        starts = torch.full_like(first, self.gs)
-        positions, _ = self._spans(first, starts, torch.full_like(first, G), G, first.shape[0] * G)
-        packed = self._dense_span_logits(logits, positions, None)
-        slots = self._slots(None, first.shape[0], G).repeat_interleave(self.N, 0)
-        rows = torch.arange(s.num_rows, device=first.device)
+        n = self.N
+        branches = _Span(torch.arange(s.num_rows, device=first.device), span.positions.repeat_interleave(n, 0), None,
+                         s.canvas, span.current.repeat_interleave(n, 0), span.masked.repeat_interleave(n, 0), None)  # fmt: skip
         s.refreshes += 1
-        self._commit(rows, positions.repeat_interleave(self.N, 0), None, packed, slots, "init", window_only=False,
-                     shared=True)  # fmt: skip
+        self._commit(branches, packed, "init", window_only=False,
+                     slot_index=self._slots(None, first.shape[0], G).repeat_interleave(n, 0))  # fmt: skip
 
     # ------------------------------------------------------------------ policy
     def after_commit(self, full: bool) -> None:

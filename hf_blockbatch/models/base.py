@@ -12,6 +12,12 @@
   query per row, whose K/V refresh is a bonus, and whose last hidden state is simply not sent
   through the head. The decoders never see the shift.
 * Rows may be left-padded: padding is masked out of attention and does not shift positions.
+* Both forwards take an optional ``logits_mask`` (bool, over the rows of the logits they would
+  return): only those hidden states go through the head, and the logits come back packed,
+  ``[n, V]`` in row-major order. A decoder reads a fraction of the positions it queries (the
+  still-masked ones), and on a small model the head is a large part of a forward (at vocabulary
+  1024 and width 128 it costs as much as all four layers), as transformers' ``logits_to_keep``
+  saves it in autoregressive decoding. Optional in the contract: see ``supports_logits_mask``.
 
 Subclasses provide the embedding, the decoder layers and the head under the official names.
 """
@@ -56,6 +62,8 @@ class DiffusionLMMixin:
 
     #: 0: position i's logits predict token i (LLaDA); 1: they predict token i + 1 (Dream)
     logit_shift: int = 0
+    #: both forwards accept ``logits_mask`` (a model without it gets dense logits and the decoder selects)
+    supports_logits_mask: bool = True
 
     # ---- provided by the family classes --------------------------------------------------
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -154,11 +162,13 @@ class DiffusionLMMixin:
         cache_rows: torch.Tensor | None = None,
         return_dict: bool | None = None,
         past_key_values: BranchCache | None = None,
+        logits_mask: torch.Tensor | None = None,
         **kwargs,
     ) -> DiffusionLMOutput | tuple:
         """Full bidirectional forward over every position of every row (see module docstring).
 
         ``past_key_values`` is accepted as the older name of ``cache`` (transformers 5 renamed it).
+        ``logits_mask`` (bool ``[B, L]``): return only those positions' logits, packed ``[n, V]``.
         """
         if cache is None:
             cache = past_key_values
@@ -201,8 +211,11 @@ class DiffusionLMMixin:
                 if key_mask is not None
                 else torch.arange(L, device=input_ids.device).expand(B, L)
             )
+        if logits_mask is not None and tuple(logits_mask.shape) != (B, L):
+            raise ValueError(f"logits_mask has shape {tuple(logits_mask.shape)}, expected {(B, L)}.")
         ctx = self._context("dense", position_ids, L, cache=cache, rows=cache_rows, key_mask=key_mask)
-        logits = self._head(self._run(self._embed(input_ids), ctx))
+        hidden = self._run(self._embed(input_ids), ctx)
+        logits = self._head(hidden if logits_mask is None else hidden[logits_mask])
         if return_dict is False:
             return (logits, cache)
         return DiffusionLMOutput(logits=logits, cache=cache)
@@ -214,10 +227,13 @@ class DiffusionLMMixin:
         ends: torch.Tensor,
         cache: BranchCache,
         rows: torch.Tensor | None = None,
+        logits_mask: torch.Tensor | None = None,
     ) -> WindowOutput:
         """Logits predicting ``[starts[i], ends[i])`` of cache row ``rows[i]`` (see module docstring).
 
         ``input_ids`` is the canvas of every cache row, ``[R, L]`` (only the windows are read).
+        ``logits_mask`` (bool ``[Σ(end - start)]``, over the packed predicted positions): return
+        only those logits, packed ``[n, V]``; ``cu_seqlens`` still cuts the unmasked windows.
         """
         self._check_ids(input_ids)
         self._check_cache(cache, input_ids.shape[1])
@@ -251,6 +267,13 @@ class DiffusionLMMixin:
             # the last `shift` queries of each row predict past the window: keep the others
             keep = wb.token_pos < (ends[:, None].expand_as(wb.pad_valid)[wb.pad_valid] - shift)
             hidden = hidden[keep]
+        if logits_mask is not None:
+            if tuple(logits_mask.shape) != (hidden.shape[0],):
+                raise ValueError(
+                    f"logits_mask has shape {tuple(logits_mask.shape)}, expected ({hidden.shape[0]},): one entry per "
+                    "predicted position of the windows, in row order."
+                )
+            hidden = hidden[logits_mask]
         cu = torch.zeros_like(wb.cu_seqlens)
         cu[1:] = (ends - starts).cumsum(0)
         return WindowOutput(logits=self._head(hidden), cu_seqlens=cu)
