@@ -21,6 +21,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+# Writes detach: K/V are kept for reuse by later forwards, never differentiated through (the
+# layers share one storage, which a write of a grad-requiring tensor would pull into the graph).
+
 __all__ = ["BranchCache", "BranchCacheLayer"]
 
 
@@ -42,8 +45,8 @@ class BranchCacheLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Replace the whole layer (full-canvas forward over every row)."""
-        self.keys.copy_(key_states)
-        self.values.copy_(value_states)
+        self.keys.copy_(key_states.detach())
+        self.values.copy_(value_states.detach())
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -169,19 +172,19 @@ class BranchCache(Cache):
         """Overwrite whole rows of one layer (a full-canvas forward over ``rows``)."""
         layer = self.layers[layer_idx]
         if rows is None:
-            layer.keys.copy_(keys)
-            layer.values.copy_(values)
+            layer.keys.copy_(keys.detach())
+            layer.values.copy_(values.detach())
         else:
-            layer.keys.index_copy_(0, rows, keys.to(layer.dtype))
-            layer.values.index_copy_(0, rows, values.to(layer.dtype))
+            layer.keys.index_copy_(0, rows, keys.detach().to(layer.dtype))
+            layer.values.index_copy_(0, rows, values.detach().to(layer.dtype))
 
     def write_tokens(
         self, layer_idx: int, flat_slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
         """Write packed K/V ``[T, H_kv, D]`` at flat slots ``row * L + position`` (a window forward)."""
         layer = self.layers[layer_idx]
-        layer.keys.view(-1, *layer.keys.shape[2:]).index_copy_(0, flat_slots, keys.to(layer.dtype))
-        layer.values.view(-1, *layer.values.shape[2:]).index_copy_(0, flat_slots, values.to(layer.dtype))
+        layer.keys.view(-1, *layer.keys.shape[2:]).index_copy_(0, flat_slots, keys.detach().to(layer.dtype))
+        layer.values.view(-1, *layer.values.shape[2:]).index_copy_(0, flat_slots, values.detach().to(layer.dtype))
 
     # ------------------------------------------------------------------ row operations
     def _slabs(self) -> torch.Tensor:
