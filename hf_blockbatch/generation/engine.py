@@ -97,6 +97,7 @@ class _Span:
     rows: torch.Tensor  # [A] state rows
     positions: torch.Tensor  # [A, W] canvas positions (padded slots: L, a spare column)
     valid: torch.Tensor | None  # [A, W] real slots (None: all, the spans are uniform)
+    in_win: torch.Tensor | None  # [A, W] slots inside the row's window (None: all)
     canvas: torch.Tensor  # the rows' canvases, with the spare column when padded
     current: torch.Tensor  # [A, W] what they hold at the slots
     masked: torch.Tensor  # [A, W] still masked
@@ -203,12 +204,15 @@ class _Run:
         come from ``nonzero`` and are ascending and unique)."""
         return t if rows.shape[0] == self.state.num_rows else t[rows]
 
-    def _span(self, rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, shared: bool = False) -> _Span:
+    def _span(self, rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, window_only: bool,
+              shared: bool = False) -> _Span:  # fmt: skip
         """The slots ``[start, start + length)`` of each row, padded to ``[A, W]``, and what the
-        rows' canvases hold there.
+        rows' canvases hold there; ``window_only`` says the spans are exactly the rows' windows.
 
         Greedy low-confidence decoding (the default) reads logits only at still-masked slots
-        (``keep``; plus EOS slots with early stop, whose probability picks a winner): nothing else
+        (``keep``; with early stop also each row's first EOS slot in its window, whose probability
+        picks a winner if the window completes: the first EOS after the commit is that one or a
+        newly committed, so read, one). Nothing else
         is ever committed or read back from the probability map (merging reads it only where the
         row is masked), and these are about a third of a window's slots once it is under way, so
         the other hidden states never go through the head. Stochastic decoding reads every slot,
@@ -228,14 +232,22 @@ class _Run:
             canvas = torch.cat([canvas, canvas.new_full((rows.shape[0], 1), self.pad_id)], dim=1)
         current = canvas.gather(1, positions)
         masked = current == self.mask_id
+        in_win = valid
+        if not window_only:
+            ws, we = self._take(s.win_start, rows), self._take(s.win_end, rows)
+            in_win = (positions >= ws[:, None]) & (positions < we[:, None])
+            if valid is not None:
+                in_win &= valid
         keep = None
         if self._propose_masked_only and not shared:
             keep = masked
             if self.plan.early_stop:
-                keep = keep | torch.isin(current, self.eos_ids)
-                if valid is not None:
-                    keep &= valid
-        return _Span(rows, positions, valid, canvas, current, masked, keep)
+                is_eos = torch.isin(current, self.eos_ids)
+                if in_win is not None:
+                    is_eos &= in_win
+                first = is_eos.byte().argmax(-1, keepdim=True)
+                keep = keep.scatter(1, first, is_eos.gather(1, first) | masked.gather(1, first))
+        return _Span(rows, positions, valid, in_win, canvas, current, masked, keep)
 
     def _read(self, span: _Span) -> torch.Tensor | None:
         """``[A, W]`` slots whose logits the step reads; ``None``: every slot."""
@@ -299,30 +311,30 @@ class _Run:
             return torch.arange(A * W, device=self._offsets.device).view(A, W)
         return packed_index(valid)
 
-    def _commit(self, span: _Span, packed: torch.Tensor, phase: str, window_only: bool,
-                slot_index: torch.Tensor | None = None) -> None:  # fmt: skip
+    def _commit(self, span: _Span, packed: torch.Tensor, phase: str, slot_index: torch.Tensor | None = None) -> None:
         """Propose tokens, apply the transfer rule inside each row's window and write the commits
         to the canvas; update the probability map and EOS hits.
 
         ``packed`` holds the logits predicting the slots the step reads (see :meth:`_span`), in
         row-major slot order; with every slot read, ``slot_index`` ``[A, W]`` may instead give the
         row of ``packed`` for each slot (the initial step's branches share their request's).
-        ``window_only`` says the spans are exactly the rows' windows.
         """
         s, plan = self.state, self.plan
-        rows, positions, valid, canvas, current, masked = (
-            span.rows, span.positions, span.valid, span.canvas, span.current, span.masked
+        rows, positions, valid, in_win, canvas, current, masked = (
+            span.rows, span.positions, span.valid, span.in_win, span.canvas, span.current, span.masked
         )
         A, W = positions.shape
-        if span.keep is not None:  # greedy: proposals at the masked slots only
-            need = masked
-            sampled = self._sample(packed if span.keep is masked else packed[masked[span.keep]])
+        if span.keep is not None:  # greedy: proposals at the slots read (the masked ones, + EOS slots)
+            need = span.keep
+            sampled = self._sample(packed)
             confidence = sampled.confidence
             if self._lowconf is not None:  # suppressed (-inf) proposals stay candidates
                 confidence = confidence.clamp_min(torch.finfo(confidence.dtype).min)
             # the rules' scores directly: -inf off the masked slots (padded slots hold no mask)
             scores = torch.full((A, W), float("-inf"), dtype=confidence.dtype, device=masked.device)
             scores.masked_scatter_(need, confidence)
+            if need is not masked:  # EOS slots are read for their probability, never committed
+                scores.masked_fill_(~masked, float("-inf"))
             tokens = current.masked_scatter(need, sampled.tokens)
             top_probs, top_ids = sampled.top_probs, sampled.top_ids
         else:
@@ -342,14 +354,8 @@ class _Run:
                 flat_rows, flat_pos = flat_rows[need], flat_pos[need]
             s.prob_p[flat_rows, flat_pos] = top_probs
             s.prob_ids[flat_rows, flat_pos] = top_ids
-        in_win = valid
-        if not window_only:
-            ws, we = self._take(s.win_start, rows), self._take(s.win_end, rows)
-            in_win = (positions >= ws[:, None]) & (positions < we[:, None])
-            if valid is not None:
-                in_win &= valid
-        if need is masked:  # scores are already -inf off the masked slots
-            if not window_only:
+        if span.keep is not None:  # scores are already -inf off the masked slots
+            if in_win is not valid:  # a span wider than the window
                 scores = scores.masked_fill(~in_win, float("-inf"))
         else:
             scores = candidate_scores(scores, masked if in_win is None else masked & in_win)
@@ -382,13 +388,13 @@ class _Run:
     def block_step(self, rows: torch.Tensor) -> None:
         s, plan = self.state, self.plan
         starts, ends = self._take(s.win_start, rows), self._take(s.win_end, rows)
-        span = self._span(rows, starts, ends - starts)
+        span = self._span(rows, starts, ends - starts, window_only=True)
         if plan.cache == "none":
             packed = self._full_logits(span, write_cache=False)
         else:
             packed = self._window_logits(span, starts, ends)
         self.block_steps += 1
-        self._commit(span, packed, "block", window_only=True)
+        self._commit(span, packed, "block")
 
     def full_step(self, rows: torch.Tensor, phase: str) -> None:
         """A full forward over ``rows`` (the initial forward, or a refresh): rewrite their cache
@@ -399,13 +405,13 @@ class _Run:
             lengths = torch.full_like(rows, self.L - self.gs)
         else:
             starts, lengths = s.win_start[rows], (s.win_end[rows] - s.win_start[rows]).clamp_min(1)
-        span = self._span(rows, starts, lengths)
+        span = self._span(rows, starts, lengths, window_only=not plan.prob_map)
         packed = self._full_logits(span, write_cache=self.cache is not None)
         if phase == "refresh":
             self._count_refresh(rows)
         s.refreshes.index_add_(0, rows, torch.ones_like(rows))
         s.since_refresh[rows] = 0
-        self._commit(span, packed, phase, window_only=not plan.prob_map)
+        self._commit(span, packed, phase)
 
     def initial_step(self) -> None:
         """One full forward per request (not per branch): K/V broadcast to every branch's row."""
@@ -418,16 +424,17 @@ class _Run:
         # shared by every branch (their canvases are identical): each branch's slots point at its
         # request's logits, and each branch commits inside its own first window.
         G = self.L - self.gs
-        span = self._span(first, torch.full_like(first, self.gs), torch.full_like(first, G), shared=True)
+        span = self._span(first, torch.full_like(first, self.gs), torch.full_like(first, G), True, shared=True)
         packed = self._full_logits(span, write_cache=self.cache is not None)
         if self.cache is not None:
             self.cache.broadcast_rows(self.N)
         n = self.N
-        branches = _Span(torch.arange(s.num_rows, device=first.device), span.positions.repeat_interleave(n, 0), None,
-                         s.canvas, span.current.repeat_interleave(n, 0), span.masked.repeat_interleave(n, 0), None)  # fmt: skip
+        positions = span.positions.repeat_interleave(n, 0)
+        in_win = (positions >= s.win_start[:, None]) & (positions < s.win_end[:, None])
+        branches = _Span(torch.arange(s.num_rows, device=first.device), positions, None, in_win, s.canvas,
+                         span.current.repeat_interleave(n, 0), span.masked.repeat_interleave(n, 0), None)  # fmt: skip
         s.refreshes += 1
-        self._commit(branches, packed, "init", window_only=False,
-                     slot_index=self._slots(None, first.shape[0], G).repeat_interleave(n, 0))  # fmt: skip
+        self._commit(branches, packed, "init", slot_index=self._slots(None, first.shape[0], G).repeat_interleave(n, 0))
 
     # ------------------------------------------------------------------ policy
     def after_commit(self, full: bool) -> None:
