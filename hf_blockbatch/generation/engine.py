@@ -445,7 +445,8 @@ class _Run:
             merged = merge(s, plan.merge_threshold, self.N)
             if plan.output_trace:
                 self._trace_positions(merged, "merge")
-            s.advance()
+            if not plan.sync:  # else the sync's advance moves the windows past the merged tokens too
+                s.advance()
         if plan.sync and self.N > 1:
             # leaders before the sync: afterwards a synced row ties with its leader and may win the tie
             leader = leaders(s, self.N)[0] if plan.output_trace else None

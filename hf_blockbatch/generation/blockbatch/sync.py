@@ -15,7 +15,7 @@ from hf_blockbatch.generation.state import DecodeState
 
 __all__ = ["leaders", "sync_to_leader"]
 
-_COPIED = ("canvas", "prob_p", "prob_ids", "since_refresh", "eos_hit", "eos_prob")
+_COPIED = ("canvas", "prob_p", "prob_ids", "eos_hit", "eos_prob")
 
 
 def leaders(state: DecodeState, branches: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +33,12 @@ def leaders(state: DecodeState, branches: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def sync_to_leader(state: DecodeState, cache: BranchCache | None, sync_threshold: int, branches: int) -> torch.Tensor:
-    """Sync lagging rows in place; returns the [R] bool of synced rows."""
+    """Sync lagging rows in place, then advance every row's window; returns the [R] bool of synced rows.
+
+    The windows may be stale on entry (the engine merges, then syncs, then advances once): the
+    decoded counts are exact, and a row that merged into completion has the most decoded tokens,
+    so it is never synced, only followed.
+    """
     decoded = state.decoded().view(-1, branches)
     best, leader = decoded.max(-1, keepdim=True)
     lag = best - decoded  # [B, N]; the leader's own lag is 0, never above a threshold >= 0
@@ -46,8 +51,8 @@ def sync_to_leader(state: DecodeState, cache: BranchCache | None, sync_threshold
         state.copy_rows(src, dst, _COPIED)
         if cache is not None:
             cache.copy_rows(src, dst, same_mask=True)
-        since = state.since_refresh[dst]
-        state.advance()
-        state.since_refresh[dst] = since  # the copy carries the leader's refresh age, not a jump
+    state.advance()
+    if dst.numel():
+        state.since_refresh[dst] = state.since_refresh[src]  # the copy carries the leader's refresh age
     state.synced_now = synced
     return synced
