@@ -311,13 +311,16 @@ class _Run:
             return torch.arange(A * W, device=self._offsets.device).view(A, W)
         return packed_index(valid)
 
-    def _commit(self, span: _Span, packed: torch.Tensor, phase: str, slot_index: torch.Tensor | None = None) -> None:
+    def _commit(self, span: _Span, packed: torch.Tensor, phase: str, slot_index: torch.Tensor | None = None) -> bool:
         """Propose tokens, apply the transfer rule inside each row's window and write the commits
         to the canvas; update the probability map and EOS hits.
 
         ``packed`` holds the logits predicting the slots the step reads (see :meth:`_span`), in
         row-major slot order; with every slot read, ``slot_index`` ``[A, W]`` may instead give the
         row of ``packed`` for each slot (the initial step's branches share their request's).
+
+        Returns whether a window may have completed (exact for window spans: a row with no mask
+        left in its window); while none has, :meth:`DecodeState.advance` would change nothing.
         """
         s, plan = self.state, self.plan
         rows, positions, valid, in_win, canvas, current, masked = (
@@ -372,7 +375,11 @@ class _Run:
             s.canvas.scatter_(1, positions, new)
         else:
             s.canvas[rows] = canvas.scatter_(1, positions, new)[:, : self.L]
-        s.committed.index_add_(0, rows, select.sum(-1))
+        n_select = select.sum(-1)
+        s.committed.index_add_(0, rows, n_select)
+        completed = True
+        if in_win is valid:  # the span is the window: masked slots left unselected remain masked
+            completed = not bool((masked.sum(-1) > n_select).all())
         if plan.early_stop:
             def eos_prob_at(local: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
                 if span.keep is not None:  # the packed row of a kept slot: the kept slots up to it
@@ -384,8 +391,10 @@ class _Run:
             stop_mod.mark_eos(s, rows, new, in_win, eos_prob_at, self.eos_ids)
         if plan.output_trace:
             self._trace_commit(rows, positions, select, phase)
+        return completed
 
-    def block_step(self, rows: torch.Tensor) -> None:
+    def block_step(self, rows: torch.Tensor) -> bool:
+        """One forward over the windows of ``rows``; returns whether a window may have completed."""
         s, plan = self.state, self.plan
         starts, ends = self._take(s.win_start, rows), self._take(s.win_end, rows)
         span = self._span(rows, starts, ends - starts, window_only=True)
@@ -394,7 +403,7 @@ class _Run:
         else:
             packed = self._window_logits(span, starts, ends)
         self.block_steps += 1
-        self._commit(span, packed, "block")
+        return self._commit(span, packed, "block")
 
     def full_step(self, rows: torch.Tensor, phase: str) -> None:
         """A full forward over ``rows`` (the initial forward, or a refresh): rewrite their cache
@@ -437,22 +446,29 @@ class _Run:
         self._commit(branches, packed, "init", slot_index=self._slots(None, first.shape[0], G).repeat_interleave(n, 0))
 
     # ------------------------------------------------------------------ policy
-    def after_commit(self, full: bool) -> None:
+    def after_commit(self, full: bool, completed: bool = True) -> bool:
+        """Advance, merge, sync; returns whether a window may have moved (else no row can be due
+        for a refresh: the last refresh left none, and only a moving window ages a row)."""
         s, plan = self.state, self.plan
-        if not full or plan.advance_after_full:
+        moved = False
+        if (not full or plan.advance_after_full) and completed:
             s.advance()
+            moved = True
         if plan.merge and self.N > 1:
             merged = merge(s, plan.merge_threshold, self.N)
             if plan.output_trace:
                 self._trace_positions(merged, "merge")
             if not plan.sync:  # else the sync's advance moves the windows past the merged tokens too
                 s.advance()
+            moved = True
         if plan.sync and self.N > 1:
             # leaders before the sync: afterwards a synced row ties with its leader and may win the tie
             leader = leaders(s, self.N)[0] if plan.output_trace else None
             synced = sync_to_leader(s, self.cache, plan.sync_threshold, self.N)
+            moved = True
             if plan.output_trace:
                 self._trace_sync(synced, leader)
+        return moved
 
     def refresh(self) -> None:
         # With advance_after_full, a refresh that completes its block moves the window into a new
@@ -608,9 +624,8 @@ class _Run:
                 raise RuntimeError("Decoding made no progress; this is a bug in hf-blockbatch, please report it.")
             rows = (~self.state.done).nonzero().squeeze(1)
             if rows.numel():
-                self.block_step(rows)
-                self.after_commit(full=False)
-                self.refresh()
+                if self.after_commit(full=False, completed=self.block_step(rows)):
+                    self.refresh()
                 self.stream()
             finished = self.finish()
         self.stream(final=True)
