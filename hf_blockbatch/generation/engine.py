@@ -380,7 +380,7 @@ class _Run:
         completed = True
         if in_win is valid:  # the span is the window: masked slots left unselected remain masked
             completed = not bool((masked.sum(-1) > n_select).all())
-        if plan.early_stop:
+        if plan.early_stop and completed:  # a hit needs a fully decoded window
             def eos_prob_at(local: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
                 if span.keep is not None:  # the packed row of a kept slot: the kept slots up to it
                     row = span.keep.reshape(-1).cumsum(0)[local * W + slot] - 1
