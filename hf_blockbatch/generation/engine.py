@@ -221,10 +221,10 @@ class _Run:
         all its branches).
         """
         s = self.state
-        W = int(lengths.max())
+        shortest, W = torch.stack(torch.aminmax(lengths)).tolist()
         positions = starts[:, None] + self._offsets[:W]
         valid = None
-        if not bool((lengths == W).all()):
+        if shortest != W:
             valid = self._offsets[:W] < lengths[:, None]
             positions = positions.masked_fill(~valid, self.L)  # padded slots point at a spare column
         canvas = self._take(s.canvas, rows)
@@ -536,7 +536,7 @@ class _Run:
             "request": s.request, "branch": s.branch, "block": s.block, "committed": s.committed,
             "merged": s.merged, "copied": s.copied, "syncs": s.syncs, "refreshes": s.refreshes, "decoded": decoded,
         }  # fmt: skip
-        host = {k: v.tolist() for k, v in cols.items()}
+        host = dict(zip(cols, torch.stack(list(cols.values())).tolist()))
         wanted = set(req.tolist())
         rows_of: dict[int, list[int]] = {r: [] for r in wanted}
         for i, r in enumerate(host["request"]):  # one pass over the rows, whatever finished

@@ -62,7 +62,7 @@ def sample_tokens(
     # One fused log-softmax pass in float32, then only the entries a step reads are exponentiated
     # in float64: a float64 softmax over the vocabulary costs ~4x more on CPUs and moves a
     # probability by ~1e-7 relative. This is the largest cost of the policy on a small model.
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(logits if logits.dtype == torch.float32 else logits.float(), dim=-1)
     top_probs = top_ids = None
     if top_k > 1:
         top_logp, top_ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
