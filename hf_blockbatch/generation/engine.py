@@ -5,9 +5,10 @@ module runs any plan on any model that implements the forward contract of
 :mod:`hf_blockbatch.models.base`. One step of the loop:
 
 1. **block step**: one forward over the windows of every active row of every request (packed
-   windows over the cache for ``dual``/``prefix``, a full forward for ``none``), the transfer
-   rule commits tokens, the probability map and EOS hits are updated;
-2. **advance** windows, **merge** and **sync** (BlockBatch), then
+   windows over the cache for ``dual``/``prefix``, a full forward for ``none``), computing logits
+   only at the slots the step reads (see :meth:`_Run._span`); the transfer rule commits tokens,
+   the probability map and EOS hits are updated;
+2. **advance** windows (only once one completed), **merge** and **sync** (BlockBatch), then
 3. **refresh** the rows that are due, in one batched full forward (Fast-dLLM's block-start
    forward is a refresh with ``refresh_interval = block_length``);
 4. requests that finished leave the batch (retired at once; their rows are dropped from the
