@@ -119,6 +119,7 @@ class BranchCache(Cache):
     def _set_storage(self, storage: torch.Tensor) -> None:
         """Point every layer at its slice of ``storage`` ``[layers, 2, R, L, H, D]``."""
         self.storage = storage
+        self._row_views: list[torch.Tensor] | None = None  # built on first use, per storage
         for i, layer in enumerate(self.layers):
             layer.keys, layer.values = storage[i, 0], storage[i, 1]
 
@@ -192,6 +193,13 @@ class BranchCache(Cache):
         storage may be a prefix of its rows after :meth:`keep_rows`, still a view)."""
         return self.storage.view(self.storage.shape[0] * 2, self.num_rows, -1)
 
+    def _rows(self) -> list[torch.Tensor]:
+        """One ``[layers * 2, L * H * D]`` view per row, made once per storage: a row copy is then
+        a single ``copy_``, not two selects and a copy."""
+        if self._row_views is None:
+            self._row_views = list(self._slabs().unbind(1))
+        return self._row_views
+
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor, same_mask: bool = False) -> None:
         """``row[dst[i]] = row[src[i]]`` for every layer (a leader sync).
 
@@ -210,8 +218,9 @@ class BranchCache(Cache):
             # by index_copy_ makes two, and measured 2-4x slower at 1-80 rows of the tiny model.
             # (Only when no row is both a source and a destination: each must read its source's
             # old row.)
+            row = self._rows()
             for s_row, d_row in pairs:
-                slabs.select(1, d_row).copy_(slabs.select(1, s_row))
+                row[d_row].copy_(row[s_row])
         else:
             slabs.index_copy_(1, dst, slabs.index_select(1, src))
         if not same_mask:
@@ -238,9 +247,10 @@ class BranchCache(Cache):
         slabs = self._slabs()
         kept_rows = rows.tolist()
         if all(a < b for a, b in zip(kept_rows, kept_rows[1:])):
+            row = self._rows()
             for i, r in enumerate(kept_rows):  # r >= i: a source is never overwritten before it is read
                 if r != i:
-                    slabs.select(1, i).copy_(slabs.select(1, r))
+                    row[i].copy_(row[r])
             self._set_storage(self.storage[:, :, : len(kept_rows)])
         else:
             kept = slabs.new_empty(slabs.shape[0], rows.shape[0], slabs.shape[2])
