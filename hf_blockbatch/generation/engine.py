@@ -503,10 +503,10 @@ class _Run:
             ready |= s.eos_hit
         if not bool(ready.any()):
             return False
-        finished = stop_mod.finished_requests(s, self.B, self.plan.early_stop)
+        finished = stop_mod.finished_requests(s, self.B, self.plan.early_stop, self.N)
         if not bool(finished.any()):
             return False
-        winner, by_eos = stop_mod.pick_winners(s, finished, self.plan.early_stop)
+        winner, by_eos = stop_mod.pick_winners(s, finished, self.plan.early_stop, self.N)
         req = finished.nonzero().squeeze(1)
         rows = winner[req]
         out = s.canvas[rows]

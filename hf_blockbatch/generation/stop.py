@@ -47,38 +47,36 @@ def mark_eos(
         state.eos_hit[target] = True
 
 
-def finished_requests(state: DecodeState, num_requests: int, early_stop: bool) -> torch.Tensor:
-    """[B] bool over the caller's batch: requests that end now (absent or retired requests: False)."""
-    all_done = torch.ones(num_requests, dtype=torch.bool, device=state.canvas.device)
-    all_done.scatter_reduce_(0, state.request, state.done, reduce="amin")
-    live = torch.zeros_like(all_done).scatter_reduce_(0, state.request, ~state.retired, reduce="amax")
-    finished = all_done & live
+def finished_requests(state: DecodeState, num_requests: int, early_stop: bool, branches: int) -> torch.Tensor:
+    """[B] bool over the caller's batch: requests that end now (absent or retired requests: False).
+
+    Rows are request-major, ``branches`` per request (the engine keeps whole requests together),
+    so each request is one row of a ``[requests, branches]`` view.
+    """
+    first = torch.arange(0, state.num_rows, branches, device=state.canvas.device)
+    ends = state.done.view(-1, branches).all(-1)
     if early_stop:
-        eos = torch.zeros_like(all_done).scatter_reduce_(0, state.request, state.eos_hit, reduce="amax")
-        finished |= eos & live
-    return finished
+        ends |= state.eos_hit.view(-1, branches).any(-1)
+    ends &= ~state.retired[first]
+    finished = torch.zeros(num_requests, dtype=torch.bool, device=ends.device)
+    return finished.index_put_((state.request[first],), ends)
 
 
-def pick_winners(state: DecodeState, finished: torch.Tensor, early_stop: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def pick_winners(state: DecodeState, finished: torch.Tensor, early_stop: bool, branches: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For the rows of finished requests: the winning row index per request and whether it won by EOS.
 
     Returns ``(winner_row [B], by_eos [B])``; entries of unfinished requests are meaningless.
+    EOS hitters first (by EOS probability), then the most decoded tokens, then the lowest branch.
     """
-    R = state.num_rows
-    B = finished.shape[0]
-    idx = torch.arange(R, device=state.canvas.device)
-    # score: EOS hitters first (by EOS probability), then most decoded, then lowest row index
+    R, B = state.num_rows, finished.shape[0]
     decoded = state.decoded().double()
-    eos_key = torch.where(state.eos_hit, 1.0 + state.eos_prob.double(), torch.zeros_like(decoded))
-    if not early_stop:
-        eos_key = torch.zeros_like(eos_key)
-    score = eos_key * 1e9 + decoded * (R + 1) + (R - idx).double()
-    best = torch.full((B,), -1.0, dtype=torch.float64, device=score.device)
-    best.scatter_reduce_(0, state.request, score, reduce="amax")
-    is_best = score == best[state.request]
-    winner = torch.full((B,), R, dtype=torch.long, device=score.device)
-    winner.scatter_reduce_(0, state.request, torch.where(is_best, idx, torch.full_like(idx, R)), reduce="amin")
-    winner = winner.clamp(max=R - 1)
+    score = decoded * (R + 1)
+    if early_stop:  # (1 + p) * 1e9 dominates any decoded count
+        score = torch.where(state.eos_hit, (1.0 + state.eos_prob.double()) * 1e9 + score, score)
+    first = torch.arange(0, R, branches, device=score.device)
+    best = score.view(-1, branches).argmax(-1) + first  # argmax: the first maximum, the lowest branch
+    winner = torch.full((B,), R - 1, dtype=torch.long, device=score.device)
+    winner.index_put_((state.request[first],), best)
     by_eos = state.eos_hit[winner] & early_stop
     return winner, by_eos
 
