@@ -257,7 +257,10 @@ class BranchCache(Cache):
             for i in range(slabs.shape[0]):  # dim-0 index_select per slab: ~3x faster on CPUs than one on dim 1
                 torch.index_select(slabs[i], 0, rows, out=kept[i])
             self._set_storage(kept.view(*self.storage.shape[:2], rows.shape[0], *self.storage.shape[3:]))
-        self.set_attention_mask(self.key_mask.index_select(0, rows))
+        # kept rows keep their (validated) masks and positions
+        self.key_mask = self.key_mask.index_select(0, rows)
+        self.position_ids = self.position_ids.index_select(0, rows)
+        self.has_padding = bool((~self.key_mask).any())
 
     # transformers' beam-search hook has the same meaning as keep_rows
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
