@@ -124,8 +124,10 @@ def enable(model):
     The contract (see :mod:`hf_blockbatch.models.base`): ``model(input_ids, attention_mask=...,
     cache=..., cache_rows=...)`` returning ``.logits``, ``model.forward_windows(...)``,
     ``model.new_cache(rows, length, attention_mask)``, ``model.logit_shift`` (0 or 1),
-    ``model.device``, and ``model.config.mask_token_id``/``eos_token_id``. The method is bound to
-    the instance, as transformers binds a ``custom_generate``; the class is left untouched.
+    ``model.device``, and ``model.config.mask_token_id``/``eos_token_id``; optionally
+    ``supports_logits_mask = True`` when both forwards take ``logits_mask`` (else the decoder selects
+    from dense logits). The method is bound to the instance, as transformers binds a
+    ``custom_generate``; the class is left untouched.
     """
     missing = [name for name in _CONTRACT if not hasattr(model, name)]
     if missing:
