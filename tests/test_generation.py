@@ -348,6 +348,29 @@ def test_enable_gives_any_contract_model_the_same_generate(family, cfg):
     assert torch.equal(ours.nfe, theirs.nfe)
 
 
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("cfg", CONTRACT_CONFIGS[:3], ids=lambda c: f"{c.strategy}-{getattr(c, 'cache', '')}")
+def test_greedy_decoding_runs_the_head_only_where_it_reads(family, cfg, monkeypatch):
+    """Our models get a logits mask: fewer hidden states go through the head than with the dense
+    logits a contract-only model returns (same tokens, checked above)."""
+    from _generation_helpers import peaked
+
+    model = peaked(family)
+    seen: list[int] = []
+    head = type(model)._head
+
+    def counting(self, hidden):
+        seen.append(hidden.reshape(-1, hidden.shape[-1]).shape[0])
+        return head(self, hidden)
+
+    monkeypatch.setattr(type(model), "_head", counting)
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    model.generate(prompt, generation_config=cfg)
+    masked_rows, seen[:] = sum(seen), []
+    hb.enable(_ContractOnly(model)).generate(prompt, generation_config=cfg)
+    assert 0 < masked_rows < sum(seen)
+
+
 def test_enable_refuses_a_model_without_the_contract():
     with pytest.raises(TypeError, match="forward contract"):
         hb.enable(torch.nn.Linear(2, 2))
