@@ -425,7 +425,7 @@ class _Run:
     def initial_step(self) -> None:
         """One full forward per request (not per branch): K/V broadcast to every branch's row."""
         s = self.state
-        first = torch.arange(0, s.num_rows, self.N, device=s.canvas.device)
+        first = s.first_rows(self.N)
         if self.N == 1:
             self.full_step(first, "init")
             return

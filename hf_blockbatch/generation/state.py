@@ -54,6 +54,11 @@ class DecodeState:
     def length(self) -> int:
         return self.canvas.shape[1]
 
+    def first_rows(self, branches: int) -> torch.Tensor:
+        """[requests] the first row of each request: rows are request-major, ``branches`` per request
+        (whole requests are kept together), so per-request questions are ``view(-1, branches)``."""
+        return torch.arange(0, self.num_rows, branches, device=self.canvas.device)
+
     def decoded(self) -> torch.Tensor:
         """[R] non-mask tokens in each row's generated region."""
         return (self.canvas[:, self.gen_start :] != self.mask_id).sum(-1)

@@ -53,7 +53,7 @@ def finished_requests(state: DecodeState, num_requests: int, early_stop: bool, b
     Rows are request-major, ``branches`` per request (the engine keeps whole requests together),
     so each request is one row of a ``[requests, branches]`` view.
     """
-    first = torch.arange(0, state.num_rows, branches, device=state.canvas.device)
+    first = state.first_rows(branches)
     ends = state.done.view(-1, branches).all(-1)
     if early_stop:
         ends |= state.eos_hit.view(-1, branches).any(-1)
@@ -73,7 +73,7 @@ def pick_winners(state: DecodeState, finished: torch.Tensor, early_stop: bool, b
     score = decoded * (R + 1)
     if early_stop:  # (1 + p) * 1e9 dominates any decoded count
         score = torch.where(state.eos_hit, (1.0 + state.eos_prob.double()) * 1e9 + score, score)
-    first = torch.arange(0, R, branches, device=score.device)
+    first = state.first_rows(branches)
     best = score.view(-1, branches).argmax(-1) + first  # argmax: the first maximum, the lowest branch
     winner = torch.full((B,), R - 1, dtype=torch.long, device=score.device)
     winner.index_put_((state.request[first],), best)

@@ -27,8 +27,7 @@ def leaders(state: DecodeState, branches: int) -> tuple[torch.Tensor, torch.Tens
     """
     decoded = state.decoded()
     per_request = decoded.view(-1, branches)
-    first_row = torch.arange(0, state.num_rows, branches, device=decoded.device)
-    leader = (per_request.argmax(-1) + first_row).repeat_interleave(branches)
+    leader = (per_request.argmax(-1) + state.first_rows(branches)).repeat_interleave(branches)
     return leader, decoded
 
 
@@ -45,7 +44,7 @@ def sync_to_leader(state: DecodeState, cache: BranchCache | None, sync_threshold
     synced = ((lag > sync_threshold) & ~state.done.view_as(lag)).view(-1)
     dst = synced.nonzero().squeeze(1)
     if dst.numel():
-        src = (leader + torch.arange(0, state.num_rows, branches, device=lag.device)[:, None]).view(-1)[dst // branches]
+        src = dst - dst % branches + leader.view(-1)[dst // branches]  # the leader of dst's request
         state.copied.index_add_(0, dst, lag.view(-1)[dst])
         state.syncs.index_add_(0, dst, torch.ones_like(dst))
         state.copy_rows(src, dst, _COPIED)
