@@ -175,6 +175,7 @@ class _Run:
         self.forward_seconds = 0.0
         self.sample_seconds = 0.0
         self.streamed = 0
+        self._windows: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]] | None = None
         # column offsets, sliced by every step (never re-allocated): spans are at most L long, and
         # they also index the <= R rows of a step
         self._offsets = torch.arange(max(self.L, R) + 1, device=device)
@@ -205,10 +206,22 @@ class _Run:
         come from ``nonzero`` and are ascending and unique)."""
         return t if rows.shape[0] == self.state.num_rows else t[rows]
 
-    def _span(self, rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, window_only: bool,
+    def _layout(self, starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(positions [A, W], valid [A, W] | None)`` of the slots ``[start, start + length)`` of
+        each row, padded to the longest (padded slots point at ``L``, a spare column; ``valid``
+        is ``None`` when every span has the same length)."""
+        shortest, W = torch.stack(torch.aminmax(lengths)).tolist()
+        positions = starts[:, None] + self._offsets[:W]
+        valid = None
+        if shortest != W:
+            valid = self._offsets[:W] < lengths[:, None]
+            positions = positions.masked_fill(~valid, self.L)
+        return positions, valid
+
+    def _span(self, rows: torch.Tensor, layout: tuple[torch.Tensor, torch.Tensor | None], window_only: bool,
               shared: bool = False) -> _Span:  # fmt: skip
-        """The slots ``[start, start + length)`` of each row, padded to ``[A, W]``, and what the
-        rows' canvases hold there; ``window_only`` says the spans are exactly the rows' windows.
+        """The slots of a :meth:`_layout` of each row, and what the rows' canvases hold there;
+        ``window_only`` says the spans are exactly the rows' windows.
 
         Greedy low-confidence decoding (the default) reads logits only at still-masked slots
         (``keep``): nothing else is ever committed or read back from the probability map (merging
@@ -221,12 +234,7 @@ class _Run:
         initial one: every slot is masked, and each request's proposals serve all its branches).
         """
         s = self.state
-        shortest, W = torch.stack(torch.aminmax(lengths)).tolist()
-        positions = starts[:, None] + self._offsets[:W]
-        valid = None
-        if shortest != W:
-            valid = self._offsets[:W] < lengths[:, None]
-            positions = positions.masked_fill(~valid, self.L)  # padded slots point at a spare column
+        positions, valid = layout
         canvas = self._take(s.canvas, rows)
         if valid is not None:  # the spare column: never masked
             canvas = torch.cat([canvas, canvas.new_full((rows.shape[0], 1), self.pad_id)], dim=1)
@@ -394,10 +402,16 @@ class _Run:
         return completed
 
     def block_step(self, rows: torch.Tensor) -> bool:
-        """One forward over the windows of ``rows``; returns whether a window may have completed."""
+        """One forward over the windows of ``rows``; returns whether a window may have completed.
+
+        The windows' layout is kept from the previous block step until :meth:`run` drops it (a
+        window moved, or rows finished): most steps only commit inside unmoved windows."""
         s, plan = self.state, self.plan
-        starts, ends = self._take(s.win_start, rows), self._take(s.win_end, rows)
-        span = self._span(rows, starts, ends - starts, window_only=True)
+        if self._windows is None:
+            starts, ends = self._take(s.win_start, rows), self._take(s.win_end, rows)
+            self._windows = (starts, ends, self._layout(starts, ends - starts))
+        starts, ends, layout = self._windows
+        span = self._span(rows, layout, window_only=True)
         if plan.cache == "none":
             packed = self._full_logits(span, write_cache=False)
         else:
@@ -414,7 +428,7 @@ class _Run:
             lengths = torch.full_like(rows, self.L - self.gs)
         else:
             starts, lengths = s.win_start[rows], (s.win_end[rows] - s.win_start[rows]).clamp_min(1)
-        span = self._span(rows, starts, lengths, window_only=not plan.prob_map)
+        span = self._span(rows, self._layout(starts, lengths), window_only=not plan.prob_map)
         packed = self._full_logits(span, write_cache=self.cache is not None)
         if phase == "refresh":
             self._count_refresh(rows)
@@ -433,7 +447,8 @@ class _Run:
         # shared by every branch (their canvases are identical): each branch's slots point at its
         # request's logits, and each branch commits inside its own first window.
         G = self.L - self.gs
-        span = self._span(first, torch.full_like(first, self.gs), torch.full_like(first, G), True, shared=True)
+        span = self._span(first, self._layout(torch.full_like(first, self.gs), torch.full_like(first, G)), True,
+                          shared=True)  # fmt: skip
         packed = self._full_logits(span, write_cache=self.cache is not None)
         if self.cache is not None:
             self.cache.broadcast_rows(self.N)
@@ -618,16 +633,25 @@ class _Run:
         self.stream()
         guard = 4 * plan.max_new_tokens + 16
         finished = self.finish()
+        rows = None
         while not finished:
             guard -= 1
             if guard < 0:
                 raise RuntimeError("Decoding made no progress; this is a bug in hf-blockbatch, please report it.")
-            rows = (~self.state.done).nonzero().squeeze(1)
+            if rows is None:
+                rows = (~self.state.done).nonzero().squeeze(1)
             if rows.numel():
-                if self.after_commit(full=False, completed=self.block_step(rows)):
-                    self.refresh()
-                self.stream()
-            finished = self.finish()
+                moved = self.after_commit(full=False, completed=self.block_step(rows))
+            else:
+                moved = True
+            if moved:
+                self.refresh()
+            self.stream()
+            # While no window moves, no row becomes done or hits EOS (that needs a completed window),
+            # so no request can finish and the active rows and their windows stay as they are.
+            if moved:
+                finished = self.finish()
+                rows = self._windows = None
         self.stream(final=True)
         if self.streamer is not None:
             self.streamer.end()
