@@ -85,6 +85,7 @@ configs = st.fixed_dictionaries(
         "refresh": st.sampled_from(["periodic", "off", "divergence"]),
         "refresh_interval": st.sampled_from([4, 8, 32]),
         "early_stop": st.booleans(),
+        "eos_confidence": st.sampled_from(["completion", "commit"]),
         "skip_completed_block_step": st.booleans(),
         "temperature": st.sampled_from([0.0, 1.0]),
     }
@@ -241,3 +242,90 @@ def test_merge_reference_states_do_merge():
     taken = sum(int((_plain_merge(s, 0.5, 3 + i % 4) != s.canvas).sum())
                 for i, s in enumerate(_random_state(i, 2, 3 + i % 4, 14, 1) for i in range(12)))  # fmt: skip
     assert taken >= 12
+
+
+# ----------------------------------------------------------------------------- 5. which EOS hitter wins
+_EOS_PROMPTS = [[5, 3, 8, 1, 9, 2], [7, 7, 1, 4], [2, 9, 6, 3, 8], [11, 4, 6, 1, 1, 5, 3], [8, 2, 2, 9]]
+
+
+def _eos_runs(family: str, mode: str) -> list[dict]:
+    cfg = BlockBatchConfig(max_new_tokens=32, block_sizes=[2, 4, 8, 16], threshold=0.3, eos_confidence=mode)
+    return [_gen(_model(f"{family}-eos"), p, cfg).stats[0] for p in _EOS_PROMPTS]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eos_winner_is_the_most_confident_hitter(family):
+    """Under both readings of the EOS confidence (``eos_confidence``), a request stopped by EOS is
+    won by a hitting branch with the highest probability among its hitters; requests with several
+    hitters occur, and the two readings rank with different probabilities."""
+    several, differ = 0, False
+    by_mode = {mode: _eos_runs(family, mode) for mode in ("completion", "commit")}
+    for runs in by_mode.values():
+        for stats in runs:
+            if stats["stopped_by"] != "eos":
+                continue
+            hitters = [b for b in stats["branches"] if b["eos_hit"]]
+            winner = stats["branches"][stats["winner_branch"]]
+            assert winner["eos_hit"]
+            assert winner["eos_probability"] == max(b["eos_probability"] for b in hitters)
+            assert all(0.0 < b["eos_probability"] <= 1.0 for b in hitters)
+            several += len(hitters) > 1
+    for a, b in zip(*by_mode.values()):
+        differ |= a["branches"][a["winner_branch"]].get("eos_probability") != b["branches"][b["winner_branch"]].get(
+            "eos_probability"
+        )
+    assert several > 0 and differ
+
+
+def test_commit_probabilities_cover_exactly_the_decoded_positions(monkeypatch):
+    """With ``eos_confidence="commit"`` every decoded position of a live row holds the probability it
+    was committed with (by the transfer rule, a merge above the merge threshold, or a sync's copy)
+    and no masked position holds one: checked on the state before every stop check."""
+    from hf_blockbatch.generation import engine
+
+    checked = []
+    finish = engine._Run.finish
+
+    def checking_finish(self):
+        s = self.state
+        live = ~s.retired
+        decoded = s.canvas[:, s.gen_start :] != s.mask_id
+        checked.append(bool(((s.commit_prob > 0) == decoded)[live].all()))
+        return finish(self)
+
+    monkeypatch.setattr(engine._Run, "finish", checking_finish)
+    cfg = BlockBatchConfig(max_new_tokens=32, block_sizes=[2, 4, 8, 16], threshold=0.47, sync_threshold=2,
+                           merge_threshold=0.3, refresh_interval=8, eos_confidence="commit", output_trace=True)  # fmt: skip
+    for kind in ("llada-peaked", "llada-eos", "dream-eos"):
+        stats = _gen(_model(kind), [5, 3, 8, 1, 9, 2], cfg).stats[0]
+        assert stats["merged"] > 0 or stats["syncs"] > 0 or kind != "llada-peaked"
+    assert checked and all(checked)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_commit_reading_is_the_probability_at_commit(family):
+    """``eos_confidence="commit"`` ranks a hitter by its EOS token's probability when committed.
+    For EOS tokens committed by the initial forward (every branch shares it), that is the softmax
+    of one plain forward over the fully masked canvas, computed here independently."""
+    model = _model(f"{family}-eos")
+    cfg = BlockBatchConfig(max_new_tokens=32, block_sizes=[2, 4, 8, 16], threshold=0.3, merge=False, sync=False,
+                           eos_confidence="commit", output_trace=True)  # fmt: skip
+    checked = 0
+    for prompt in _EOS_PROMPTS:
+        stats = _gen(model, prompt, cfg).stats[0]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + [MASK_ID] * 32])).logits[0].double()
+        probs = logits.softmax(-1)  # row i predicts position i + logit_shift
+        for b, branch in enumerate(stats["branches"]):
+            if not branch["eos_hit"]:
+                continue
+            phase_of = {}
+            for e in stats["trace"]:
+                if e["branch"] == b and "committed" in e:
+                    phase_of.update({pos: (e["phase"], tok) for pos, tok in zip(e["committed"], e["tokens"])})
+            first = min(pos for pos, (_, tok) in phase_of.items() if tok == EOS_ID)
+            if phase_of[first][0] == "init":
+                row = len(prompt) + first - model.logit_shift
+                assert branch["eos_probability"] == pytest.approx(float(probs[row, EOS_ID]), rel=1e-5)
+                checked += 1
+    assert checked > 0

@@ -209,6 +209,7 @@ BAD = [
     ),
     (lambda: GenerationConfig(max_new_tokens=8), {}, TypeError, "FastDLLMConfig or BlockBatchConfig"),
     (lambda: FastDLLMConfig(temperature=-1.0), {}, ValueError, "temperature must be >= 0"),
+    (lambda: BlockBatchConfig(eos_confidence="max"), {}, ValueError, "eos_confidence must be 'completion' or 'commit'"),
 ]
 
 
@@ -263,7 +264,8 @@ CONFIGS = [
         max_new_tokens=48, cache="prefix", factor=1.5, threshold=None, early_stop=True, temperature=0.5
     ),
     BlockBatchConfig(
-        block_sizes=[4, 16], merge=False, sync_threshold=3, refresh="divergence", output_trace=True
+        block_sizes=[4, 16], merge=False, sync_threshold=3, refresh="divergence", output_trace=True,
+        eos_confidence="commit",
     ),
 ]
 

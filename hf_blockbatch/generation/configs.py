@@ -187,6 +187,13 @@ class BlockBatchConfig(DiffusionGenerationConfig):
             the branches' mean by more than ``divergence_threshold``), or ``"off"``.
         refresh_interval: tokens between periodic refreshes (32).
         early_stop: end a request once a branch's fully decoded block holds EOS (on).
+        eos_confidence: when several branches of a request hit EOS in the same step, the one most
+            confident in its EOS wins; ``"completion"`` reads that confidence from the forward that
+            completed the block (the EOS token's probability at the first EOS), as the reference's
+            LLaDA code does; ``"commit"`` keeps the EOS token's probability from when it was
+            committed (or merged, or copied by a sync), as its Dream code does. ``"completion"`` is
+            the default: on the six tiny suites it was right on 74 items where ``"commit"`` was
+            wrong, and wrong on 55 where it was right (``benchmarks/RESULTS.md`` §6).
         skip_completed_block_step: as in :class:`FastDLLMConfig` (the reference BlockBatch code also
             runs the extra forward on a block that a full forward completed; default ``False``).
     """
@@ -194,7 +201,7 @@ class BlockBatchConfig(DiffusionGenerationConfig):
     strategy = "blockbatch"
     _ours = DiffusionGenerationConfig._ours + (
         "block_sizes", "threshold", "factor", "merge", "merge_threshold", "sync", "sync_threshold", "refresh",
-        "refresh_interval", "divergence_threshold", "early_stop", "skip_completed_block_step",
+        "refresh_interval", "divergence_threshold", "early_stop", "eos_confidence", "skip_completed_block_step",
     )  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:
@@ -209,11 +216,14 @@ class BlockBatchConfig(DiffusionGenerationConfig):
         self.refresh_interval = kwargs.pop("refresh_interval", 32)
         self.divergence_threshold = kwargs.pop("divergence_threshold", 0.1)
         self.early_stop = kwargs.pop("early_stop", True)
+        self.eos_confidence = kwargs.pop("eos_confidence", "completion")
         self.skip_completed_block_step = kwargs.pop("skip_completed_block_step", False)
         super().__init__(**kwargs)
 
     def validate(self, strict: bool = False, **kwargs: Any) -> None:
         super().validate()
+        if self.eos_confidence not in ("completion", "commit"):
+            raise ValueError(f"eos_confidence must be 'completion' or 'commit', got {self.eos_confidence!r}.")
         if not self.block_sizes:
             raise ValueError("block_sizes must name at least one block size, e.g. [4, 8, 16, 32, 64].")
         for b in self.block_sizes:

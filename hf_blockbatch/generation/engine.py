@@ -70,6 +70,7 @@ class DecodePlan:
     refresh_interval: int = 32
     divergence_threshold: float = 0.1
     early_stop: bool = False
+    eos_confidence: str = "completion"  # "completion" | "commit": how EOS hitters are ranked (stop.py)
     advance_after_full: bool = True
     prob_map: bool = False  # keep top-k probabilities of every generated position (merge needs it)
     suppress_logit_ids: list[int] = field(default_factory=list)
@@ -152,6 +153,12 @@ class _Run:
             mask_id=mask_id,
             quota=plan.threshold is None and plan.factor is None,
         )
+        # How a row that hits EOS gets the probability that ranks it against its request's other
+        # hitting rows: read at completion (the EOS slot's logits of the completing forward), or kept
+        # since commit. A request with one row has nothing to rank, so it reads neither.
+        self._eos_rank = plan.eos_confidence if plan.early_stop and N > 1 else None
+        if self._eos_rank == "commit":
+            self.state.commit_prob = torch.zeros(R, G, dtype=torch.float64, device=device)
         self.state.win_start -= 1  # so the first advance counts as a move and sets the quota
         self.state.advance()
         self.state.since_refresh.zero_()
@@ -249,7 +256,7 @@ class _Run:
         keep = None
         if self._propose_masked_only and not shared:
             keep = masked
-            if self.plan.early_stop:
+            if self._eos_rank == "completion":
                 is_eos = torch.isin(current, self.eos_ids)
                 if in_win is not None:
                     is_eos &= in_win
@@ -385,11 +392,22 @@ class _Run:
             s.canvas[rows] = canvas.scatter_(1, positions, new)[:, : self.L]
         n_select = select.sum(-1)
         s.committed.index_add_(0, rows, n_select)
+        if s.commit_prob is not None:
+            prob = sampled.probability
+            if span.keep is not None:  # kept slots are the masked ones (no EOS slot is read)
+                prob = torch.zeros((A, W), dtype=prob.dtype, device=prob.device).masked_scatter_(need, prob)
+            else:
+                prob = prob[slot_index]
+            s.commit_prob[rows[:, None].expand(A, W)[select], positions[select] - self.gs] = prob[select]
         completed = True
         if in_win is valid:  # the span is the window: masked slots left unselected remain masked
             completed = not bool((masked.sum(-1) > n_select).all())
         if plan.early_stop and completed:  # a hit needs a fully decoded window
             def eos_prob_at(local: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+                if self._eos_rank is None:
+                    return torch.zeros(local.shape, dtype=torch.float64, device=local.device)
+                if self._eos_rank == "commit":
+                    return s.commit_prob[rows[local], positions[local, slot] - self.gs]
                 if span.keep is not None:  # the packed row of a kept slot: the kept slots up to it
                     row = span.keep.reshape(-1).cumsum(0)[local * W + slot] - 1
                 else:
@@ -552,6 +570,7 @@ class _Run:
             "merged": s.merged, "copied": s.copied, "syncs": s.syncs, "refreshes": s.refreshes, "decoded": decoded,
         }  # fmt: skip
         host = dict(zip(cols, torch.stack(list(cols.values())).tolist()))
+        eos_hit, eos_prob = s.eos_hit.tolist(), s.eos_prob.tolist()
         wanted = set(req.tolist())
         rows_of: dict[int, list[int]] = {r: [] for r in wanted}
         for i, r in enumerate(host["request"]):  # one pass over the rows, whatever finished
@@ -560,6 +579,9 @@ class _Run:
         keys = ("committed", "merged", "copied", "syncs", "refreshes", "decoded")
         for r_i, w, e in zip(req.tolist(), winners.tolist(), by_eos.tolist()):
             branches = [{"block_size": host["block"][i], **{k: host[k][i] for k in keys}} for i in rows_of[r_i]]
+            if self._eos_rank is not None:  # what ranked the EOS hitters (stop.pick_winners)
+                for b, i in zip(branches, rows_of[r_i]):
+                    b["eos_hit"], b["eos_probability"] = eos_hit[i], eos_prob[i] if eos_hit[i] else None
             self.stats[r_i] = {
                 "strategy": self.plan.strategy,
                 "winner_block_size": host["block"][w],

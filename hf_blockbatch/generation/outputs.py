@@ -16,7 +16,9 @@ class DiffusionGenerateOutput(ModelOutput):
     """``sequences``: prompt (as given, left padding included) + new tokens, ``[B, Lp + G]``.
     ``nfe``: forward passes per request (a batched forward counts once per request it carries).
     ``stats``: per request, the winner's block size, tokens committed / merged / copied per branch,
-    syncs, refreshes, the NFE split, timings, and with ``output_trace=True`` a replayable trace:
+    syncs, refreshes, the NFE split, timings (with early stop and several branches, each branch's
+    ``eos_hit`` and the ``eos_probability`` that ranked it), and with ``output_trace=True`` a
+    replayable trace:
     ``stats[i]["trace"]`` lists events ``{"step", "phase": "init"|"block"|"refresh", "branch",
     "window": [s, e], "committed": [positions], "tokens": [ids]}``, ``{"phase": "merge", "branch",
     "positions", "tokens"}`` and ``{"phase": "sync", "branch", "leader"}``; positions count from the

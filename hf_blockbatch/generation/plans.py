@@ -71,6 +71,7 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
             refresh_interval=int(cfg.refresh_interval),
             divergence_threshold=float(cfg.divergence_threshold),
             early_stop=bool(cfg.early_stop),
+            eos_confidence=cfg.eos_confidence,
             advance_after_full=bool(cfg.skip_completed_block_step),
             prob_map=bool(cfg.merge),
         )

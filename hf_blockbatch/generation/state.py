@@ -45,6 +45,9 @@ class DecodeState:
     gen_start: int
     mask_id: int
     quota: bool = True  # keep the fixed-quota counters (the other rules never read them)
+    # [R, G] float64: each decoded position's probability when it was committed or merged (kept only
+    # for ``eos_confidence="commit"``, which ranks EOS hitters by it); None: not kept
+    commit_prob: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

@@ -27,11 +27,13 @@ __all__ = [
 
 @dataclass
 class Sampled:
-    """Per packed position: the proposed token, its confidence, and the top-k probabilities that
-    the probability map keeps (for merging; ``None`` when no map is kept)."""
+    """Per packed position: the proposed token, its confidence (what the transfer rule ranks), its
+    probability under the model, and the top-k probabilities that the probability map keeps (for
+    merging; ``None`` when no map is kept)."""
 
     tokens: torch.Tensor  # [T] long
     confidence: torch.Tensor  # [T] float64
+    probability: torch.Tensor  # [T] float64: the softmax probability of the proposed token
     top_probs: torch.Tensor | None = None  # [T, k] float32
     top_ids: torch.Tensor | None = None  # [T, k] long
 
@@ -79,14 +81,15 @@ def sample_tokens(
         token_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)
     else:
         tokens, token_logp = best_ids, best_logp
+    probability = token_logp.double().exp()
     if remasking == "random":
         confidence = torch.rand(tokens.shape, dtype=torch.float64, device=logits.device, generator=generator)
     else:
-        confidence = token_logp.double().exp()
+        confidence = probability
     if low_confidence_ids is not None:
         hit = torch.isin(tokens, low_confidence_ids)
         confidence = confidence.masked_fill(hit, float("-inf"))
-    return Sampled(tokens, confidence, top_probs, top_ids)
+    return Sampled(tokens, confidence, probability, top_probs, top_ids)
 
 
 def candidate_scores(confidence: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:

@@ -71,8 +71,13 @@ def merge(state: DecodeState, merge_threshold: float, branches: int) -> torch.Te
         take, token = ok[..., 0], top_ids[..., 0]
     else:
         take = ok.any(-1)
-        token = top_ids.gather(-1, ok.byte().argmax(-1, keepdim=True)).squeeze(-1)
+        choice = ok.byte().argmax(-1, keepdim=True)
+        token = top_ids.gather(-1, choice).squeeze(-1)
     state.canvas[:, gs:] = torch.where(take, token, gen).view(R, G)
+    if state.commit_prob is not None:  # a merged token is committed at the destination's own probability
+        prob = state.prob_p.view(B, N, G, k)
+        prob = prob[..., 0] if k == 1 else prob.gather(-1, choice).squeeze(-1)
+        state.commit_prob.copy_(torch.where(take, prob.double(), state.commit_prob.view(B, N, G)).view(R, G))
     take = take.view(R, G)
     state.merged += take.sum(-1)
     return take

@@ -15,7 +15,7 @@ from hf_blockbatch.generation.state import DecodeState
 
 __all__ = ["leaders", "sync_to_leader"]
 
-_COPIED = ("canvas", "prob_p", "prob_ids", "eos_hit", "eos_prob")
+_COPIED = ("canvas", "prob_p", "prob_ids", "eos_hit", "eos_prob", "commit_prob")
 
 
 def leaders(state: DecodeState, branches: int) -> tuple[torch.Tensor, torch.Tensor]:
