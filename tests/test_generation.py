@@ -403,3 +403,30 @@ def test_finished_requests_retire_then_leave_the_cache(monkeypatch):
         alone = _gen(model, p, cfg)
         assert batch.sequences[i, width - len(p) :].tolist() == alone.sequences[0].tolist()
         assert int(batch.nfe[i]) == int(alone.nfe[0])
+
+
+@pytest.mark.parametrize("mode", ["completion", "commit"])
+def test_eos_ranking_in_a_padded_batch_equals_alone(mode):
+    """Both EOS readings give each request of a padded batch what it gets alone: tokens, NFE,
+    winner and the probabilities that ranked its hitters (requests stop at different steps, so rows
+    are retired and dropped while the others go on)."""
+    model = eos_model("llada")
+    cfg = BlockBatchConfig(max_new_tokens=32, block_sizes=[2, 4, 8, 16], threshold=0.3, eos_confidence=mode)
+    prompts = [[5, 3, 8, 1, 9, 2], [7, 7, 1, 4], [2, 9, 6, 3, 8], [11, 4, 6, 1, 1, 5, 3], [8, 2, 2, 9]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[EOS_ID] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    batch = model.generate(ids, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True)
+    assert sum(s["stopped_by"] == "eos" for s in batch.stats) >= 3
+    for i, p in enumerate(prompts):
+        alone = _gen(model, p, cfg)
+        assert batch.sequences[i, width - len(p) :].tolist() == alone.sequences[0].tolist()
+        assert int(batch.nfe[i]) == int(alone.nfe[0])
+        got, want = batch.stats[i], alone.stats[0]
+        assert got["winner_branch"] == want["winner_branch"]
+        for b, w in zip(got["branches"], want["branches"]):
+            assert b["eos_hit"] == w["eos_hit"]
+            if w["eos_hit"]:  # float32 rounding differs with the batch's shapes
+                assert b["eos_probability"] == pytest.approx(w["eos_probability"], rel=1e-4)
+            else:
+                assert b["eos_probability"] is None
