@@ -144,6 +144,7 @@ def test_reorder_cache_is_keep_rows() -> None:
 
 def test_write_tokens_and_rows() -> None:
     cache = hb.BranchCache(1, 3, 4, 1, 2)
+    cache.storage.zero_()  # allocated uninitialized
     k = torch.arange(1, 7, dtype=torch.float32).view(3, 1, 2)
     cache.write_tokens(0, torch.tensor([1, 6, 11]), k, -k)  # (row 0, pos 1), (1, 2), (2, 3)
     keys = cache.layers[0].keys
@@ -174,3 +175,40 @@ def test_copied_rows_behave_as_their_source(family: str) -> None:
     out = model.forward_windows(prompt.expand(3, 14), [8, 8], [12, 12], cache, rows=[1, 2])
     torch.testing.assert_close(out.logits[:4], out.logits[4:], atol=1e-5, rtol=0)
     torch.testing.assert_close(out.logits[:4], ref.logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_decoding_never_reads_unwritten_kv(family: str, monkeypatch) -> None:
+    """The storage is allocated uninitialized. Filled with NaN instead, every cached decoder must
+    decode the same tokens and NFE for a left-padded batch: no step reads K/V (padding included)
+    before a full forward or a row copy wrote it."""
+    model = make_tiny_llada() if family == "llada" else make_tiny_dream()
+    with torch.no_grad():  # peaked confidences, so that steps commit several tokens
+        (model.lm_head if hasattr(model, "lm_head") else model.model.transformer.ff_out).weight.mul_(20.0)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    configs = [
+        hb.FastDLLMConfig(max_new_tokens=16, block_length=4, threshold=0.5, cache="dual"),
+        hb.FastDLLMConfig(max_new_tokens=16, block_length=8, threshold=0.5, cache="prefix"),
+        hb.BlockBatchConfig(max_new_tokens=16, block_sizes=[2, 4, 8], threshold=0.5, sync_threshold=2, refresh_interval=4),
+    ]
+
+    def run():
+        return [model.generate(ids, attention_mask=mask, generation_config=c, return_dict_in_generate=True) for c in configs]
+
+    want = run()
+    built = []
+    init = hb.BranchCache.__init__
+
+    def nan_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.storage.fill_(float("nan"))
+        built.append(self)
+
+    monkeypatch.setattr(hb.BranchCache, "__init__", nan_init)
+    for w, g in zip(want, run()):
+        assert torch.equal(w.sequences, g.sequences)
+        assert torch.equal(w.nfe, g.nfe)
+    assert len(built) == len(configs)
