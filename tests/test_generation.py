@@ -430,3 +430,13 @@ def test_eos_ranking_in_a_padded_batch_equals_alone(mode):
                 assert b["eos_probability"] == pytest.approx(w["eos_probability"], rel=1e-4)
             else:
                 assert b["eos_probability"] is None
+
+
+def test_generate_options_override_a_copy_of_the_config():
+    """``generate(..., max_new_tokens=...)`` overrides the config for that call only."""
+    m = make_tiny_llada()
+    cfg = FastDLLMConfig(max_new_tokens=8, block_length=4, threshold=0.5)
+    out = m.generate(torch.tensor([PROMPT]), generation_config=cfg, max_new_tokens=12)
+    assert out.shape == (1, len(PROMPT) + 12)
+    assert cfg.max_new_tokens == 8
+    assert m.generate(torch.tensor([PROMPT]), generation_config=cfg).shape == (1, len(PROMPT) + 8)

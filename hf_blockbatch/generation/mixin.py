@@ -43,7 +43,8 @@ def _resolve_config(model, generation_config, kwargs) -> DiffusionGenerationConf
             f"generation_config must be a VanillaDiffusionConfig, FastDLLMConfig or BlockBatchConfig, got "
             f"{type(cfg).__name__}: masked-diffusion models do not decode left to right."
         )
-    cfg = copy.deepcopy(cfg)
+    if kwargs:  # options given to generate() override a copy; the caller's config is never changed
+        cfg = copy.deepcopy(cfg)
     for key, value in kwargs.items():
         if not hasattr(cfg, key):
             raise TypeError(f"Unknown generation option {key!r} for {type(cfg).__name__}.")
