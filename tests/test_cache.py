@@ -212,3 +212,81 @@ def test_decoding_never_reads_unwritten_kv(family: str, monkeypatch) -> None:
         assert torch.equal(w.sequences, g.sequences)
         assert torch.equal(w.nfe, g.nfe)
     assert len(built) == len(configs)
+
+
+# ----------------------------------------------------------------------------- storage pool
+def _storages(monkeypatch) -> list[hb.BranchCache]:
+    built: list[hb.BranchCache] = []
+    init = hb.BranchCache.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(hb.BranchCache, "__init__", spy)
+    return built
+
+
+def test_generate_reuses_cpu_storage_and_user_caches_never_share_it(monkeypatch) -> None:
+    from hf_blockbatch.cache import release_pooled_storage
+
+    release_pooled_storage()
+    model = make_tiny_llada()
+    cfg = hb.BlockBatchConfig(max_new_tokens=16, block_sizes=[2, 4, 8], threshold=0.5)
+    built = _storages(monkeypatch)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    first = model.generate(prompt, generation_config=cfg)
+    second = model.generate(prompt, generation_config=cfg)
+    assert torch.equal(first, second)
+    assert built[0].storage.data_ptr() == built[1].storage.data_ptr()  # the second call reused the first's memory
+    # a cache built outside generate is the caller's own: never pooled, never overwritten by a decode
+    mine = model.new_cache(2, 8)
+    mine.storage.fill_(7.0)
+    assert mine.storage.data_ptr() != built[0].storage.data_ptr()
+    model.generate(prompt, generation_config=cfg)
+    assert bool((mine.storage == 7.0).all())
+    release_pooled_storage()
+    from hf_blockbatch.cache import _POOL
+
+    assert not _POOL._free
+
+
+def test_caches_of_one_block_and_of_concurrent_decodes_do_not_share_storage() -> None:
+    import threading
+
+    from hf_blockbatch.cache import reuse_storage
+
+    with reuse_storage():
+        a, b = hb.BranchCache(LAYERS, R, L, H, D), hb.BranchCache(LAYERS, R, L, H, D)
+        assert a.storage.data_ptr() != b.storage.data_ptr()
+    model = make_tiny_llada()
+    cfg = hb.BlockBatchConfig(max_new_tokens=16, block_sizes=[2, 4, 8], threshold=0.5)
+    prompts = [torch.tensor([[3, 1, 4, 1, 5]]), torch.tensor([[9, 2, 6, 5, 3, 5, 8, 9]])]
+    want = [model.generate(p, generation_config=cfg) for p in prompts]
+    got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def decode(i: int) -> None:
+        for _ in range(4):
+            got[i].append(model.generate(prompts[i], generation_config=cfg))
+
+    threads = [threading.Thread(target=decode, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in (0, 1):
+        assert len(got[i]) == 4 and all(torch.equal(g, want[i]) for g in got[i])
+
+
+def test_pooled_storage_serves_decodes_in_and_out_of_inference_mode() -> None:
+    """The eval harness decodes under ``torch.inference_mode``; its pooled storage must then serve
+    an ordinary decode (an inference tensor cannot be written outside inference mode)."""
+    from hf_blockbatch.cache import release_pooled_storage
+
+    release_pooled_storage()
+    model = make_tiny_llada()
+    cfg = hb.FastDLLMConfig(max_new_tokens=8, block_length=4, threshold=0.5)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.inference_mode():
+        inside = model.generate(prompt, generation_config=cfg)
+    assert torch.equal(model.generate(prompt, generation_config=cfg), inside)

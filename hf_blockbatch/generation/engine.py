@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from hf_blockbatch.attention.metadata import packed_index
+from hf_blockbatch.cache import reuse_storage
 from hf_blockbatch.generation import stop as stop_mod
 from hf_blockbatch.generation.blockbatch.merge import merge
 from hf_blockbatch.generation.blockbatch.sync import leaders, sync_to_leader
@@ -702,4 +703,5 @@ def run_plan(
         attention_mask = torch.ones_like(input_ids)
     if streamer is not None:
         streamer.put(input_ids[0][attention_mask[0].bool()].cpu())
-    return _Run(model, input_ids, attention_mask, plan, mask_id, eos_ids, pad_id, generator, streamer).run()
+    with reuse_storage():  # the run's cache never leaves it: its CPU storage serves the next call
+        return _Run(model, input_ids, attention_mask, plan, mask_id, eos_ids, pad_id, generator, streamer).run()
