@@ -169,7 +169,8 @@ class BranchCache(Cache):
         model_type: str | None = None,
     ) -> None:
         shape = (num_layers, 2, num_rows, length, num_kv_heads, head_dim)
-        if _POOL.lending is not None and torch.device(device or "cpu").type == "cpu":
+        on_cpu = (torch.device(device) if device is not None else torch.get_default_device()).type == "cpu"
+        if _POOL.lending is not None and on_cpu:
             storage = _POOL.take(math.prod(shape), dtype).view(shape)
         else:
             storage = torch.empty(shape, dtype=dtype, device=device)
