@@ -234,9 +234,10 @@ class _Run:
         Greedy low-confidence decoding (the default) reads logits only at still-masked slots
         (``keep``): nothing else is ever committed or read back from the probability map (merging
         reads it only where the row is masked), and these are about a third of a window's slots
-        once it is under way, so the other hidden states never go through the head. With early
-        stop it also reads each row's first EOS slot in its window, whose probability picks a
-        winner if the window completes (the first EOS after the commit is that one, or a newly
+        once it is under way, so the other hidden states never go through the head. When EOS hitters
+        are ranked at completion (early stop, several branches, ``eos_confidence="completion"``) it
+        also reads each row's first EOS slot in its window, whose probability picks a winner if
+        the window completes (the first EOS after the commit is that one, or a newly
         committed one, which was masked). Stochastic decoding reads every slot, so that the random
         draws follow the packed layout whatever the canvas holds; so does a ``shared`` step (the
         initial one: every slot is masked, and each request's proposals serve all its branches).
