@@ -356,6 +356,17 @@ def _first_window(decoded: frozenset[int], block: int, length: int) -> tuple[int
     return start, min(start + block, length)
 
 
+def _eos_stop_line(stats: dict) -> str:
+    """Who stopped the request at EOS, and, when several branches hit it, why the winner won."""
+    winner = stats["winner_block_size"]
+    hitters = [b for b in stats.get("branches", []) if b.get("eos_hit")]
+    if len(hitters) < 2:
+        return f"b={winner} finished a block holding EOS: the request stops, that branch wins"
+    ranked = sorted(hitters, key=lambda b: -b["eos_probability"])
+    probs = ", ".join(f"b={b['block_size']} {b['eos_probability']:.2f}" for b in ranked)
+    return f"{len(hitters)} branches finished a block holding EOS (p(EOS): {probs}): the request stops, b={winner} wins"
+
+
 def build_frames(
     trace: Sequence[dict], block_sizes: Sequence[int], length: int
 ) -> tuple[list[Frame], list[LogLine]]:
@@ -523,8 +534,7 @@ def run_side(loaded: LoadedModel, ids: torch.Tensor, config: Any, key: str, sett
         title = "BlockBatch"
         subtitle = f"blocks {'·'.join(map(str, block_sizes))} · τ {settings.threshold:g} · merge {settings.merge_threshold:g}"
         if stats.get("stopped_by") == "eos":
-            log.append(LogLine(len(frames) - 1, "stop", f"b={stats['winner_block_size']} finished a block holding EOS: "
-                               "the request stops, that branch wins"))  # fmt: skip
+            log.append(LogLine(len(frames) - 1, "stop", _eos_stop_line(stats)))
     else:
         title = "Fast-dLLM"
         subtitle = f"dual cache · block {settings.fast_block} · τ {settings.threshold:g}"

@@ -56,6 +56,16 @@ def test_build_frames_replays_commits_merges_and_syncs() -> None:
     assert [line.kind for line in log] == ["init", "merge", "sync", "refresh"]
 
 
+def test_eos_stop_line_explains_which_hitter_won() -> None:
+    one = {"winner_block_size": 16, "branches": [{"block_size": 4, "eos_hit": False, "eos_probability": None},
+                                                 {"block_size": 16, "eos_hit": True, "eos_probability": 0.93}]}  # fmt: skip
+    assert app._eos_stop_line(one) == "b=16 finished a block holding EOS: the request stops, that branch wins"
+    two = {**one, "branches": [*one["branches"], {"block_size": 8, "eos_hit": True, "eos_probability": 0.71}]}
+    assert app._eos_stop_line(two) == (
+        "2 branches finished a block holding EOS (p(EOS): b=16 0.93, b=8 0.71): the request stops, b=16 wins"
+    )
+
+
 def test_check_settings_accepts_the_defaults_and_refuses_absurd_input() -> None:
     s = app.check_settings("hi", *SETTINGS[:-1], "fast")
     assert s.block_sizes == [4, 8, 16, 32] and s.fast_block == 16 and s.max_new_tokens == 32
