@@ -366,14 +366,12 @@ class _Run:
             if s.prob_p is not None:
                 keep = slot_index.reshape(-1) if valid is None else slot_index[valid]
                 top_probs, top_ids = sampled.top_probs[keep], sampled.top_ids[keep]
-        if s.prob_p is not None:
-            flat_rows, flat_pos = rows[:, None].expand(A, W), positions - self.gs
-            if need is None:
-                flat_rows, flat_pos = flat_rows.reshape(-1), flat_pos.reshape(-1)
-            else:
-                flat_rows, flat_pos = flat_rows[need], flat_pos[need]
-            s.prob_p[flat_rows, flat_pos] = top_probs
-            s.prob_ids[flat_rows, flat_pos] = top_ids
+        if s.prob_p is not None:  # one flat index into the [R * G] map entries: two row copies
+            G, k = s.prob_p.shape[1:]
+            entry = positions + (rows * G - self.gs)[:, None]
+            entry = entry.reshape(-1) if need is None else entry[need]
+            s.prob_p.view(-1, k).index_copy_(0, entry, top_probs)
+            s.prob_ids.view(-1, k).index_copy_(0, entry, top_ids)
         if span.keep is not None:  # scores are already -inf off the masked slots
             if in_win is not valid:  # a span wider than the window
                 scores = scores.masked_fill(~in_win, float("-inf"))
