@@ -399,9 +399,10 @@ class _Run:
             else:
                 prob = prob[slot_index]
             s.commit_prob[rows[:, None].expand(A, W)[select], positions[select] - self.gs] = prob[select]
-        completed = True
+        completed, complete_rows = True, None
         if in_win is valid:  # the span is the window: masked slots left unselected remain masked
-            completed = not bool((masked.sum(-1) > n_select).all())
+            complete_rows = masked.sum(-1) <= n_select
+            completed = bool(complete_rows.any())
         if plan.early_stop and completed:  # a hit needs a fully decoded window
             def eos_prob_at(local: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
                 if self._eos_rank is None:
@@ -414,7 +415,7 @@ class _Run:
                     row = slot_index[local, slot]
                 return eos_probability(packed[row], self.eos_ids)
 
-            stop_mod.mark_eos(s, rows, new, in_win, eos_prob_at, self.eos_ids)
+            stop_mod.mark_eos(s, rows, new, in_win, eos_prob_at, self.eos_ids, complete_rows)
         if plan.output_trace:
             self._trace_commit(rows, positions, select, phase)
         return completed

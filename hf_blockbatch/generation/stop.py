@@ -24,6 +24,7 @@ def mark_eos(
     in_window: torch.Tensor | None,
     eos_prob_at: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     eos_ids: torch.Tensor,
+    complete: torch.Tensor | None = None,
 ) -> None:
     """Record EOS hits for ``rows`` (rows that were just decoded, so not done) after a commit.
 
@@ -32,13 +33,17 @@ def mark_eos(
     ``eos_prob_at(local_rows [n], slots [n]) -> [n]`` gives this step's probability of EOS at a
     slot of some of the rows. It is asked only for rows that hit EOS for the first time, at their
     first EOS slot: a probability costs a softmax over the vocabulary, and a row hits once.
+    ``complete`` ``[A]`` may say which windows are fully decoded, when the caller knows already.
     """
-    open_slots = tokens == state.mask_id
     is_eos = torch.isin(tokens, eos_ids)
     if in_window is not None:
-        open_slots &= in_window
         is_eos &= in_window
-    hit = is_eos.any(-1) & ~open_slots.any(-1) & ~state.eos_hit[rows]
+    if complete is None:
+        open_slots = tokens == state.mask_id
+        if in_window is not None:
+            open_slots &= in_window
+        complete = ~open_slots.any(-1)
+    hit = is_eos.any(-1) & complete & ~state.eos_hit[rows]
     new = hit.nonzero().squeeze(1)
     if new.numel():
         first = is_eos[new].byte().argmax(-1)
