@@ -177,6 +177,21 @@ def test_copied_rows_behave_as_their_source(family: str) -> None:
     torch.testing.assert_close(out.logits[:4], ref.logits, atol=1e-5, rtol=0)
 
 
+def _spy_caches(monkeypatch, fill: float | None = None) -> list[hb.BranchCache]:
+    """Every BranchCache built from now on, in order; ``fill`` overwrites each new storage."""
+    built: list[hb.BranchCache] = []
+    init = hb.BranchCache.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if fill is not None:
+            self.storage.fill_(fill)
+        built.append(self)
+
+    monkeypatch.setattr(hb.BranchCache, "__init__", spy)
+    return built
+
+
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_decoding_never_reads_unwritten_kv(family: str, monkeypatch) -> None:
     """The storage is allocated uninitialized. Filled with NaN instead, every cached decoder must
@@ -199,15 +214,7 @@ def test_decoding_never_reads_unwritten_kv(family: str, monkeypatch) -> None:
         return [model.generate(ids, attention_mask=mask, generation_config=c, return_dict_in_generate=True) for c in configs]
 
     want = run()
-    built = []
-    init = hb.BranchCache.__init__
-
-    def nan_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.storage.fill_(float("nan"))
-        built.append(self)
-
-    monkeypatch.setattr(hb.BranchCache, "__init__", nan_init)
+    built = _spy_caches(monkeypatch, fill=float("nan"))
     for w, g in zip(want, run()):
         assert torch.equal(w.sequences, g.sequences)
         assert torch.equal(w.nfe, g.nfe)
@@ -215,16 +222,6 @@ def test_decoding_never_reads_unwritten_kv(family: str, monkeypatch) -> None:
 
 
 # ----------------------------------------------------------------------------- storage pool
-def _storages(monkeypatch) -> list[hb.BranchCache]:
-    built: list[hb.BranchCache] = []
-    init = hb.BranchCache.__init__
-
-    def spy(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        built.append(self)
-
-    monkeypatch.setattr(hb.BranchCache, "__init__", spy)
-    return built
 
 
 def test_generate_reuses_cpu_storage_and_user_caches_never_share_it(monkeypatch) -> None:
@@ -233,7 +230,7 @@ def test_generate_reuses_cpu_storage_and_user_caches_never_share_it(monkeypatch)
     release_pooled_storage()
     model = make_tiny_llada()
     cfg = hb.BlockBatchConfig(max_new_tokens=16, block_sizes=[2, 4, 8], threshold=0.5)
-    built = _storages(monkeypatch)
+    built = _spy_caches(monkeypatch)
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
     first = model.generate(prompt, generation_config=cfg)
     second = model.generate(prompt, generation_config=cfg)
