@@ -571,7 +571,8 @@ class _Run:
             "merged": s.merged, "copied": s.copied, "syncs": s.syncs, "refreshes": s.refreshes, "decoded": decoded,
         }  # fmt: skip
         host = dict(zip(cols, torch.stack(list(cols.values())).tolist()))
-        eos_hit, eos_prob = s.eos_hit.tolist(), s.eos_prob.tolist()
+        if self._eos_rank is not None:  # what ranked the EOS hitters (stop.pick_winners)
+            eos_hit, eos_prob = s.eos_hit.tolist(), s.eos_prob.tolist()
         wanted = set(req.tolist())
         rows_of: dict[int, list[int]] = {r: [] for r in wanted}
         for i, r in enumerate(host["request"]):  # one pass over the rows, whatever finished
@@ -580,7 +581,7 @@ class _Run:
         keys = ("committed", "merged", "copied", "syncs", "refreshes", "decoded")
         for r_i, w, e in zip(req.tolist(), winners.tolist(), by_eos.tolist()):
             branches = [{"block_size": host["block"][i], **{k: host[k][i] for k in keys}} for i in rows_of[r_i]]
-            if self._eos_rank is not None:  # what ranked the EOS hitters (stop.pick_winners)
+            if self._eos_rank is not None:
                 for b, i in zip(branches, rows_of[r_i]):
                     b["eos_hit"], b["eos_probability"] = eos_hit[i], eos_prob[i] if eos_hit[i] else None
             self.stats[r_i] = {
