@@ -210,6 +210,18 @@ BAD = [
     (lambda: GenerationConfig(max_new_tokens=8), {}, TypeError, "FastDLLMConfig or BlockBatchConfig"),
     (lambda: FastDLLMConfig(temperature=-1.0), {}, ValueError, "temperature must be >= 0"),
     (lambda: BlockBatchConfig(eos_confidence="max"), {}, ValueError, "eos_confidence must be 'completion' or 'commit'"),
+    # options that would be ignored: a misspelt one, and standard fields with no meaning here
+    (lambda: BlockBatchConfig(block_size=32), {}, TypeError, "did you mean 'block_sizes' instead of 'block_size'?"),
+    (lambda: FastDLLMConfig(treshold=0.5), {}, TypeError, "did you mean 'threshold'"),
+    (lambda: BlockBatchConfig(top_p=0.9), {}, ValueError, "does not use top_p=0.9: sampling is Gumbel-max"),
+    (lambda: FastDLLMConfig(), {"top_k": 5}, ValueError, "does not use top_k=5"),
+    (lambda: FastDLLMConfig(max_length=40), {}, ValueError, "set max_new_tokens (max_length minus the prompt"),
+    (lambda: FastDLLMConfig(use_cache=False), {}, ValueError, "FastDLLMConfig(cache='none') decodes without one"),
+    (lambda: VanillaDiffusionConfig(num_beams=4, repetition_penalty=1.2), {}, ValueError, "repetition_penalty=1.2. Remove them."),
+    (lambda: FastDLLMConfig(do_sample=True), {}, ValueError, "do_sample=True samples at `temperature`, which is 0"),
+    (lambda: FastDLLMConfig(temperature=0.5), {"do_sample": False}, ValueError, "set temperature=0, or do_sample=True"),
+    (lambda: BlockBatchConfig(num_return_sequences=2), {}, ValueError, "greedy decoding would return identical copies"),
+    (lambda: BlockBatchConfig(temperature=0.5, num_return_sequences=0), {}, ValueError, "num_return_sequences must be"),
 ]
 
 
@@ -220,6 +232,36 @@ def test_bad_config_fails_before_any_forward(tiny_llada, make_cfg, kwargs, exc, 
         tiny_llada.generate(torch.tensor([PROMPT]), generation_config=make_cfg(), **kwargs)
     assert message in str(err.value)
     assert calls["n"] == 0
+
+
+def test_neutral_standard_options_are_accepted(tiny_llada):
+    """Standard fields at transformers' neutral values ask for nothing, so they pass."""
+    cfg = FastDLLMConfig(max_new_tokens=8, block_length=4, use_cache=True, num_beams=1, top_p=1.0, output_scores=False,
+                         do_sample=False, num_return_sequences=1, bos_token_id=1)  # fmt: skip
+    assert tiny_llada.generate(torch.tensor([PROMPT]), generation_config=cfg).shape == (1, len(PROMPT) + 8)
+
+
+@pytest.mark.parametrize("make_cfg", [
+    lambda: BlockBatchConfig(max_new_tokens=12, block_sizes=[4, 8], temperature=0.8),
+    lambda: FastDLLMConfig(max_new_tokens=12, block_length=4, remasking="random", steps=6, threshold=None),
+])  # fmt: skip
+def test_num_return_sequences_expands_each_prompt(make_cfg):
+    """As transformers: n samples per prompt, consecutive rows, i.e. the prompts repeated in place
+    (left padding kept), each row its own request with its own draws and NFE."""
+    m = peaked("llada", scale=3.0)
+    ids = torch.tensor([[EOS_ID, EOS_ID, 1, 2, 3], [4, 5, 6, 7, 8]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    cfg = make_cfg()
+    out = m.generate(ids, attention_mask=mask, generation_config=cfg, num_return_sequences=3, return_dict_in_generate=True,
+                     generator=torch.Generator().manual_seed(5))  # fmt: skip
+    assert cfg.num_return_sequences is None  # the override applied to that call only
+    by_hand = m.generate(ids.repeat_interleave(3, 0), attention_mask=mask.repeat_interleave(3, 0), generation_config=cfg,
+                         return_dict_in_generate=True, generator=torch.Generator().manual_seed(5))  # fmt: skip
+    assert out.sequences.shape == (6, 5 + 12)
+    assert torch.equal(out.sequences, by_hand.sequences)
+    assert torch.equal(out.nfe, by_hand.nfe) and len(out.stats) == 6
+    assert torch.equal(out.sequences[:, :5], ids.repeat_interleave(3, 0))
+    assert len({tuple(r) for r in out.sequences[:3, 5:].tolist()}) > 1  # samples differ
 
 
 def test_bad_inputs_fail_before_any_forward(tiny_llada):

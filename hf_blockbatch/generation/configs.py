@@ -12,6 +12,7 @@ shorter last block is what a user would expect. With divisible sizes the behavio
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from transformers import GenerationConfig
@@ -25,6 +26,37 @@ __all__ = [
 ]
 
 _REMASKING = ("low_confidence", "random")
+
+# Every field of transformers' GenerationConfig, and its neutral defaults (v5 leaves them None and
+# fills these in at generate time; a field holding its default asks for nothing).
+_STANDARD = frozenset(GenerationConfig().to_dict())
+_STANDARD_DEFAULTS: dict[str, Any] = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+# Standard fields these strategies honour (``do_sample`` and ``num_return_sequences`` as transformers
+# defines them, see ``DiffusionGenerationConfig.validate``), or that cannot change what is generated.
+_HONOURED = frozenset({
+    "max_new_tokens", "temperature", "do_sample", "num_return_sequences", "eos_token_id", "pad_token_id",
+    "bos_token_id", "decoder_start_token_id", "return_dict_in_generate", "transformers_version", "disable_compile",
+    "compile_config", "low_memory",
+})  # fmt: skip
+# What to do instead, for the standard fields users most often carry over from autoregressive generate().
+_INSTEAD = {
+    "max_length": "the answer canvas has a fixed length, set max_new_tokens (max_length minus the prompt length)",
+    "min_length": "the canvas length is max_new_tokens, and a request ends early only at EOS (early_stop)",
+    "min_new_tokens": "the canvas length is max_new_tokens, and a request ends early only at EOS (early_stop)",
+    "use_cache": "the cache is part of the strategy, FastDLLMConfig(cache='none') decodes without one",
+    "top_k": "sampling is Gumbel-max over the whole distribution at `temperature`, as LLaDA's sampler",
+    "top_p": "sampling is Gumbel-max over the whole distribution at `temperature`, as LLaDA's sampler",
+    "num_beams": "there is no beam search over a masked canvas; num_return_sequences with temperature > 0 samples",
+}
+
+
+def _is_neutral(name: str, value: Any) -> bool:
+    """Whether a standard field's value asks for nothing (unset, transformers' default, off, empty)."""
+    if value is None or (name in _STANDARD_DEFAULTS and value == _STANDARD_DEFAULTS[name]):
+        return True
+    if value is False:  # an output or behaviour flag turned off; only use_cache=False asks for something
+        return name != "use_cache"
+    return isinstance(value, (dict, list, tuple)) and not value
 
 
 def _check_threshold(name: str, value: float | None, allow_none: bool = False) -> None:
@@ -50,6 +82,11 @@ class DiffusionGenerationConfig(GenerationConfig):
         mask_token_id: the ``[MASK]`` id; ``None`` takes ``model.config.mask_token_id``.
         eos_token_id: the stop token(s); ``None`` takes the model's (and LLaDA's end-of-turn).
         output_trace: record a per-step trace (commits, merges, syncs, refreshes) in ``stats``.
+
+    Standard ``GenerationConfig`` fields kept: ``do_sample`` (optional; must agree with the
+    temperature), ``num_return_sequences`` (samples per prompt, with sampling), the token ids and
+    ``return_dict_in_generate``. Any other standard field set to a non-neutral value is refused
+    (see :meth:`validate`).
     """
 
     strategy: str = ""
@@ -66,12 +103,52 @@ class DiffusionGenerationConfig(GenerationConfig):
         self.strategy = type(self).strategy
 
     def validate(self, strict: bool = False, **kwargs: Any) -> None:
-        """Check every field before any forward; a wrong value fails here with what to change."""
+        """Check every field before any forward; a wrong value fails here with what to change.
+
+        Options these strategies would ignore fail too, since ignoring them decodes something
+        other than what was asked: a misspelt option (``block_size=32`` for ``block_sizes``), or a
+        standard ``GenerationConfig`` field with no meaning here (``top_p``, ``num_beams``,
+        ``max_length``, ...) unless it holds transformers' neutral default.
+        """
+        self._check_options()
         _check_positive_int("max_new_tokens", self.max_new_tokens)
         if self.temperature is None or float(self.temperature) < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}.")
         if self.remasking not in _REMASKING:
             raise ValueError(f"remasking must be one of {_REMASKING}, got {self.remasking!r}.")
+        sampling = float(self.temperature) > 0
+        if self.do_sample is True and not sampling:
+            raise ValueError("do_sample=True samples at `temperature`, which is 0 (greedy): set temperature > 0, e.g. 0.7.")
+        if self.do_sample is False and sampling:
+            raise ValueError(
+                f"do_sample=False asks for greedy decoding, but temperature={self.temperature} samples: set "
+                "temperature=0, or do_sample=True."
+            )
+        if self.num_return_sequences is not None:
+            _check_positive_int("num_return_sequences", self.num_return_sequences)
+            if self.num_return_sequences > 1 and not (sampling or self.remasking == "random"):
+                raise ValueError(
+                    f"num_return_sequences={self.num_return_sequences} needs sampling (temperature > 0 or "
+                    "remasking='random'): greedy decoding would return identical copies."
+                )
+
+    def _check_options(self) -> None:
+        name = type(self).__name__
+        ours = set(self._ours) | {"max_new_tokens", "temperature"}
+        unknown = sorted(k for k in vars(self) if not k.startswith("_") and k not in _STANDARD and k not in ours)
+        if unknown:
+            close = {k: difflib.get_close_matches(k, sorted(ours), n=1) for k in unknown}
+            hint = "; ".join(f"did you mean {close[k][0]!r} instead of {k!r}?" for k in unknown if close[k])
+            raise TypeError(
+                f"Unknown option(s) for {name}: {', '.join(unknown)}. " + (hint + " " if hint else "")
+                + f"Its options: {', '.join(sorted(ours - {'strategy'}))}."
+            )
+        unsupported = sorted(
+            k for k in _STANDARD if k not in _HONOURED and not k.startswith("_") and not _is_neutral(k, getattr(self, k, None))
+        )  # fmt: skip
+        if unsupported:
+            what = " ".join(f"{k}={getattr(self, k)!r}" + (f": {_INSTEAD[k]}." if k in _INSTEAD else ".") for k in unsupported)
+            raise ValueError(f"{name} does not use {what} Remove {'it' if len(unsupported) == 1 else 'them'}.")
 
 
 class VanillaDiffusionConfig(DiffusionGenerationConfig):

@@ -75,7 +75,8 @@ def diffusion_generate(
         generator: a ``torch.Generator`` for sampling (temperature > 0, random remasking).
         kwargs: overrides of config fields, e.g. ``max_new_tokens=64``.
     Returns:
-        prompt + new tokens ``[B, Lp + max_new_tokens]``, or a :class:`DiffusionGenerateOutput`.
+        prompt + new tokens ``[B * num_return_sequences, Lp + max_new_tokens]`` (each prompt's
+        samples consecutive, as transformers), or a :class:`DiffusionGenerateOutput`.
     """
     cfg = _resolve_config(model, generation_config, kwargs)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
@@ -110,6 +111,11 @@ def diffusion_generate(
         am = attention_mask.bool()
         if bool((am[:, 1:] < am[:, :-1]).any()):
             raise ValueError("Prompts must be left-padded (tokenizer.padding_side = 'left').")
+    n = cfg.num_return_sequences or 1
+    if n > 1:  # as transformers: each prompt's n samples are consecutive rows of the output
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        input_ids, attention_mask = input_ids.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0)
     plan = plan_from_config(cfg, eos_ids, _as_list(getattr(config, "eot_token_id", None)))
     logger.debug("diffusion_generate: %s", plan)
     result = run_plan(model, input_ids, attention_mask, plan, int(mask_id), eos_ids, pad_id, generator, streamer)
