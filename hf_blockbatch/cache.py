@@ -77,6 +77,20 @@ class _StoragePool:
         with self._lock:
             self._free.clear()
 
+    @contextmanager
+    def lend(self) -> Iterator[None]:
+        """This thread's decodes take buffers inside the block, and give them all back at its end."""
+        if self.lending is not None:  # nested: the outer block gives them back
+            yield
+            return
+        self._local.lent = []
+        try:
+            yield
+        finally:
+            lent, self._local.lent = self._local.lent, None
+            for buffer in lent:
+                self.give(buffer)
+
 
 _POOL = _StoragePool()
 
@@ -86,16 +100,8 @@ def reuse_storage() -> Iterator[None]:
     """CPU :class:`BranchCache` storage built in this block (in this thread) comes from, and goes
     back to, a pool kept between blocks. Only for code that keeps no cache, nor any view of one,
     past the block: the decoders wrap each ``generate`` in it. Nested blocks are one block."""
-    if _POOL.lending is not None:
+    with _POOL.lend():
         yield
-        return
-    _POOL._local.lent = []
-    try:
-        yield
-    finally:
-        lent, _POOL._local.lent = _POOL._local.lent, None
-        for buffer in lent:
-            _POOL.give(buffer)
 
 
 def release_pooled_storage() -> None:
