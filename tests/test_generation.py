@@ -339,6 +339,32 @@ def test_model_generation_config_is_used_by_default():
     assert out.sequences.shape == (1, len(PROMPT) + 8)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_saved_generation_config_comes_back_with_the_model(family, tmp_path):
+    """``save_pretrained`` writes the strategy config; ``from_pretrained`` (ours and the Auto class)
+    must load it as its class, or the reloaded model would silently decode with the defaults."""
+    from transformers import AutoModel
+
+    m = peaked(family)
+    m.generation_config = FastDLLMConfig(max_new_tokens=8, block_length=4, threshold=0.5)
+    want = m.generate(torch.tensor([PROMPT]), return_dict_in_generate=True)
+    m.save_pretrained(tmp_path / "fd")
+    for loaded in (type(m).from_pretrained(tmp_path / "fd"), AutoModel.from_pretrained(tmp_path / "fd")):
+        assert type(loaded.generation_config) is FastDLLMConfig
+        assert loaded.generation_config.block_length == 4
+        got = loaded.generate(torch.tensor([PROMPT]), return_dict_in_generate=True)
+        assert got.stats[0]["strategy"] == "fast_dllm"
+        assert torch.equal(got.sequences, want.sequences) and torch.equal(got.nfe, want.nfe)
+    override = AutoModel.from_pretrained(tmp_path / "fd", generation_config=BlockBatchConfig(max_new_tokens=8))
+    assert type(override.generation_config) is BlockBatchConfig
+    plain = peaked(family)  # no strategy saved: a plain GenerationConfig, and generate() defaults to BlockBatch
+    plain.save_pretrained(tmp_path / "plain")
+    reloaded = type(plain).from_pretrained(tmp_path / "plain")
+    assert type(reloaded.generation_config) is GenerationConfig
+    out = reloaded.generate(torch.tensor([PROMPT]), max_new_tokens=8, return_dict_in_generate=True)
+    assert out.stats[0]["strategy"] == "blockbatch"
+
+
 class _ContractOnly(torch.nn.Module):
     """A model that is not one of ours but implements the forward contract by delegation."""
 

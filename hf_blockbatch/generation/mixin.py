@@ -10,12 +10,15 @@ contract of :mod:`hf_blockbatch.models.base` (``forward`` with a ``BranchCache``
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from typing import Any
 
 import torch
+from transformers import GenerationConfig
+from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
-from hf_blockbatch.generation.configs import BlockBatchConfig, DiffusionGenerationConfig
+from hf_blockbatch.generation.configs import BlockBatchConfig, DiffusionGenerationConfig, config_from_dict
 from hf_blockbatch.generation.engine import run_plan
 from hf_blockbatch.generation.outputs import DiffusionGenerateOutput
 from hf_blockbatch.generation.plans import plan_from_config
@@ -158,3 +161,29 @@ class BlockBatchGenerationMixin:
 
     def can_generate(self) -> bool:  # transformers asks before loading a generation config
         return True
+
+    _HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
+
+    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
+                             **kwargs: Any) -> None:  # fmt: skip
+        """Called by ``from_pretrained``, as on transformers' generative models: load the checkpoint's
+        ``generation_config.json``. A strategy config saved with the model (``model.generation_config
+        = BlockBatchConfig(...)``, then ``save_pretrained``) comes back as its own class, so a
+        reloaded model decodes as it was saved; any other file stays a plain ``GenerationConfig``
+        (``generate`` then defaults to BlockBatch)."""
+        if generation_config is not None:  # from_pretrained(..., generation_config=cfg)
+            self.generation_config = generation_config
+            return
+        if pretrained_model_name_or_path is None:
+            return
+        hub = {k: kwargs[k] for k in self._HUB_KWARGS if kwargs.get(k) is not None}
+        path = cached_file(pretrained_model_name_or_path, GENERATION_CONFIG_NAME, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False, **hub)  # fmt: skip
+        if path is None:  # no file: keep the config transformers built from the model config
+            return
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if data.get("strategy"):
+            self.generation_config = config_from_dict(data)
+        else:
+            self.generation_config = GenerationConfig.from_dict(data)
