@@ -365,6 +365,22 @@ def test_saved_generation_config_comes_back_with_the_model(family, tmp_path):
     assert out.stats[0]["strategy"] == "blockbatch"
 
 
+def test_text_generation_pipeline_runs_our_strategies():
+    """transformers' pipeline calls generate() with its own sampling defaults, or with the caller's
+    config (greedy needs do_sample=False there, since the pipeline adds do_sample=True)."""
+    from transformers import pipeline
+
+    model, tok = hb.load_model("tiny-llada")
+    pipe = pipeline("text-generation", model=model, tokenizer=tok)
+    assert pipe("1+2=", max_new_tokens=8)[0]["generated_text"].startswith("1+2=")  # samples at the pipeline's 0.7
+    cfg = FastDLLMConfig(max_new_tokens=8, block_length=4, do_sample=False)
+    text = pipe("1+2=", generation_config=cfg, return_full_text=False)[0]["generated_text"]
+    ids = tok("1+2=", return_tensors="pt").input_ids
+    assert text == tok.decode(model.generate(ids, generation_config=cfg)[0, ids.shape[1] :], skip_special_tokens=True)
+    with pytest.raises(ValueError, match="do_sample=False"):
+        pipe("1+2=", generation_config=FastDLLMConfig(max_new_tokens=8))
+
+
 class _ContractOnly(torch.nn.Module):
     """A model that is not one of ours but implements the forward contract by delegation."""
 

@@ -118,7 +118,10 @@ class DiffusionGenerationConfig(GenerationConfig):
             raise ValueError(f"remasking must be one of {_REMASKING}, got {self.remasking!r}.")
         sampling = float(self.temperature) > 0
         if self.do_sample is True and not sampling:
-            raise ValueError("do_sample=True samples at `temperature`, which is 0 (greedy): set temperature > 0, e.g. 0.7.")
+            raise ValueError(
+                "do_sample=True samples at `temperature`, which is 0 (greedy): set temperature > 0, e.g. 0.7, or "
+                "do_sample=False (transformers' text-generation pipeline adds do_sample=True unless told otherwise)."
+            )
         if self.do_sample is False and sampling:
             raise ValueError(
                 f"do_sample=False asks for greedy decoding, but temperature={self.temperature} samples: set "
