@@ -16,6 +16,7 @@ from hf_blockbatch.generation import (
     DiffusionGenerateOutput,
     FastDLLMConfig,
     VanillaDiffusionConfig,
+    custom_generate,
     diffusion_generate,
     enable,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "TINY_LLADA",
     "VanillaDiffusionConfig",
     "__version__",
+    "custom_generate",
     "diffusion_generate",
     "enable",
     "load_model",

@@ -434,6 +434,32 @@ def test_enable_gives_any_contract_model_the_same_generate(family, cfg):
     assert torch.equal(ours.nfe, theirs.nfe)
 
 
+def test_hub_custom_generate_runs_the_strategies():
+    """A model whose generate() is transformers' own loads the repository's
+    ``custom_generate/generate.py`` (as from the Hub) and decodes exactly as ours."""
+    from pathlib import Path
+
+    from _generation_helpers import peaked
+    from transformers import GenerationMixin
+
+    model = peaked("llada")
+
+    class TransformersGenerate(GenerationMixin, _ContractOnly):
+        """Not ours: its generate() is transformers' GenerationMixin.generate."""
+
+    other = TransformersGenerate(model)
+    repo = str(Path(__file__).resolve().parents[1])  # this checkout: custom_generate/generate.py
+    prompt, mask = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 7, 3, 2]]), torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    cfg = CONTRACT_CONFIGS[1]
+    ours = model.generate(prompt, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True)
+    theirs = other.generate(prompt, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True,
+                            custom_generate=repo, trust_remote_code=True)  # fmt: skip
+    assert torch.equal(ours.sequences, theirs.sequences) and torch.equal(ours.nfe, theirs.nfe)
+    with pytest.raises(ValueError, match="does not use stopping_criteria"):
+        other.generate(prompt, generation_config=cfg, stopping_criteria=[lambda *a: True], custom_generate=repo,
+                       trust_remote_code=True)  # fmt: skip
+
+
 @pytest.mark.parametrize("family", ["llada", "dream"])
 @pytest.mark.parametrize("cfg", CONTRACT_CONFIGS[:3], ids=lambda c: f"{c.strategy}-{getattr(c, 'cache', '')}")
 def test_greedy_decoding_runs_the_head_only_where_it_reads(family, cfg, monkeypatch):

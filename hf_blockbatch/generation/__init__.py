@@ -7,7 +7,12 @@ from hf_blockbatch.generation.configs import (
     VanillaDiffusionConfig,
     config_from_dict,
 )
-from hf_blockbatch.generation.mixin import BlockBatchGenerationMixin, diffusion_generate, enable
+from hf_blockbatch.generation.mixin import (
+    BlockBatchGenerationMixin,
+    custom_generate,
+    diffusion_generate,
+    enable,
+)
 from hf_blockbatch.generation.outputs import DiffusionGenerateOutput
 
 __all__ = [
@@ -18,6 +23,7 @@ __all__ = [
     "FastDLLMConfig",
     "VanillaDiffusionConfig",
     "config_from_dict",
+    "custom_generate",
     "diffusion_generate",
     "enable",
 ]

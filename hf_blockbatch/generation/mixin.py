@@ -4,7 +4,9 @@
 own models inherit ``GenerationMixin``. :func:`diffusion_generate` is the same entry point as a
 plain function, so the strategies run on any masked-diffusion model that implements the forward
 contract of :mod:`hf_blockbatch.models.base` (``forward`` with a ``BranchCache``,
-``forward_windows``, ``new_cache``, ``logit_shift``): pass it as ``custom_generate`` or call it.
+``forward_windows``, ``new_cache``, ``logit_shift``): call it, bind it with :func:`enable`, or,
+on a model whose ``generate`` is transformers' own, load it as a Hub ``custom_generate``
+(:func:`custom_generate`, served by this repository's ``custom_generate/generate.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from hf_blockbatch.generation.plans import plan_from_config
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BlockBatchGenerationMixin", "diffusion_generate", "enable"]
+__all__ = ["BlockBatchGenerationMixin", "custom_generate", "diffusion_generate", "enable"]
 
 _CONTRACT = ("forward_windows", "new_cache", "logit_shift", "config", "device")
 
@@ -126,6 +128,33 @@ def diffusion_generate(
     if return_dict:
         return DiffusionGenerateOutput(sequences=result.sequences, nfe=result.nfe, stats=result.stats)
     return result.sequences
+
+
+# transformers' generate() hands a Hub custom_generate its whole argument list. These act on left-to-right
+# decoding steps and have no meaning for a masked canvas: refused when given, rather than ignored.
+_LEFT_TO_RIGHT_ONLY = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model",
+                       "negative_prompt_ids", "negative_prompt_attention_mask", "assistant_tokenizer")  # fmt: skip
+_NOT_USED = ("synced_gpus", "tokenizer")  # distributed lockstep (each process decodes its own batch); stop strings
+
+
+def custom_generate(model, inputs: torch.LongTensor | None = None, **kwargs: Any):
+    """These strategies as a transformers Hub ``custom_generate``.
+
+    ``model.generate(input_ids, generation_config=hb.BlockBatchConfig(), custom_generate=<repo>,
+    trust_remote_code=True)`` on a model whose ``generate`` is transformers' own loads the repo's
+    ``custom_generate/generate.py`` (this repository ships one that exports this function) and
+    calls it with ``model=`` and every ``generate`` argument; the model must implement the forward
+    contract. The rest is :func:`diffusion_generate`.
+    """
+    given = [k for k in _LEFT_TO_RIGHT_ONLY if kwargs.pop(k, None) is not None]
+    if given:
+        raise ValueError(f"Masked-diffusion decoding does not use {', '.join(given)}: remove {'it' if len(given) == 1 else 'them'}.")
+    for key in _NOT_USED:
+        kwargs.pop(key, None)
+    input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+    if input_ids is None:
+        raise ValueError("Pass the prompts as input_ids ([batch, prompt_length]).")
+    return diffusion_generate(model, input_ids, **kwargs)
 
 
 def enable(model):
