@@ -275,6 +275,9 @@ def test_bad_inputs_fail_before_any_forward(tiny_llada):
         tiny_llada.generate(torch.ones(1, 250, dtype=torch.long), generation_config=cfg)
     with pytest.raises(ValueError, match="empty"):
         tiny_llada.generate(torch.zeros(1, 0, dtype=torch.long), generation_config=cfg)
+    with pytest.raises(ValueError, match=r"Prompt\(s\) \[1\] of the batch are empty"):  # all padding, inside a batch
+        tiny_llada.generate(torch.tensor([[1, 2, 3], [0, 0, 0]]), attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]]),
+                            generation_config=cfg)  # fmt: skip
     tiny_llada.config.mask_token_id = None
     with pytest.raises(ValueError, match="no mask_token_id: set generation_config.mask_token_id"):
         tiny_llada.generate(torch.tensor([PROMPT]), generation_config=cfg)

@@ -116,6 +116,12 @@ def diffusion_generate(
         am = attention_mask.bool()
         if bool((am[:, 1:] < am[:, :-1]).any()):
             raise ValueError("Prompts must be left-padded (tokenizer.padding_side = 'left').")
+        empty = (~am.any(1)).nonzero().flatten().tolist()
+        if empty:  # as for an empty prompt alone: nothing to condition on (and nothing to shift from, on Dream)
+            raise ValueError(
+                f"Prompt(s) {empty} of the batch are empty (attention_mask all 0): a masked-diffusion model needs at "
+                "least one prompt token; drop them or give them one (e.g. the BOS token)."
+            )
     n = cfg.num_return_sequences or 1
     if n > 1:  # as transformers: each prompt's n samples are consecutive rows of the output
         if attention_mask is None:
