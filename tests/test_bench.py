@@ -103,6 +103,10 @@ def test_overrides_and_method_configs():
         parse_overrides(["blockbatch=4"])
     with pytest.raises(ValueError, match="unknown method"):
         build_method_configs(["greedy"], 32, {})
+    # several samples per item would be scored against the wrong items (one answer per item, in order)
+    with pytest.raises(ValueError, match="blockbatch: num_return_sequences=3 is not supported by the benchmarks"):
+        build_method_configs(["blockbatch"], 32, parse_overrides(["blockbatch.num_return_sequences=3",
+                                                                  "blockbatch.temperature=0.7"]))  # fmt: skip
 
 
 def test_config_file_defines_a_method(tmp_path):

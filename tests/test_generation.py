@@ -3,6 +3,8 @@ streaming, config errors and config save/load."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from _generation_helpers import eos_model, peaked, ref_generate
@@ -216,7 +218,8 @@ BAD = [
     (lambda: BlockBatchConfig(top_p=0.9), {}, ValueError, "does not use top_p=0.9: sampling is Gumbel-max"),
     (lambda: FastDLLMConfig(), {"top_k": 5}, ValueError, "does not use top_k=5"),
     (lambda: FastDLLMConfig(max_length=40), {}, ValueError, "set max_new_tokens (max_length minus the prompt"),
-    (lambda: FastDLLMConfig(use_cache=False), {}, ValueError, "FastDLLMConfig(cache='none') decodes without one"),
+    (lambda: FastDLLMConfig(max_length=20), {}, ValueError, "max_length=20"),  # transformers' fill-in value acts too
+    (lambda: BlockBatchConfig(temperature=0.5), {"top_k": 50}, ValueError, "does not use top_k=50"),
     (lambda: VanillaDiffusionConfig(num_beams=4, repetition_penalty=1.2), {}, ValueError, "repetition_penalty=1.2. Remove them."),
     (lambda: FastDLLMConfig(do_sample=True), {}, ValueError, "do_sample=True samples at `temperature`, which is 0"),
     (lambda: FastDLLMConfig(temperature=0.5), {"do_sample": False}, ValueError, "set temperature=0, or do_sample=True"),
@@ -235,10 +238,25 @@ def test_bad_config_fails_before_any_forward(tiny_llada, make_cfg, kwargs, exc, 
 
 
 def test_neutral_standard_options_are_accepted(tiny_llada):
-    """Standard fields at transformers' neutral values ask for nothing, so they pass."""
-    cfg = FastDLLMConfig(max_new_tokens=8, block_length=4, use_cache=True, num_beams=1, top_p=1.0, output_scores=False,
-                         do_sample=False, num_return_sequences=1, bos_token_id=1)  # fmt: skip
+    """Standard fields that ask for nothing here pass: no-op values, and use_cache (a speed switch
+    in transformers, which model configs set; here the cache is the strategy's)."""
+    cfg = FastDLLMConfig(max_new_tokens=8, block_length=4, use_cache=False, num_beams=1, top_p=1.0, top_k=0,
+                         output_scores=False, do_sample=False, num_return_sequences=1, bos_token_id=1)  # fmt: skip
     assert tiny_llada.generate(torch.tensor([PROMPT]), generation_config=cfg).shape == (1, len(PROMPT) + 8)
+
+
+def test_do_sample_follows_the_temperature_unless_given():
+    """Stated in the config (pipelines read it), re-derived when a call overrides only the temperature."""
+    m = peaked("llada", scale=3.0)
+    greedy = FastDLLMConfig(max_new_tokens=8, block_length=4)
+    assert greedy.do_sample is False and FastDLLMConfig(temperature=0.7).do_sample is True
+    assert "do_sample" in greedy.to_diff_dict()
+    gen = torch.Generator().manual_seed(3)
+    out = m.generate(torch.tensor([PROMPT]), generation_config=greedy, temperature=0.9, generator=gen)
+    hot = FastDLLMConfig(max_new_tokens=8, block_length=4, temperature=0.9)
+    assert torch.equal(out, m.generate(torch.tensor([PROMPT]), generation_config=hot, generator=torch.Generator().manual_seed(3)))
+    with pytest.raises(ValueError, match="set temperature=0, or do_sample=True"):
+        m.generate(torch.tensor([PROMPT]), generation_config=greedy, temperature=0.9, do_sample=False)
 
 
 @pytest.mark.parametrize("make_cfg", [
@@ -343,7 +361,7 @@ def test_model_generation_config_is_used_by_default():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_saved_generation_config_comes_back_with_the_model(family, tmp_path):
+def test_saved_generation_config_comes_back_with_the_model(family, tmp_path, caplog):
     """``save_pretrained`` writes the strategy config; ``from_pretrained`` (ours and the Auto class)
     must load it as its class, or the reloaded model would silently decode with the defaults."""
     from transformers import AutoModel
@@ -360,6 +378,12 @@ def test_saved_generation_config_comes_back_with_the_model(family, tmp_path):
         assert torch.equal(got.sequences, want.sequences) and torch.equal(got.nfe, want.nfe)
     override = AutoModel.from_pretrained(tmp_path / "fd", generation_config=BlockBatchConfig(max_new_tokens=8))
     assert type(override.generation_config) is BlockBatchConfig
+    # a strategy file this version refuses (another version's option) does not stop the model loading
+    path = tmp_path / "fd" / "generation_config.json"
+    path.write_text(path.read_text().replace('"block_length"', '"future_option": 1, "block_length"'))
+    with caplog.at_level("WARNING", logger="hf_blockbatch.generation.mixin"):
+        kept = AutoModel.from_pretrained(tmp_path / "fd")
+    assert type(kept.generation_config) is GenerationConfig and "future_option" in caplog.text
     plain = peaked(family)  # no strategy saved: a plain GenerationConfig, and generate() defaults to BlockBatch
     plain.save_pretrained(tmp_path / "plain")
     reloaded = type(plain).from_pretrained(tmp_path / "plain")
@@ -376,12 +400,12 @@ def test_text_generation_pipeline_runs_our_strategies():
     model, tok = hb.load_model("tiny-llada")
     pipe = pipeline("text-generation", model=model, tokenizer=tok)
     assert pipe("1+2=", max_new_tokens=8)[0]["generated_text"].startswith("1+2=")  # samples at the pipeline's 0.7
-    cfg = FastDLLMConfig(max_new_tokens=8, block_length=4, do_sample=False)
-    text = pipe("1+2=", generation_config=cfg, return_full_text=False)[0]["generated_text"]
+    cfg = FastDLLMConfig(max_new_tokens=8, block_length=4)
     ids = tok("1+2=", return_tensors="pt").input_ids
-    assert text == tok.decode(model.generate(ids, generation_config=cfg)[0, ids.shape[1] :], skip_special_tokens=True)
-    with pytest.raises(ValueError, match="do_sample=False"):
-        pipe("1+2=", generation_config=FastDLLMConfig(max_new_tokens=8))
+    greedy = tok.decode(model.generate(ids, generation_config=cfg)[0, ids.shape[1] :], skip_special_tokens=True)
+    assert pipe("1+2=", generation_config=cfg, return_full_text=False)[0]["generated_text"] == greedy
+    model.generation_config = cfg  # the model's own strategy config: the pipeline keeps it greedy too
+    assert pipe("1+2=", return_full_text=False)[0]["generated_text"] == greedy
 
 
 class _ContractOnly(torch.nn.Module):
@@ -461,6 +485,13 @@ def test_hub_custom_generate_runs_the_strategies():
     with pytest.raises(ValueError, match="does not use stopping_criteria"):
         other.generate(prompt, generation_config=cfg, stopping_criteria=[lambda *a: True], custom_generate=repo,
                        trust_remote_code=True)  # fmt: skip
+    # as a model repo binds it (functools.partial(generate, model=...)): positional prompts, empty processor lists
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+
+    bound = functools.partial(hb.custom_generate, model=other)
+    again = bound(prompt, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True,
+                  logits_processor=LogitsProcessorList(), stopping_criteria=StoppingCriteriaList())  # fmt: skip
+    assert torch.equal(again.sequences, ours.sequences)
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])

@@ -216,6 +216,11 @@ def build_method_configs(
     for name in names:
         cfg = make(name)
         cfg.validate()
+        if (cfg.num_return_sequences or 1) != 1:  # scoring reads one answer per item, in item order
+            raise ValueError(
+                f"{name}: num_return_sequences={cfg.num_return_sequences} is not supported by the benchmarks, which "
+                "score one answer per item; remove it."
+            )
         configs[name] = cfg
     return configs
 

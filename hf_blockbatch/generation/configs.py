@@ -27,23 +27,33 @@ __all__ = [
 
 _REMASKING = ("low_confidence", "random")
 
-# Every field of transformers' GenerationConfig, and its neutral defaults (v5 leaves them None and
-# fills these in at generate time; a field holding its default asks for nothing).
+# Every field of transformers' GenerationConfig.
 _STANDARD = frozenset(GenerationConfig().to_dict())
-_STANDARD_DEFAULTS: dict[str, Any] = getattr(GenerationConfig, "_get_default_generation_params", dict)()
 # Standard fields these strategies honour (``do_sample`` and ``num_return_sequences`` as transformers
-# defines them, see ``DiffusionGenerationConfig.validate``), or that cannot change what is generated.
+# defines them, see ``DiffusionGenerationConfig.validate``), or that cannot change what is generated here:
+# compile switches, ``use_cache`` (for transformers a speed switch; here the cache is part of the strategy,
+# ``FastDLLMConfig.cache``, and model configs carry ``use_cache=False``), and settings that act only
+# with an assistant model, which these strategies never take.
 _HONOURED = frozenset({
     "max_new_tokens", "temperature", "do_sample", "num_return_sequences", "eos_token_id", "pad_token_id",
     "bos_token_id", "decoder_start_token_id", "return_dict_in_generate", "transformers_version", "disable_compile",
-    "compile_config", "low_memory",
+    "compile_config", "low_memory", "use_cache", "is_assistant", "num_assistant_tokens",
+    "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind",
+    "assistant_early_exit",
 })  # fmt: skip
+# Values of the other standard fields that ask for nothing (None, an off flag and an empty container do
+# neither). Not transformers' fill-in defaults: ``max_length=20`` or ``top_k=50`` would act there.
+_NEUTRAL: dict[str, Any] = {
+    "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0,
+    "length_penalty": 1.0, "min_length": 0, "min_new_tokens": 0, "guidance_scale": 1.0,
+}  # fmt: skip
 # What to do instead, for the standard fields users most often carry over from autoregressive generate().
 _INSTEAD = {
     "max_length": "the answer canvas has a fixed length, set max_new_tokens (max_length minus the prompt length)",
     "min_length": "the canvas length is max_new_tokens, and a request ends early only at EOS (early_stop)",
     "min_new_tokens": "the canvas length is max_new_tokens, and a request ends early only at EOS (early_stop)",
-    "use_cache": "the cache is part of the strategy, FastDLLMConfig(cache='none') decodes without one",
     "top_k": "sampling is Gumbel-max over the whole distribution at `temperature`, as LLaDA's sampler",
     "top_p": "sampling is Gumbel-max over the whole distribution at `temperature`, as LLaDA's sampler",
     "num_beams": "there is no beam search over a masked canvas; num_return_sequences with temperature > 0 samples",
@@ -51,12 +61,12 @@ _INSTEAD = {
 
 
 def _is_neutral(name: str, value: Any) -> bool:
-    """Whether a standard field's value asks for nothing (unset, transformers' default, off, empty)."""
-    if value is None or (name in _STANDARD_DEFAULTS and value == _STANDARD_DEFAULTS[name]):
+    """Whether a standard field's value asks for nothing (unset, off, empty, or its no-op value)."""
+    if value is None or value is False:
         return True
-    if value is False:  # an output or behaviour flag turned off; only use_cache=False asks for something
-        return name != "use_cache"
-    return isinstance(value, (dict, list, tuple)) and not value
+    if isinstance(value, (dict, list, tuple)) and not value:
+        return True
+    return name in _NEUTRAL and value == _NEUTRAL[name]
 
 
 def _check_threshold(name: str, value: float | None, allow_none: bool = False) -> None:
@@ -83,10 +93,10 @@ class DiffusionGenerationConfig(GenerationConfig):
         eos_token_id: the stop token(s); ``None`` takes the model's (and LLaDA's end-of-turn).
         output_trace: record a per-step trace (commits, merges, syncs, refreshes) in ``stats``.
 
-    Standard ``GenerationConfig`` fields kept: ``do_sample`` (optional; must agree with the
-    temperature), ``num_return_sequences`` (samples per prompt, with sampling), the token ids and
-    ``return_dict_in_generate``. Any other standard field set to a non-neutral value is refused
-    (see :meth:`validate`).
+    Standard ``GenerationConfig`` fields kept: ``do_sample`` (follows the temperature when not
+    given, and must agree with it when given), ``num_return_sequences`` (samples per prompt, with
+    sampling), the token ids and ``return_dict_in_generate``. Any other standard field set to a
+    value that would act in transformers is refused (see :meth:`validate`).
     """
 
     strategy: str = ""
@@ -95,6 +105,9 @@ class DiffusionGenerationConfig(GenerationConfig):
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("max_new_tokens", 128)
         kwargs.setdefault("temperature", 0.0)
+        if kwargs.get("do_sample") is None and isinstance(kwargs["temperature"], (int, float)):
+            # stated, not left unset: transformers' pipelines add do_sample=True to a config that leaves it unset
+            kwargs["do_sample"] = kwargs["temperature"] > 0
         kwargs.pop("strategy", None)
         self.remasking = kwargs.pop("remasking", "low_confidence")
         self.mask_token_id = kwargs.pop("mask_token_id", None)
@@ -118,10 +131,7 @@ class DiffusionGenerationConfig(GenerationConfig):
             raise ValueError(f"remasking must be one of {_REMASKING}, got {self.remasking!r}.")
         sampling = float(self.temperature) > 0
         if self.do_sample is True and not sampling:
-            raise ValueError(
-                "do_sample=True samples at `temperature`, which is 0 (greedy): set temperature > 0, e.g. 0.7, or "
-                "do_sample=False (transformers' text-generation pipeline adds do_sample=True unless told otherwise)."
-            )
+            raise ValueError("do_sample=True samples at `temperature`, which is 0 (greedy): set temperature > 0, e.g. 0.7.")
         if self.do_sample is False and sampling:
             raise ValueError(
                 f"do_sample=False asks for greedy decoding, but temperature={self.temperature} samples: set "

@@ -54,6 +54,8 @@ def _resolve_config(model, generation_config, kwargs) -> DiffusionGenerationConf
         if not hasattr(cfg, key):
             raise TypeError(f"Unknown generation option {key!r} for {type(cfg).__name__}.")
         setattr(cfg, key, value)
+    if "temperature" in kwargs and "do_sample" not in kwargs and isinstance(cfg.temperature, (int, float)):
+        cfg.do_sample = cfg.temperature > 0  # the config's do_sample followed its temperature: follow the new one
     cfg.validate()
     return cfg
 
@@ -143,16 +145,22 @@ _LEFT_TO_RIGHT_ONLY = ("logits_processor", "stopping_criteria", "prefix_allowed_
 _NOT_USED = ("synced_gpus", "tokenizer")  # distributed lockstep (each process decodes its own batch); stop strings
 
 
-def custom_generate(model, inputs: torch.LongTensor | None = None, **kwargs: Any):
+def _asks_nothing(value: Any) -> bool:
+    """None, or an empty ``LogitsProcessorList`` / ``StoppingCriteriaList``."""
+    return value is None or (isinstance(value, (list, tuple)) and not value)
+
+
+def custom_generate(inputs: torch.LongTensor | None = None, *, model, **kwargs: Any):
     """These strategies as a transformers Hub ``custom_generate``.
 
     ``model.generate(input_ids, generation_config=hb.BlockBatchConfig(), custom_generate=<repo>,
     trust_remote_code=True)`` on a model whose ``generate`` is transformers' own loads the repo's
     ``custom_generate/generate.py`` (this repository ships one that exports this function) and
-    calls it with ``model=`` and every ``generate`` argument; the model must implement the forward
-    contract. The rest is :func:`diffusion_generate`.
+    calls it with ``model=`` and every ``generate`` argument (or, from a model repo loaded with
+    ``trust_remote_code=True``, binds it as ``generate`` with ``model=``); the model must implement
+    the forward contract. The rest is :func:`diffusion_generate`.
     """
-    given = [k for k in _LEFT_TO_RIGHT_ONLY if kwargs.pop(k, None) is not None]
+    given = [k for k in _LEFT_TO_RIGHT_ONLY if not _asks_nothing(kwargs.pop(k, None))]
     if given:
         raise ValueError(f"Masked-diffusion decoding does not use {', '.join(given)}: remove {'it' if len(given) == 1 else 'them'}.")
     for key in _NOT_USED:
@@ -219,6 +227,9 @@ class BlockBatchGenerationMixin:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         if data.get("strategy"):
-            self.generation_config = config_from_dict(data)
-        else:
-            self.generation_config = GenerationConfig.from_dict(data)
+            try:
+                self.generation_config = config_from_dict(data)
+                return
+            except (TypeError, ValueError) as err:  # e.g. saved by another version: load the model anyway
+                logger.warning("Ignoring the strategy in %s (%s); generate() needs a generation_config.", path, err)
+        self.generation_config = GenerationConfig.from_dict(data)
