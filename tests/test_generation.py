@@ -282,6 +282,14 @@ def test_num_return_sequences_expands_each_prompt(make_cfg):
     assert len({tuple(r) for r in out.sequences[:3, 5:].tolist()}) > 1  # samples differ
 
 
+def test_dream_model_card_api_points_to_generate():
+    """Dream's model card calls model.diffusion_generate(...); our class replaces Dream's code, so the
+    call must say what to use instead."""
+    m = peaked("dream")
+    with pytest.raises(NotImplementedError, match=r"Use model.generate\(input_ids"):
+        m.diffusion_generate(torch.tensor([PROMPT]), max_new_tokens=8, steps=8, alg="entropy")
+
+
 def test_bad_inputs_fail_before_any_forward(tiny_llada):
     calls = _counting(tiny_llada)
     cfg = FastDLLMConfig(max_new_tokens=G, block_length=4)

@@ -198,6 +198,16 @@ class DreamModel(DiffusionLMMixin, BlockBatchGenerationMixin, DreamPreTrainedMod
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    def diffusion_generate(self, *args, **kwargs):
+        """Dream's own sampler API (``alg`` = origin / maskgit_plus / topk_margin / entropy), which the
+        Dream model card calls; this class replaces Dream's remote code, and it decodes through
+        ``generate`` instead. Refused with what to call, rather than a bare ``AttributeError``."""
+        raise NotImplementedError(
+            "hf-blockbatch's DreamModel does not implement Dream's diffusion_generate (its `alg` samplers). Use "
+            "model.generate(input_ids, attention_mask=..., generation_config=hf_blockbatch.VanillaDiffusionConfig("
+            "max_new_tokens=..., steps=...)), FastDLLMConfig(...) or BlockBatchConfig(...)."
+        )
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
