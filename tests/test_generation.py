@@ -213,8 +213,8 @@ BAD = [
     (lambda: FastDLLMConfig(temperature=-1.0), {}, ValueError, "temperature must be >= 0"),
     (lambda: BlockBatchConfig(eos_confidence="max"), {}, ValueError, "eos_confidence must be 'completion' or 'commit'"),
     # options that would be ignored: a misspelt one, and standard fields with no meaning here
-    (lambda: BlockBatchConfig(block_size=32), {}, TypeError, "did you mean 'block_sizes' instead of 'block_size'?"),
-    (lambda: FastDLLMConfig(treshold=0.5), {}, TypeError, "did you mean 'threshold'"),
+    (lambda: BlockBatchConfig(block_size=32), {}, TypeError, "Did you mean 'block_sizes' instead of 'block_size'?"),
+    (lambda: FastDLLMConfig(treshold=0.5), {}, TypeError, "Did you mean 'threshold'"),
     (lambda: BlockBatchConfig(top_p=0.9), {}, ValueError, "does not use top_p=0.9: sampling is Gumbel-max"),
     (lambda: FastDLLMConfig(), {"top_k": 5}, ValueError, "does not use top_k=5"),
     (lambda: FastDLLMConfig(max_length=40), {}, ValueError, "set max_new_tokens (max_length minus the prompt"),

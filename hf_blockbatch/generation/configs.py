@@ -121,7 +121,7 @@ class DiffusionGenerationConfig(GenerationConfig):
         Options these strategies would ignore fail too, since ignoring them decodes something
         other than what was asked: a misspelt option (``block_size=32`` for ``block_sizes``), or a
         standard ``GenerationConfig`` field with no meaning here (``top_p``, ``num_beams``,
-        ``max_length``, ...) unless it holds transformers' neutral default.
+        ``max_length``, ...) unless its value does nothing (``top_p=1.0``, ``num_beams=1``).
         """
         self._check_options()
         _check_positive_int("max_new_tokens", self.max_new_tokens)
@@ -151,7 +151,7 @@ class DiffusionGenerationConfig(GenerationConfig):
         unknown = sorted(k for k in vars(self) if not k.startswith("_") and k not in _STANDARD and k not in ours)
         if unknown:
             close = {k: difflib.get_close_matches(k, sorted(ours), n=1) for k in unknown}
-            hint = "; ".join(f"did you mean {close[k][0]!r} instead of {k!r}?" for k in unknown if close[k])
+            hint = " ".join(f"Did you mean {close[k][0]!r} instead of {k!r}?" for k in unknown if close[k])
             raise TypeError(
                 f"Unknown option(s) for {name}: {', '.join(unknown)}. " + (hint + " " if hint else "")
                 + f"Its options: {', '.join(sorted(ours - {'strategy'}))}."
