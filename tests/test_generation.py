@@ -469,6 +469,19 @@ def test_enable_gives_any_contract_model_the_same_generate(family, cfg):
     assert torch.equal(ours.nfe, theirs.nfe)
 
 
+def test_generator_on_another_device_is_refused_before_any_forward(tiny_llada):
+    """A CPU generator for a GPU model would fail deep inside torch.rand: say what to make instead."""
+    calls = _counting(tiny_llada)
+
+    class OnCuda(_ContractOnly):
+        device = torch.device("cuda")  # only read, before anything moves: no GPU needed
+
+    with pytest.raises(ValueError, match=r"generator is on cpu but the model on cuda: make it with torch.Generator\(device='cuda'\)"):
+        hb.diffusion_generate(OnCuda(tiny_llada), torch.tensor([PROMPT]), generation_config=FastDLLMConfig(temperature=0.5),
+                              generator=torch.Generator())  # fmt: skip
+    assert calls["n"] == 0
+
+
 def test_hub_custom_generate_runs_the_strategies():
     """A model whose generate() is transformers' own loads the repository's
     ``custom_generate/generate.py`` (as from the Hub) and decodes exactly as ours."""

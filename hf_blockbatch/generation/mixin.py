@@ -110,6 +110,11 @@ def diffusion_generate(
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else getattr(config, "pad_token_id", None)
     pad_id = eos_ids[0] if pad_id is None else int(pad_id)
     device = model.device
+    if generator is not None and generator.device.type != device.type:
+        raise ValueError(
+            f"The generator is on {generator.device.type} but the model on {device.type}: make it with "
+            f"torch.Generator(device={device.type!r})."
+        )
     input_ids = input_ids.to(device)
     if attention_mask is not None:
         attention_mask = attention_mask.to(device)
