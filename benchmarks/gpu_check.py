@@ -6,9 +6,15 @@
 2. Latency: LLaDA-8B geometry (32 layers, d 4096, vocab 126464) in bf16, canvas 512 + 256; one
    packed window step with windows 4+8+16+32+64+128 (BlockBatch's branches) against one window
    of 32 (Fast-dLLM dual), per backend; and one full forward for scale.
+3. Decoding: ``generate`` end to end on the GPU in bf16 (LLaDA-8B width, ``--decode-layers``
+   layers, random weights), every strategy and cache mode, a batch of 4 left-padded prompts and
+   one of them alone: NFE, wall time and the policy's share per call, whether the padded batch
+   gives the alone tokens (bf16 kernels may round differently per shape: reported, not asserted),
+   and whether the window backends decode the same tokens.
 
 Writes ``benchmarks/results/gpu_check.json`` (or ``$OUT/gpu_check.json`` when ``OUT`` is set).
-Usage: ``python benchmarks/gpu_check.py [--layers 32] [--repeats 20]``.
+Usage: ``python benchmarks/gpu_check.py [--layers 32] [--repeats 20] [--decode-layers 8]``;
+``--dry-run`` runs section 3 alone on this machine's CPU at a small width, to check the script.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ def llada_config(layers: int, vocab: int = 126464) -> hb.LLaDAConfig:
 
 def agreement(device: torch.device) -> dict:
     torch.manual_seed(0)
-    model = hb.LLaDAModelLM(llada_config(2, vocab=32000)).to(device, torch.bfloat16).eval()
+    with device:
+        model = hb.LLaDAModelLM(llada_config(2, vocab=32000)).to(torch.bfloat16).eval()
     B, L = 3, 384
     ids = torch.randint(0, 32000, (B, L), device=device)
     mask = torch.ones(B, L, dtype=torch.long, device=device)
@@ -55,7 +62,8 @@ def agreement(device: torch.device) -> dict:
 
 def latency(device: torch.device, layers: int, repeats: int) -> dict:
     torch.manual_seed(0)
-    model = hb.LLaDAModelLM(llada_config(layers)).to(device, torch.bfloat16).eval()
+    with device:  # 8B parameters: made on the GPU, not initialised on the CPU first
+        model = hb.LLaDAModelLM(llada_config(layers)).to(torch.bfloat16).eval()
     Lp, G = 512, 256
     L = Lp + G
     sizes = [4, 8, 16, 32, 64, 128]
@@ -91,11 +99,74 @@ def latency(device: torch.device, layers: int, repeats: int) -> dict:
     return out
 
 
+def decoding(device: torch.device, dtype: torch.dtype, layers: int, width: int, threshold: float, G: int) -> dict:
+    """Section 3. Random weights commit about one token per step at Fast-dLLM's 0.9, so the threshold
+    is low (as ``policy_overhead.py --random``): a step then commits several tokens, as a trained model's."""
+    torch.manual_seed(0)
+    vocab = 126464 if device.type == "cuda" else 4096
+    cfg = hb.LLaDAConfig(d_model=width, n_heads=width // 128, n_kv_heads=width // 128, n_layers=layers,
+                         mlp_hidden_size=width * 11 // 4, vocab_size=vocab, embedding_size=vocab,
+                         max_sequence_length=4096, mask_token_id=vocab - 1, eos_token_id=vocab - 2,
+                         pad_token_id=vocab - 2)  # fmt: skip
+    with device:  # parameters made where they run (an 8B-wide model is slow to initialise on the CPU)
+        model = hb.LLaDAModelLM(cfg).to(dtype).eval()
+    lengths = [96, 64, 80, 96]
+    Lp = max(lengths)
+    ids = torch.randint(0, vocab - 8, (len(lengths), Lp), device=device)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        mask[i, Lp - n :] = 1
+    ids = ids.masked_fill(mask == 0, vocab - 2)
+    configs = {
+        "vanilla": hb.VanillaDiffusionConfig(max_new_tokens=G, steps=G // 2, block_length=32),
+        "fast_dllm_none": hb.FastDLLMConfig(max_new_tokens=G, cache="none", threshold=threshold),
+        "fast_dllm_prefix": hb.FastDLLMConfig(max_new_tokens=G, cache="prefix", threshold=threshold),
+        "fast_dllm_dual": hb.FastDLLMConfig(max_new_tokens=G, threshold=threshold),
+        "blockbatch": hb.BlockBatchConfig(max_new_tokens=G, threshold=threshold),
+        "blockbatch_divergence": hb.BlockBatchConfig(max_new_tokens=G, threshold=threshold, refresh="divergence"),
+    }
+    backends = [b for b in available_backends(device, dtype) if b != "reference"]
+    out: dict = {"params_billion": sum(p.numel() for p in model.parameters()) / 1e9, "backends": backends}
+    for name, gen_cfg in configs.items():
+        runs = {}
+        for backend in backends:
+            model.set_attention_backend(backend)
+            model.generate(ids[:1], attention_mask=mask[:1], generation_config=gen_cfg)  # warm-up
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            batch = model.generate(ids, attention_mask=mask, generation_config=gen_cfg, return_dict_in_generate=True)
+            wall = time.perf_counter() - t
+            alone = model.generate(ids[1:2, Lp - lengths[1] :], generation_config=gen_cfg, return_dict_in_generate=True)
+            forward = batch.stats[0]["forward_seconds"]
+            runs[backend] = {
+                "nfe": batch.nfe.tolist(),
+                "batch_seconds": wall,
+                "policy_share": 1 - forward / wall,
+                "padded_equals_alone": bool(torch.equal(batch.sequences[1, Lp:], alone.sequences[0, lengths[1] :])),
+                "tokens": batch.sequences[:, Lp:],
+            }
+        first = runs[backends[0]]["tokens"]
+        for r in runs.values():
+            r["same_tokens_as_" + backends[0]] = bool(torch.equal(r.pop("tokens"), first))
+        out[name] = runs
+        print(name, json.dumps(runs), flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--decode-layers", type=int, default=8)
+    parser.add_argument("--threshold", type=float, default=0.02)
+    parser.add_argument("--decode-new-tokens", type=int, default=128)
+    parser.add_argument("--dry-run", action="store_true", help="section 3 only, on the CPU, at width 256")
     args = parser.parse_args()
+    if args.dry_run:
+        report = {"dry_run_cpu": decoding(torch.device("cpu"), torch.float32, 2, 256, args.threshold, 32)}
+        print(json.dumps(report, indent=1))
+        return
     if not torch.cuda.is_available():
         raise SystemExit("No CUDA device: this check needs a GPU.")
     device = torch.device("cuda")
@@ -107,6 +178,7 @@ def main() -> None:
     report["agreement_max_abs_logit_diff_vs_reference"] = agreement(device)
     print(json.dumps(report, indent=1), flush=True)
     report["latency"] = latency(device, args.layers, args.repeats)
+    report["decoding"] = decoding(device, torch.bfloat16, args.decode_layers, 4096, args.threshold, args.decode_new_tokens)
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1))
