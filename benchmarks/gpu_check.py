@@ -100,8 +100,9 @@ def latency(device: torch.device, layers: int, repeats: int) -> dict:
 
 
 def decoding(device: torch.device, dtype: torch.dtype, layers: int, width: int, threshold: float, G: int) -> dict:
-    """Section 3. Random weights commit about one token per step at Fast-dLLM's 0.9, so the threshold
-    is low (as ``policy_overhead.py --random``): a step then commits several tokens, as a trained model's."""
+    """Section 3. With random weights the softmax is near uniform, so a step commits about one token
+    even at the low default threshold (as ``policy_overhead.py --random``): the policy's worst case,
+    many cheap steps. Correctness (batch vs alone, backends agreeing) does not depend on it."""
     torch.manual_seed(0)
     vocab = 126464 if device.type == "cuda" else 4096
     cfg = hb.LLaDAConfig(d_model=width, n_heads=width // 128, n_kv_heads=width // 128, n_layers=layers,
