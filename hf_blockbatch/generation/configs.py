@@ -105,15 +105,20 @@ class DiffusionGenerationConfig(GenerationConfig):
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("max_new_tokens", 128)
         kwargs.setdefault("temperature", 0.0)
-        if kwargs.get("do_sample") is None and isinstance(kwargs["temperature"], (int, float)):
-            # stated, not left unset: transformers' pipelines add do_sample=True to a config that leaves it unset
-            kwargs["do_sample"] = kwargs["temperature"] > 0
         kwargs.pop("strategy", None)
         self.remasking = kwargs.pop("remasking", "low_confidence")
         self.mask_token_id = kwargs.pop("mask_token_id", None)
         self.output_trace = kwargs.pop("output_trace", False)
         super().__init__(**kwargs)
         self.strategy = type(self).strategy
+        if self.do_sample is None:  # stated, not left unset: transformers' pipelines add do_sample=True then
+            self.follow_temperature()
+
+    def follow_temperature(self) -> None:
+        """Set ``do_sample`` from the temperature (sampling when > 0), as ``generate`` does when a call
+        changes only the temperature."""
+        if isinstance(self.temperature, (int, float)):
+            self.do_sample = self.temperature > 0
 
     def validate(self, strict: bool = False, **kwargs: Any) -> None:
         """Check every field before any forward; a wrong value fails here with what to change.

@@ -54,8 +54,8 @@ def _resolve_config(model, generation_config, kwargs) -> DiffusionGenerationConf
         if not hasattr(cfg, key):
             raise TypeError(f"Unknown generation option {key!r} for {type(cfg).__name__}.")
         setattr(cfg, key, value)
-    if "temperature" in kwargs and "do_sample" not in kwargs and isinstance(cfg.temperature, (int, float)):
-        cfg.do_sample = cfg.temperature > 0  # the config's do_sample followed its temperature: follow the new one
+    if "temperature" in kwargs and "do_sample" not in kwargs:
+        cfg.follow_temperature()  # the config's do_sample followed its temperature: follow the new one
     cfg.validate()
     return cfg
 
@@ -236,5 +236,6 @@ class BlockBatchGenerationMixin:
                 self.generation_config = config_from_dict(data)
                 return
             except (TypeError, ValueError) as err:  # e.g. saved by another version: load the model anyway
-                logger.warning("Ignoring the strategy in %s (%s); generate() needs a generation_config.", path, err)
+                logger.warning("Ignoring the strategy saved in %s (%s): generate() will use BlockBatch's defaults "
+                               "unless given a generation_config.", path, err)  # fmt: skip
         self.generation_config = GenerationConfig.from_dict(data)
