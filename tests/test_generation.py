@@ -401,8 +401,8 @@ def test_saved_generation_config_comes_back_with_the_model(family, tmp_path, cap
 
 
 def test_text_generation_pipeline_runs_our_strategies():
-    """transformers' pipeline calls generate() with its own sampling defaults, or with the caller's
-    config (greedy needs do_sample=False there, since the pipeline adds do_sample=True)."""
+    """transformers' pipeline calls generate() with its own sampling defaults, or keeps a strategy
+    config's greedy decoding (the config states do_sample, so the pipeline adds none)."""
     from transformers import pipeline
 
     model, tok = hb.load_model("tiny-llada")
@@ -487,7 +487,6 @@ def test_hub_custom_generate_runs_the_strategies():
     ``custom_generate/generate.py`` (as from the Hub) and decodes exactly as ours."""
     from pathlib import Path
 
-    from _generation_helpers import peaked
     from transformers import GenerationMixin
 
     model = peaked("llada")

@@ -50,12 +50,14 @@ _NEUTRAL: dict[str, Any] = {
     "length_penalty": 1.0, "min_length": 0, "min_new_tokens": 0, "guidance_scale": 1.0,
 }  # fmt: skip
 # What to do instead, for the standard fields users most often carry over from autoregressive generate().
+_MIN_LENGTH = "the canvas length is max_new_tokens, and a request ends early only at EOS (early_stop)"
+_TRUNCATION = "sampling is Gumbel-max over the whole distribution at `temperature`, as LLaDA's sampler"
 _INSTEAD = {
     "max_length": "the answer canvas has a fixed length, set max_new_tokens (max_length minus the prompt length)",
-    "min_length": "the canvas length is max_new_tokens, and a request ends early only at EOS (early_stop)",
-    "min_new_tokens": "the canvas length is max_new_tokens, and a request ends early only at EOS (early_stop)",
-    "top_k": "sampling is Gumbel-max over the whole distribution at `temperature`, as LLaDA's sampler",
-    "top_p": "sampling is Gumbel-max over the whole distribution at `temperature`, as LLaDA's sampler",
+    "min_length": _MIN_LENGTH,
+    "min_new_tokens": _MIN_LENGTH,
+    "top_k": _TRUNCATION,
+    "top_p": _TRUNCATION,
     "num_beams": "there is no beam search over a masked canvas; num_return_sequences with temperature > 0 samples",
 }
 
@@ -155,11 +157,12 @@ class DiffusionGenerationConfig(GenerationConfig):
         ours = set(self._ours) | {"max_new_tokens", "temperature"}
         unknown = sorted(k for k in vars(self) if not k.startswith("_") and k not in _STANDARD and k not in ours)
         if unknown:
-            close = {k: difflib.get_close_matches(k, sorted(ours), n=1) for k in unknown}
+            options = sorted(ours - {"strategy"})
+            close = {k: difflib.get_close_matches(k, options, n=1) for k in unknown}
             hint = " ".join(f"Did you mean {close[k][0]!r} instead of {k!r}?" for k in unknown if close[k])
             raise TypeError(
                 f"Unknown option(s) for {name}: {', '.join(unknown)}. " + (hint + " " if hint else "")
-                + f"Its options: {', '.join(sorted(ours - {'strategy'}))}."
+                + f"Its options: {', '.join(options)}."
             )
         unsupported = sorted(
             k for k in _STANDARD if k not in _HONOURED and not k.startswith("_") and not _is_neutral(k, getattr(self, k, None))
