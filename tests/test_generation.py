@@ -355,6 +355,20 @@ def test_config_round_trip(cfg, tmp_path):
     rebuilt.validate()
 
 
+@pytest.mark.parametrize("cls", [VanillaDiffusionConfig, FastDLLMConfig, BlockBatchConfig])
+def test_config_from_model_config_takes_the_token_ids(cls):
+    """transformers' ``from_model_config`` would copy the model's fields (``d_model``, ...) into the
+    config and fail; ours takes the strategy's defaults and the model's token ids."""
+    model_config = make_tiny_llada().config
+    cfg = cls.from_model_config(model_config, max_new_tokens=16)
+    assert type(cfg) is cls and cfg.max_new_tokens == 16
+    assert cfg.mask_token_id == model_config.mask_token_id
+    assert cfg.eos_token_id == model_config.eos_token_id
+    assert not hasattr(cfg, "d_model")
+    cfg.validate()
+    assert cls.from_model_config(model_config.to_dict(), mask_token_id=7).mask_token_id == 7
+
+
 def test_config_from_dict_rejects_unknown_strategy():
     with pytest.raises(ValueError, match="Unknown strategy"):
         config_from_dict({"strategy": "beam"})

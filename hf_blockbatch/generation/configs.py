@@ -116,6 +116,20 @@ class DiffusionGenerationConfig(GenerationConfig):
         if self.do_sample is None:  # stated, not left unset: transformers' pipelines add do_sample=True then
             self.follow_temperature()
 
+    @classmethod
+    def from_model_config(cls, model_config: Any, **kwargs: Any) -> DiffusionGenerationConfig:
+        """This strategy's defaults with the model's token ids (mask, EOS, padding, BOS).
+
+        transformers' version copies every field of the model config into the generation config,
+        and then compares the result with a base ``GenerationConfig`` field by field: for these
+        classes that fails (``d_model`` is no option of ours, and the base class has no
+        ``block_sizes``). A model config holds no decoding settings for a masked canvas, so only
+        its token ids carry over; ``kwargs`` set the strategy's options.
+        """
+        data = model_config if isinstance(model_config, dict) else model_config.to_dict()
+        ids = ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id")
+        return cls(**{k: data[k] for k in ids if data.get(k) is not None and k not in kwargs}, **kwargs)
+
     def follow_temperature(self) -> None:
         """Set ``do_sample`` from the temperature (sampling when > 0), as ``generate`` does when a call
         changes only the temperature."""
