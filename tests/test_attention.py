@@ -111,6 +111,58 @@ def test_window_batch_metadata() -> None:
     assert build_window_batch(hb.BranchCache(1, 2, 4, 1, 2), torch.tensor([0, 1]), torch.tensor([2, 4])).key_mask is None
 
 
+def strict_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, scale=None, causal=False, enable_gqa=False):
+    """A CPU stand-in for a CUDA varlen kernel that enforces its documented input rules (int32
+    contiguous ``cu_seqlens``, Python-int maxima that bound every segment, packed ``[T, H, D]``
+    inputs) and flash-attn's reshape of grouped queries when the longest query segment is 1."""
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.is_contiguous() and cu_k.is_contiguous()
+    assert type(max_q) is int and type(max_k) is int and not causal
+    segments, heads, kv_heads = cu_q.numel() - 1, q.shape[1], k.shape[1]
+    assert q.shape[0] == int(cu_q[-1]) and k.shape[0] >= int(cu_k[-1])
+    if max_q == 1 and heads > kv_heads:  # one query per segment is assumed on this path
+        q.reshape(segments, kv_heads, heads // kv_heads, q.shape[-1])
+    scale = softmax_scale if softmax_scale is not None else scale if scale is not None else q.shape[-1] ** -0.5
+    out = torch.zeros_like(q)
+    for i in range(segments):
+        qs, qe, ks, ke = (int(x) for x in (cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]))
+        assert qe - qs <= max_q and ke - ks <= max_k
+        if qe > qs:
+            kk, vv = (t[ks:ke].double().repeat_interleave(heads // kv_heads, 1) for t in (k, v))
+            probs = (torch.einsum("qhd,khd->hqk", q[qs:qe].double(), kk) * scale).softmax(-1)
+            out[qs:qe] = torch.einsum("hqk,khd->qhd", probs, vv).to(q.dtype)
+    return out
+
+
+def torch_29_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """PyTorch 2.9's ``varlen_attn`` signature: no ``scale``, no ``enable_gqa``."""
+    return strict_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, causal=is_causal)
+
+
+@pytest.mark.parametrize("kernel", ["flash_varlen", "torch_varlen", "torch_varlen_2.9"])
+@pytest.mark.parametrize("pads", [[0, 0, 0, 0], [0, 3, 1, 5]], ids=["unpadded", "left-padded"])
+def test_varlen_backends_call_the_kernel_by_its_rules(monkeypatch, kernel, pads) -> None:
+    """The CUDA backends' calls, on CPU through a strict stand-in: every window layout (one-token
+    windows with grouped-query heads included) matches brute force; a kernel without ``scale`` is
+    called without it, and refuses a scale it cannot apply."""
+    cls = BACKENDS[kernel.removesuffix("_2.9")]
+    monkeypatch.setattr(cls, "_fn", torch_29_varlen if kernel.endswith("2.9") else strict_varlen)
+    if cls.name == "torch_varlen":
+        monkeypatch.setattr(cls, "_gqa", not kernel.endswith("2.9"), raising=False)
+        monkeypatch.setattr(cls, "_scale", not kernel.endswith("2.9"), raising=False)
+    cache, g = setup("cpu", pads)
+    k_cache, v_cache = cache.layers[0].keys, cache.layers[0].values
+    for rows, starts, ends in [(None, [0, 5, 11, 2], [12, 9, 12, 3]), ([1, 3], [4, 6], [8, 12]), ([2], [7], [8]),
+                               (None, [3, 11, 11, 6], [4, 12, 12, 7])]:  # fmt: skip
+        rows = None if rows is None else torch.tensor(rows)
+        wb = build_window_batch(cache, torch.tensor(starts), torch.tensor(ends), rows)
+        q = torch.randn(wb.num_tokens, HQ, D, generator=g) * 2
+        want = brute_force_window(q, k_cache, v_cache, wb.rows, wb.starts, wb.lengths, cache.key_mask, D**-0.5)
+        torch.testing.assert_close(cls().window(q, k_cache, v_cache, wb, D**-0.5), want, atol=1e-5, rtol=1e-5)
+    if kernel.endswith("2.9"):
+        with pytest.raises(ValueError, match="no `scale` argument"):
+            cls().window(q, k_cache, v_cache, wb, 0.5)
+
+
 def test_window_batch_errors() -> None:
     cache = hb.BranchCache(1, 3, 6, 1, 2)
     t = torch.tensor

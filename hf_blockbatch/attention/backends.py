@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from collections.abc import Callable
 
 import torch
@@ -37,8 +38,8 @@ def _pad(q: torch.Tensor, wb: WindowBatch) -> torch.Tensor:
 
 
 def _unpad(out: torch.Tensor, wb: WindowBatch) -> torch.Tensor:
-    """Padded ``[A, H, W, D]`` → packed ``[T, H, D]``; row-major order matches the packing."""
-    return out.transpose(1, 2)[wb.pad_valid]
+    """Padded ``[A, H, W, D]`` → packed ``[T, H, D]``, gathered by the step's prebuilt indices."""
+    return out.transpose(1, 2)[wb.token_local, wb.token_col]
 
 
 def _rows_kv(cache_t: torch.Tensor, wb: WindowBatch) -> torch.Tensor:
@@ -49,6 +50,21 @@ def _rows_kv(cache_t: torch.Tensor, wb: WindowBatch) -> torch.Tensor:
 
 def _bool_key_mask(key_mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if key_mask is None else key_mask[:, None, None, :]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, scale: float):
+    """``scaled_dot_product_attention`` on ``[B, H, W, D]`` queries and ``[B, H_kv, L, D]`` keys.
+
+    Grouped-query heads go through ``enable_gqa``, except on CUDA with a mask: PyTorch's fused
+    CUDA kernels do not take both, and it would fall back to the math kernel, which materialises
+    float32 ``[B, H, W, L]`` scores (a padded Dream batch's every full forward). There the K/V heads
+    are expanded instead, as transformers' SDPA integration does.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and attn_mask is not None and q.is_cuda:
+        groups = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
 
 
 class AttentionBackend:
@@ -64,14 +80,7 @@ class AttentionBackend:
         raise NotImplementedError
 
     def dense(self, q, k, v, key_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=_bool_key_mask(key_mask),
-            scale=scale,
-            enable_gqa=q.shape[2] != k.shape[2],
-        )
+        out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), _bool_key_mask(key_mask), scale)
         return out.transpose(1, 2)
 
     def __repr__(self) -> str:
@@ -114,15 +123,7 @@ class SDPABackend(AttentionBackend):
     name = "sdpa"
 
     def window(self, q, k_cache, v_cache, wb, scale):
-        k = _rows_kv(k_cache, wb)
-        out = F.scaled_dot_product_attention(
-            _pad(q, wb),
-            k,
-            _rows_kv(v_cache, wb),
-            attn_mask=_bool_key_mask(wb.key_mask),
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+        out = _sdpa(_pad(q, wb), _rows_kv(k_cache, wb), _rows_kv(v_cache, wb), _bool_key_mask(wb.key_mask), scale)
         return _unpad(out, wb)
 
 
@@ -136,7 +137,6 @@ class GroupedSDPABackend(AttentionBackend):
 
     def window(self, q, k_cache, v_cache, wb, scale):
         out = torch.empty_like(q)
-        gqa = q.shape[1] != k_cache.shape[2]
         for local, index, view in wb.length_groups():
             if view is not None:  # evenly spaced cache rows: a strided view, no copy
                 k, v = k_cache[view].transpose(1, 2), v_cache[view].transpose(1, 2)
@@ -145,8 +145,7 @@ class GroupedSDPABackend(AttentionBackend):
                 k = k_cache.index_select(0, rows).transpose(1, 2)
                 v = v_cache.index_select(0, rows).transpose(1, 2)
             mask = None if wb.key_mask is None else wb.key_mask[local][:, None, None, :]
-            o = F.scaled_dot_product_attention(q[index].transpose(1, 2), k, v, attn_mask=mask, scale=scale,
-                                               enable_gqa=gqa)  # fmt: skip
+            o = _sdpa(q[index].transpose(1, 2), k, v, mask, scale)
             out[index.reshape(-1)] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
         return out
 
@@ -178,9 +177,13 @@ class _VarlenBackend(AttentionBackend):
         wb.ensure_segments()
         k = k_cache.reshape(-1, *k_cache.shape[2:])  # [R * L, H_kv, D]: a view, no copy
         v = v_cache.reshape(-1, *v_cache.shape[2:])
-        return self._call(self._load(), q, k, v, wb, scale)
+        # At a longest window of 1 with grouped-query heads, flash-attn (and PyTorch's copy of it)
+        # reshapes the queries as one per sequence, which two segments per row (one with no
+        # queries) break. The bound only sizes the kernel's grid, so 2 computes the same.
+        max_q = max(wb.max_len, 2)
+        return self._call(self._load(), q, k, v, wb, max_q, scale)
 
-    def _call(self, fn, q, k, v, wb: WindowBatch, scale: float) -> torch.Tensor:
+    def _call(self, fn, q, k, v, wb: WindowBatch, max_q: int, scale: float) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -193,18 +196,26 @@ class TorchVarlenBackend(_VarlenBackend):
     def _import(cls) -> Callable:
         from torch.nn.attention.varlen import varlen_attn
 
-        cls._gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
+        params = inspect.signature(varlen_attn).parameters
+        cls._gqa, cls._scale = "enable_gqa" in params, "scale" in params
         return varlen_attn
 
-    def _call(self, fn, q, k, v, wb, scale):
-        kwargs = {"scale": scale}
+    def _call(self, fn, q, k, v, wb, max_q, scale):
+        kwargs = {}
+        if self._scale:
+            kwargs["scale"] = scale
+        elif not math.isclose(scale, q.shape[-1] ** -0.5):  # PyTorch 2.9's kernel always scales by D^-0.5
+            raise ValueError(
+                f"This PyTorch's varlen_attn has no `scale` argument and cannot use softmax scale {scale}: "
+                "upgrade PyTorch (>= 2.10), or model.set_attention_backend('sdpa_grouped')."
+            )
         if q.shape[1] != k.shape[1]:
             if self._gqa:
                 kwargs["enable_gqa"] = True
             else:  # older PyTorch: expand the KV heads
                 groups = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        return fn(q, k, v, wb.seg_cu_q, wb.seg_cu_k, wb.max_len, wb.length, **kwargs)
+        return fn(q, k, v, wb.seg_cu_q, wb.seg_cu_k, max_q, wb.length, **kwargs)
 
 
 class FlashVarlenBackend(_VarlenBackend):
@@ -218,8 +229,8 @@ class FlashVarlenBackend(_VarlenBackend):
 
         return flash_attn_varlen_func
 
-    def _call(self, fn, q, k, v, wb, scale):
-        return fn(q, k, v, wb.seg_cu_q, wb.seg_cu_k, wb.max_len, wb.length, softmax_scale=scale, causal=False)
+    def _call(self, fn, q, k, v, wb, max_q, scale):
+        return fn(q, k, v, wb.seg_cu_q, wb.seg_cu_k, max_q, wb.length, softmax_scale=scale, causal=False)
 
 
 BACKENDS: dict[str, type[AttentionBackend]] = {

@@ -26,19 +26,20 @@ def packed_index(valid: torch.Tensor) -> torch.Tensor:
 
 def pack_ranges(
     starts: torch.Tensor, lengths: torch.Tensor, max_len: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack per-row ranges ``[start, start + length)`` into one buffer, row-major.
 
-    Returns ``(token_row, token_pos, pad_index, pad_valid)``: for each packed token its row (local
-    index) and position; for the padded ``[A, max_len]`` view of the same tokens, the packed index
-    of each slot (0 where invalid) and which slots are real. Shared by the attention metadata and
-    the decoders, so both agree on the packing order by construction.
+    Returns ``(token_row, token_col, token_pos, pad_index, pad_valid)``: for each packed token its
+    row (local index), its slot in that row's range and its position; for the padded
+    ``[A, max_len]`` view of the same tokens, the packed index of each slot (0 where invalid) and
+    which slots are real. ``token_row`` and ``token_col`` index the padded view directly, so
+    unpadding never needs a boolean mask (which would sync the host with the device).
     """
     offsets = torch.arange(max_len, device=starts.device)
     pad_valid = offsets[None, :] < lengths[:, None]
-    token_pos = (starts[:, None] + offsets[None, :])[pad_valid]
     token_row = torch.arange(starts.shape[0], device=starts.device)[:, None].expand_as(pad_valid)[pad_valid]
-    return token_row, token_pos, packed_index(pad_valid), pad_valid
+    token_col = offsets.expand_as(pad_valid)[pad_valid]
+    return token_row, token_col, starts[token_row] + token_col, packed_index(pad_valid), pad_valid
 
 
 @dataclass
@@ -54,6 +55,8 @@ class WindowBatch:
     cu_seqlens: torch.Tensor  # [A+1] int32 cumulative lengths of the packed queries
     max_len: int  # W
     token_rows: torch.Tensor  # [T] cache row of each query
+    token_local: torch.Tensor  # [T] active-row index (0..A-1) of each query
+    token_col: torch.Tensor  # [T] slot of each query in its row's padded window: the padded view is [token_local, token_col]
     token_pos: torch.Tensor  # [T] canvas position of each query
     flat_slots: torch.Tensor  # [T] row * L + position: where each query's K/V goes in the cache
     rope_pos: torch.Tensor  # [T] RoPE position (padding-corrected) of each query
@@ -168,7 +171,7 @@ def build_window_batch(
         all_rows = True  # strictly increasing and complete means arange
 
     A, W = rows.shape[0], int(len_max)
-    local_rows, token_pos, pad_index, pad_valid = pack_ranges(starts, lengths, W)
+    local_rows, token_col, token_pos, pad_index, pad_valid = pack_ranges(starts, lengths, W)
     token_rows = rows[local_rows]
     cu = torch.zeros(A + 1, dtype=torch.int32, device=device)
     cu[1:] = lengths.cumsum(0).to(torch.int32)
@@ -182,6 +185,8 @@ def build_window_batch(
         cu_seqlens=cu,
         max_len=W,
         token_rows=token_rows,
+        token_local=local_rows,
+        token_col=token_col,
         token_pos=token_pos,
         flat_slots=token_rows * cache.length + token_pos,
         rope_pos=cache.position_ids[token_rows, token_pos],

@@ -265,7 +265,7 @@ class DiffusionLMMixin:
         hidden = self._run(self._embed(input_ids[wb.token_rows, wb.token_pos]), ctx)
         if shift:
             # the last `shift` queries of each row predict past the window: keep the others
-            keep = wb.token_pos < (ends[:, None].expand_as(wb.pad_valid)[wb.pad_valid] - shift)
+            keep = wb.token_pos < ends[wb.token_local] - shift
             hidden = hidden[keep]
         if logits_mask is not None:
             if tuple(logits_mask.shape) != (hidden.shape[0],):
