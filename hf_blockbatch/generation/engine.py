@@ -181,6 +181,7 @@ class _Run:
         self._propose_masked_only = plan.temperature == 0 and plan.remasking == "low_confidence"
         self._mask_logits = bool(getattr(model, "supports_logits_mask", False))
         self.forward_seconds = 0.0
+        self._forward_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.sample_seconds = 0.0
         self.streamed = 0
         self._windows: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]] | None = None
@@ -190,13 +191,19 @@ class _Run:
 
     # ------------------------------------------------------------------ forwards
     def _timed(self, fn, *args, **kwargs):
+        """A model forward, timed apart from the policy. On CUDA by a pair of events read once the
+        run ends, so timing never stalls the host (a synchronize around every forward would stop
+        the CPU from queueing the forward's kernels while the policy's still run)."""
         # `self._cuda` is read once: `model.device` walks the module tree (~50 us a call)
         if self._cuda:
-            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            self._forward_events.append((start, end))
+            return out
         t = time.perf_counter()
         out = fn(*args, **kwargs)
-        if self._cuda:
-            torch.cuda.synchronize()
         self.forward_seconds += time.perf_counter() - t
         return out
 
@@ -679,6 +686,9 @@ class _Run:
         self.stream(final=True)
         if self.streamer is not None:
             self.streamer.end()
+        if self._cuda:  # the call's wall time includes its last kernels; then the events can be read
+            torch.cuda.synchronize()
+            self.forward_seconds = sum(a.elapsed_time(b) for a, b in self._forward_events) / 1000
         total = time.perf_counter() - t0
         for st in self.stats:
             st["seconds"] = total
