@@ -12,8 +12,13 @@
    gives the alone tokens (bf16 kernels may round differently per shape: reported, not asserted),
    and whether the window backends decode the same tokens.
 
-Writes ``benchmarks/results/gpu_check.json`` (or ``$OUT/gpu_check.json`` when ``OUT`` is set).
-Usage: ``python benchmarks/gpu_check.py [--layers 32] [--repeats 20] [--decode-layers 8]``;
+Writes ``benchmarks/results/gpu_check.json`` (or ``$OUT/gpu_check.json`` when ``OUT`` is set)
+after every section, and a section that fails is recorded with its error while the others still
+run: a lease is never spent for nothing. Usage, from the repository root (on a machine where the
+package is not installed, ``PYTHONPATH=.`` finds it)::
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py [--layers 32] [--repeats 20] [--decode-layers 8]
+
 ``--dry-run`` runs section 3 alone on this machine's CPU at a small width, to check the script.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -176,14 +182,24 @@ def main() -> None:
         "torch": torch.__version__,
         "backends": available_backends(device, torch.bfloat16),
     }
-    report["agreement_max_abs_logit_diff_vs_reference"] = agreement(device)
-    print(json.dumps(report, indent=1), flush=True)
-    report["latency"] = latency(device, args.layers, args.repeats)
-    report["decoding"] = decoding(device, torch.bfloat16, args.decode_layers, 4096, args.threshold, args.decode_new_tokens)
-    out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
+    out = Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "gpu_check.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sections = {
+        "agreement_max_abs_logit_diff_vs_reference": lambda: agreement(device),
+        "latency": lambda: latency(device, args.layers, args.repeats),
+        "decoding": lambda: decoding(
+            device, torch.bfloat16, args.decode_layers, 4096, args.threshold, args.decode_new_tokens
+        ),
+    }
+    for name, section in sections.items():
+        try:
+            report[name] = section()
+        except Exception as error:  # recorded, and the next section still runs
+            logging.exception("section %s failed", name)
+            report[name] = {"error": f"{type(error).__name__}: {error}"}
+        torch.cuda.empty_cache()
+        out.write_text(json.dumps(report, indent=1))
+        print(json.dumps({name: report[name]}, indent=1), flush=True)
 
 
 if __name__ == "__main__":
