@@ -49,6 +49,7 @@ def _ensure_package() -> None:
 _ensure_package()
 
 import hf_blockbatch as hb  # noqa: E402
+from hf_blockbatch.generation.outputs import answer_lengths  # noqa: E402
 
 logger = logging.getLogger("hf_blockbatch.demo")
 
@@ -480,19 +481,13 @@ class SideResult:
         return out
 
 
-def _token_labels(tokenizer: Any, ids: list[int], mask_id: int | None) -> tuple[list[tuple[str, str]], int]:
-    """A short printable label and a kind (tok, eos, eot, mask) per generated id, and the answer
-    length (positions before the first end token), which tokens/s counts: the strategies decode
-    different amounts of padding after the answer, so counting it would flatter the slower one."""
-    ends = {int(t) for t in ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])}
-    vocab = tokenizer.get_vocab()
-    eots = {vocab[t] for t in ("<|eot_id|>", "<|im_end|>") if t in vocab}
+def _token_labels(tokenizer: Any, ids: list[int], mask_id: int | None, end_ids: list[int]) -> list[tuple[str, str]]:
+    """A short printable label and a kind (tok, eos, eot, mask) per generated id."""
+    ends = set(end_ids)
     labels: list[tuple[str, str]] = []
-    answer = None
-    for i, t in enumerate(ids):
-        if t in ends or t in eots:
-            labels.append(("EOS" if t in ends else "EOT", "eos"))
-            answer = i if answer is None else answer
+    for t in ids:
+        if t in ends:
+            labels.append(("EOS" if t == tokenizer.eos_token_id else "EOT", "eos"))
             continue
         if mask_id is not None and t == mask_id:
             labels.append(("", "mask"))
@@ -502,7 +497,7 @@ def _token_labels(tokenizer: Any, ids: list[int], mask_id: int | None) -> tuple[
         if not text.strip():
             text = "␣" * max(1, len(text))
         labels.append((text[:18], "tok"))
-    return labels, len(ids) if answer is None else answer
+    return labels
 
 
 def _printable(text: str) -> str:
@@ -526,8 +521,13 @@ def run_side(loaded: LoadedModel, ids: torch.Tensor, config: Any, key: str, sett
         if config.mask_token_id is not None
         else getattr(model.config, "mask_token_id", None)
     )
-    labels, answer = _token_labels(tokenizer, gen, mask_id)
-    text = _printable(tokenizer.decode(gen[:answer], skip_special_tokens=True).strip())
+    # the answer ends at the first end token; tokens/s counts only it: the strategies decode
+    # different amounts of padding after the answer, so counting that would flatter the slower one
+    end_ids = hb.end_token_ids(tokenizer, model.config)
+    labels = _token_labels(tokenizer, gen, mask_id, end_ids)
+    new = out.sequences[:1, ids.shape[1] :]
+    answer = int(answer_lengths(new, end_ids)[0])
+    text = _printable(hb.answer_texts(tokenizer, new, end_ids)[0].strip())
     block_sizes = [int(b["block_size"]) for b in stats.get("branches", [])] or [settings.fast_block]
     frames, log = build_frames(stats.get("trace", []), block_sizes, len(gen))
     if key == "blockbatch":

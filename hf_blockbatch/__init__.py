@@ -16,9 +16,11 @@ from hf_blockbatch.generation import (
     DiffusionGenerateOutput,
     FastDLLMConfig,
     VanillaDiffusionConfig,
+    answer_texts,
     custom_generate,
     diffusion_generate,
     enable,
+    end_token_ids,
 )
 from hf_blockbatch.hub import TINY_DREAM, TINY_LLADA, load_model
 from hf_blockbatch.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM
@@ -50,8 +52,10 @@ __all__ = [
     "TINY_LLADA",
     "VanillaDiffusionConfig",
     "__version__",
+    "answer_texts",
     "custom_generate",
     "diffusion_generate",
     "enable",
+    "end_token_ids",
     "load_model",
 ]

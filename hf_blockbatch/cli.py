@@ -36,7 +36,7 @@ def _encode(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from hf_blockbatch import BlockBatchConfig, FastDLLMConfig
+    from hf_blockbatch import BlockBatchConfig, FastDLLMConfig, answer_texts, end_token_ids
     from hf_blockbatch.hub import load_model
 
     model, tokenizer = load_model(args.model, device=args.device)
@@ -53,7 +53,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         out = model.generate(ids, generation_config=cfg, return_dict_in_generate=True)
         seconds = time.perf_counter() - start
-        text = tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True).strip()
+        text = answer_texts(tokenizer, out.sequences[:, ids.shape[1] :], end_token_ids(tokenizer, model.config))[0].strip()
         nfe = int(out.nfe[0])
         rows.append((name, nfe, seconds))
         print(f"── {name}\n{text}\n   NFE {nfe}   {seconds:.2f} s   winner block {out.stats[0]['winner_block_size']}\n")

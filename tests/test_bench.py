@@ -77,6 +77,14 @@ def _strip_timing(rows):
 # ----------------------------------------------------------------------------- configs
 
 
+
+def _answer(tok, new_tokens) -> str:
+    """The scored text, written plainly: the tokens before the first EOS or end-of-turn token."""
+    ends = {tok.eos_token_id, tok.convert_tokens_to_ids("<|eot_id|>")}
+    ids = new_tokens.tolist()
+    n = next((i for i, t in enumerate(ids) if t in ends), len(ids))
+    return tok.decode(ids[:n], skip_special_tokens=True)
+
 def test_overrides_and_method_configs():
     ov = parse_overrides(["blockbatch.block_sizes=4,8,16", "fast_dllm.block_length=64", "fast_dllm.threshold=0.8",
                           "vanilla.remasking=random", "blockbatch.merge=false"])  # fmt: skip
@@ -195,7 +203,7 @@ def test_bench_rows_table_plots_and_nfe(tiny, tmp_path):
     cfgs = build_method_configs(list(runner.BASE_METHODS), 24, {})
     for m, cfg in cfgs.items():
         res = model.generate(enc.input_ids, enc.attention_mask, generation_config=cfg, return_dict_in_generate=True)
-        texts = tok.batch_decode(res.sequences[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
+        texts = [_answer(tok, row) for row in res.sequences[:, enc.input_ids.shape[1] :]]
         got = [r for r in rows if r["task"] == "arith" and r["method"] == m][:2]
         assert [r["nfe"] for r in got] == res.nfe.tolist(), m
         assert [r["output"] for r in got] == texts, m
@@ -273,7 +281,7 @@ def test_lm_eval_adapter_generate_until(tiny):
         enc = tok([c], return_tensors="pt")  # raw context: the tokenizer adds BOS
         cfg = hb.FastDLLMConfig(max_new_tokens=16, block_length=8)
         res = model.generate(enc.input_ids, enc.attention_mask, generation_config=cfg, return_dict_in_generate=True)
-        text = tok.decode(res.sequences[0, enc.input_ids.shape[1] :], skip_special_tokens=True)
+        text = _answer(tok, res.sequences[0, enc.input_ids.shape[1] :])
         assert o == text.split("\n")[0].split("Question:")[0]
     with pytest.raises(NotImplementedError, match="log-likelihood"):
         lm.loglikelihood([_FakeInstance("a", "b")])

@@ -369,6 +369,22 @@ def test_config_from_model_config_takes_the_token_ids(cls):
     assert cls.from_model_config(model_config.to_dict(), mask_token_id=7).mask_token_id == 7
 
 
+@pytest.mark.parametrize("name", [hb.TINY_LLADA, hb.TINY_DREAM])
+def test_answer_texts_end_at_the_first_end_token(name):
+    """What a fixed-length canvas holds after the first EOS or end-of-turn token is not part of the
+    answer (the CLI, the bench, the lm-eval adapter and the demo all score or show this text)."""
+    model, tok = hb.load_model(name)
+    eot = tok.convert_tokens_to_ids("<|eot_id|>" if name == hb.TINY_LLADA else "<|im_end|>")
+    a, b = tok.encode("12 + 3", add_special_tokens=False), tok.encode(" #### 7", add_special_tokens=False)
+    rows = [a + [eot] + b, a + [tok.eos_token_id] + b, a + b + b[:1] + b[:1] + [eot]]
+    new = torch.tensor([r[:len(rows[0])] for r in rows])
+    assert set(hb.end_token_ids(tok, model.config)) >= {tok.eos_token_id, eot}
+    texts = hb.answer_texts(tok, new, hb.end_token_ids(tok, model.config))
+    assert texts[:2] == [tok.decode(a)] * 2
+    assert texts[2] == tok.decode(new[2].tolist(), skip_special_tokens=True)  # no end token: every token
+    assert "7" in texts[2]
+
+
 def test_config_from_dict_rejects_unknown_strategy():
     with pytest.raises(ValueError, match="Unknown strategy"):
         config_from_dict({"strategy": "beam"})

@@ -42,10 +42,14 @@ from typing import Any
 import torch
 
 from hf_blockbatch.eval.runner import BASE_METHODS, build_method_configs, partial_state, shard_info
+from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["HAVE_LM_EVAL", "HFBlockBatchLM", "main"]
+
+#: the canvas length when neither ``gen_length`` nor the task's ``max_gen_toks`` sets one
+DEFAULT_GEN_LENGTH = 256
 
 try:  # pragma: no cover - depends on the optional extra
     from lm_eval.api.model import LM as _LMBase
@@ -113,8 +117,13 @@ class HFBlockBatchLM(_LMBase):
             if device_map is not None:
                 self.model, self.tokenizer = load_model(pretrained, dtype=torch_dtype, device_map=device_map)
             else:
-                if device is None or (device == "cuda" and self._world_size > 1):
+                # the harness passes "cuda:0" by default: under a launcher each process takes its own
+                # GPU, and without CUDA the model stays on the CPU (as the harness's own HF model does)
+                if device is None or (str(device).startswith("cuda") and self._world_size > 1):
                     device = f"cuda:{shard.local_rank}" if torch.cuda.is_available() else "cpu"
+                elif str(device).startswith("cuda") and not torch.cuda.is_available():
+                    logger.warning("device=%s but CUDA is not available: running on the CPU", device)
+                    device = "cpu"
                 self.model, self.tokenizer = load_model(pretrained, device=device, dtype=torch_dtype)
             self._name = pretrained
         else:  # an already loaded model (tests, notebooks)
@@ -125,12 +134,14 @@ class HFBlockBatchLM(_LMBase):
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self._device = next(self.model.parameters()).device
+        self._end_ids = end_token_ids(self.tokenizer, self.model.config)
         self.method = method
         self.gen_length = int(gen_length) if gen_length is not None else None
         # "auto" (the harness's batch-size search) has no meaning here: decode one at a time
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1
         self.overrides = {method: {k: _field_value(v) for k, v in config_fields.items()}}
-        build_method_configs([method], 32, self.overrides)  # fail on a bad field now, not after loading data
+        # fail on a bad field now, not after loading data (at the length the first request will likely use)
+        build_method_configs([method], self.gen_length or DEFAULT_GEN_LENGTH, self.overrides)
         #: NFE of every request decoded so far, in order
         self.nfe: list[int] = []
         self.seconds = 0.0
@@ -195,7 +206,7 @@ class HFBlockBatchLM(_LMBase):
     def _gen_length(self, gen_kwargs: dict[str, Any]) -> int:
         if self.gen_length is not None:
             return self.gen_length
-        return int(gen_kwargs.get("max_gen_toks") or gen_kwargs.get("max_new_tokens") or 256)
+        return int(gen_kwargs.get("max_gen_toks") or gen_kwargs.get("max_new_tokens") or DEFAULT_GEN_LENGTH)
 
     def _settings_key(self, gen_kwargs: dict[str, Any]) -> tuple:
         temperature = float(gen_kwargs.get("temperature", 0.0) or 0.0) if gen_kwargs.get("do_sample", True) else 0.0
@@ -215,7 +226,7 @@ class HFBlockBatchLM(_LMBase):
             result = self.model.generate(ids, mask, generation_config=cfg, return_dict_in_generate=True)
         self.seconds += time.perf_counter() - t0
         self.nfe.extend(int(n) for n in result.nfe)
-        texts = self.tokenizer.batch_decode(result.sequences[:, ids.shape[1] :], skip_special_tokens=True)
+        texts = answer_texts(self.tokenizer, result.sequences[:, ids.shape[1] :], self._end_ids)
         until = gen_kwargs.get("until") or []
         if isinstance(until, str):
             until = [until]

@@ -41,6 +41,7 @@ import torch
 
 from hf_blockbatch.eval.base import EvalItem, Task
 from hf_blockbatch.eval.stats import wilson_interval
+from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -480,6 +481,7 @@ def run_bench(
     out_dir.mkdir(parents=True, exist_ok=True)
     if model is None or tokenizer is None:
         model, tokenizer = _load(settings, shard)
+    end_ids = end_token_ids(tokenizer, model.config)
     device = _input_device(model)
     chat = settings.chat if settings.chat is not None else bool(getattr(tokenizer, "chat_template", None))
 
@@ -536,7 +538,7 @@ def run_bench(
                 _synchronize(device)
                 seconds = time.perf_counter() - t0
                 new = out.sequences[:, ids.shape[1] :]
-                texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+                texts = answer_texts(tokenizer, new, end_ids)
                 batch_items = [items[i] for i in idx]
                 scores = _score_all(task, batch_items, texts)
                 for j, (i, item, text, score) in enumerate(zip(idx, batch_items, texts, scores)):

@@ -13,7 +13,7 @@ from hf_blockbatch.generation.mixin import (
     diffusion_generate,
     enable,
 )
-from hf_blockbatch.generation.outputs import DiffusionGenerateOutput
+from hf_blockbatch.generation.outputs import DiffusionGenerateOutput, answer_texts, end_token_ids
 
 __all__ = [
     "BlockBatchConfig",
@@ -22,8 +22,10 @@ __all__ = [
     "DiffusionGenerationConfig",
     "FastDLLMConfig",
     "VanillaDiffusionConfig",
+    "answer_texts",
     "config_from_dict",
     "custom_generate",
     "diffusion_generate",
     "enable",
+    "end_token_ids",
 ]

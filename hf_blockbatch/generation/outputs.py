@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.utils import ModelOutput
 
-__all__ = ["DiffusionGenerateOutput"]
+__all__ = ["DiffusionGenerateOutput", "answer_lengths", "answer_texts", "end_token_ids"]
+
+#: End-of-turn markers of the chat formats in use (LLaDA / Llama-3, Dream / Qwen), by text: not
+#: every config names them, but an answer ends at them as it does at EOS.
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>")
 
 
 @dataclass
@@ -27,3 +32,33 @@ class DiffusionGenerateOutput(ModelOutput):
     sequences: torch.Tensor | None = None
     nfe: torch.Tensor | None = None
     stats: list[dict[str, Any]] | None = None
+
+
+def end_token_ids(tokenizer: Any, model_config: Any = None) -> list[int]:
+    """The ids that end an answer: EOS (tokenizer's and model config's) and the end-of-turn tokens."""
+    ids: set[int] = set()
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(model_config, "eos_token_id", None),
+                  getattr(model_config, "eot_token_id", None)):  # fmt: skip
+        if value is not None:
+            ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+    return sorted(ids)
+
+
+def answer_lengths(new_tokens: torch.Tensor, end_ids: Iterable[int]) -> torch.Tensor:
+    """``[B]`` tokens before each row's first end token (the row's length when it has none).
+
+    A masked canvas has a fixed length: what a decoder left after the first end token (more text
+    when it decodes to the end, padding or masks when it stopped early) is not part of the answer,
+    as an autoregressive ``generate`` would have stopped there. Scoring it would also treat the
+    strategies unequally, since they fill that region differently.
+    """
+    is_end = torch.isin(new_tokens, torch.tensor(list(end_ids), dtype=new_tokens.dtype, device=new_tokens.device))
+    return torch.where(is_end.any(-1), is_end.int().argmax(-1), new_tokens.shape[-1])
+
+
+def answer_texts(tokenizer: Any, new_tokens: torch.Tensor, end_ids: Iterable[int]) -> list[str]:
+    """Each row's answer text: the new tokens before its first end token, special tokens removed."""
+    lengths = answer_lengths(new_tokens, end_ids).tolist()
+    return tokenizer.batch_decode([row[:n] for row, n in zip(new_tokens.tolist(), lengths)], skip_special_tokens=True)
