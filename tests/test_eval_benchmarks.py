@@ -178,6 +178,11 @@ def test_extract_code() -> None:
     # a fence after the stop belongs to an invented next example
     assert extract_code("x = 1\n[DONE]\n```python\ny = 2\n```", ["[DONE]"]) == "x = 1\n"
     assert extract_code("") == ""
+    # a fence after bare code closes it (a HumanEval body, then the prompt block's closing fence)
+    body = "    return number % 1.0\n"
+    assert extract_code(body + "\n```") == body
+    assert extract_code(body + "```\nThis returns the decimal part.") == body
+    assert extract_code("def f():\n    return 1\n```\n```python\nx = 2\n```") == "def f():\n    return 1\n"
 
 
 # ---------------------------------------------------------------------------- code scoring

@@ -435,12 +435,15 @@ def math_is_correct(completion: str, gold_answer: str) -> Score:
     return Score(correct=correct, extracted=pred, detail=f"gold={gold_answer}")
 
 
+# a line of code rather than prose: indented, or opening with a statement keyword or a decorator
+_CODE_LINE_RE = re.compile(r"^(?:[ \t]+\S|(?:def|class|import|from|return|if|for|while|with|try|async)\b|@)", re.M)
 _FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
 def extract_code(completion: str, stops: Sequence[str] = ()) -> str:
     """The code in a completion: the first fenced block if there is one, else the text; cut at
-    ``stops`` (e.g. ``[DONE]``).
+    ``stops`` (e.g. ``[DONE]``). A fence that follows code (a bare function body, then the
+    closing fence of the prompt's block) closes that code instead of opening a block.
 
     Why: chat models answer "Here is the function:\\n```python\\n...\\n```", base models with
     few-shot prompts continue with bare code and then invent the next example. Both must reach
@@ -448,9 +451,13 @@ def extract_code(completion: str, stops: Sequence[str] = ()) -> str:
     """
     text = completion.replace("\r\n", "\n")
     # a stop sequence before any fence ends the answer (base models: "...code\n[DONE]\n\nYou are ...")
-    m = _FENCE_RE.search(text)
-    if m is not None and truncate_at(text, stops).find("```") >= 0:
-        text = m.group(2)
+    head = truncate_at(text, stops)
+    first = head.find("```")
+    if first >= 0:
+        if _CODE_LINE_RE.search(head[:first]):  # bare code (a function body) then a closing fence
+            text = head[:first]
+        elif (m := _FENCE_RE.search(text)) is not None:
+            text = m.group(2)
     text = truncate_at(text, stops)
     # leftovers of the few-shot format
     text = text.replace("[BEGIN]", "")
