@@ -92,6 +92,10 @@ def test_extract_math_answer() -> None:
     assert extract_math_answer(r"Thus the area is $\boxed{12\pi}$.") == r"12\pi"
     assert extract_math_answer(r"The final answer is $\boxed{5}$.") == "5"
     assert extract_math_answer("I do not know.") is None
+    # unformatted: the answer ends with its line or its sentence, not only with the text
+    assert extract_math_answer("The final answer is 12\n\nLet me know if that helps.") == "12"
+    assert extract_math_answer("The final answer is 3.5. Let me know.") == "3.5"
+    assert extract_math_answer("So the final answer is: 7") == "7"
 
 
 def test_math_stop_sequence_and_score() -> None:

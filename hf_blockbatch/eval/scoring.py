@@ -192,7 +192,8 @@ _FINAL_ANSWER_RES = (
     # minerva's exact target format (the few-shot examples end this way)
     re.compile(r"final answer is\s*\$(.+?)\$\s*\.?\s*I hope it is correct", re.IGNORECASE | re.DOTALL),
     re.compile(r"final answer is\s*\$(.+?)\$", re.IGNORECASE | re.DOTALL),
-    re.compile(r"final answer is:?\s*(.+?)\s*(?:\.\s*I hope it is correct|\.?\s*$|\.\s*\n)", re.IGNORECASE),
+    # unformatted: up to the end of the sentence or of the line ("3.5" keeps its point)
+    re.compile(r"final answer is:?[ \t]*(.+?)[ \t]*(?:\.\s*I hope it is correct|\.?[ \t]*(?:\n|$)|\.\s)", re.IGNORECASE),
 )
 
 
