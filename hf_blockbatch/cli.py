@@ -69,26 +69,48 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _threads(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (or 0: torch's choice), got {value}")
+    return value
+
+
+def _task_path(text: str) -> tuple[str, str]:
+    task, sep, path = text.partition("=")
+    if not sep or not task or not path:
+        raise argparse.ArgumentTypeError(f"expected TASK=PATH, e.g. gsm8k=gsm8k_test.jsonl, got {text!r}")
+    return task, path
+
+
 def _names(values: list[str]) -> list[str]:
     """``--task arith code`` and ``--task arith,code`` alike."""
     return [n for v in values for n in v.split(",") if n]
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from hf_blockbatch.eval.runner import BenchSettings, parse_overrides, run_bench
+    from hf_blockbatch.eval.runner import BASE_METHODS, TINY_TASKS, BenchSettings, parse_overrides, run_bench
 
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = BenchSettings(
-        model=args.model, tasks=_names(args.task), methods=_names(args.methods),
+        model=args.model, tasks=_names(args.task or list(TINY_TASKS)), methods=_names(args.methods or list(BASE_METHODS)),
         overrides=parse_overrides(args.set, args.configs), sweep_blocks=args.sweep_blocks or [],
         limit=args.limit, batch_size=args.batch_size, seed=args.seed, gen_length=args.gen_length,
         output_dir=args.output_dir, device=args.device, dtype=args.dtype, device_map=args.device_map,
-        chat=False if args.no_chat else None, data_paths=dict(kv.split("=", 1) for kv in args.data),
+        chat=False if args.no_chat else None, data_paths=dict(args.data),
         progress=not args.no_progress, plots=not args.no_plots,
     )  # fmt: skip
-    if settings.batch_size < 1:
-        raise ValueError("--batch-size must be >= 1")
+    unknown = sorted(set(settings.data_paths) - set(settings.tasks))
+    if unknown:
+        raise ValueError(f"--data names {', '.join(unknown)}, which --task does not run ({', '.join(settings.tasks)}).")
     summary = run_bench(settings)
     if summary is not None:  # process 0
         print((Path(settings.output_dir) / "summary.md").read_text(encoding="utf-8"))
@@ -129,13 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="answer one prompt with Fast-dLLM and BlockBatch side by side")
     gen.add_argument("--model", default="tiny-llada", help="tiny-llada, tiny-dream, a Hub id or a local folder")
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
-    gen.add_argument("--max-new-tokens", type=int, default=96)
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=96)
     gen.add_argument("--threshold", type=float, default=0.9)
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template (base models)")
     gen.set_defaults(func=cmd_generate)
 
-    from hf_blockbatch.eval.runner import ALL_TASKS, BASE_METHODS, TINY_TASKS
+    from hf_blockbatch.eval.runner import ALL_TASKS, BASE_METHODS
 
     bench = sub.add_parser(
         "bench",
@@ -144,19 +166,19 @@ def build_parser() -> argparse.ArgumentParser:
         "BlockBatch on tasks. Several processes: accelerate launch --num_processes N -m hf_blockbatch.cli bench ...",
     )
     bench.add_argument("--model", default="tiny-llada", help="tiny-llada, tiny-dream, a Hub id or a local folder")
-    bench.add_argument("--task", nargs="+", default=list(TINY_TASKS), metavar="TASK",
+    bench.add_argument("--task", nargs="+", action="extend", default=None, metavar="TASK",
                        help=f"one or more of {', '.join(ALL_TASKS)} (default: the tiny suites)")  # fmt: skip
-    bench.add_argument("--methods", nargs="+", default=list(BASE_METHODS), metavar="METHOD",
+    bench.add_argument("--methods", nargs="+", action="extend", default=None, metavar="METHOD",
                        help=f"any of {', '.join(BASE_METHODS)}, or a method defined in --configs")  # fmt: skip
     bench.add_argument("--set", action="append", default=[], metavar="METHOD.FIELD=VALUE",
                        help="override a config field, e.g. blockbatch.block_sizes=4,8,16 or fast_dllm.block_length=64 "
                        "(fast_dllm overrides also apply to fast_dllm_early_stop and the sweep)")  # fmt: skip
     bench.add_argument("--configs", default=None, metavar="JSON",
                        help='a JSON file {"method": {"field": value}}; a new name with "strategy" adds a method')  # fmt: skip
-    bench.add_argument("--limit", type=int, default=None, help="first N items of each task")
-    bench.add_argument("--batch-size", type=int, default=1, help="requests per generate call (left padding)")
+    bench.add_argument("--limit", type=_positive_int, default=None, help="first N items of each task")
+    bench.add_argument("--batch-size", type=_positive_int, default=1, help="requests per generate call (left padding)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the sampling noise (temperature > 0)")
-    bench.add_argument("--gen-length", type=int, default=None, help="new tokens (default: the task's own)")
+    bench.add_argument("--gen-length", type=_positive_int, default=None, help="new tokens (default: the task's own)")
     bench.add_argument("--sweep-blocks", type=_int_list, default=None, metavar="B1,B2,...",
                        help="also run Fast-dLLM at these block sizes (the fixed-block frontier), e.g. 4,8,16,32,64")  # fmt: skip
     bench.add_argument("--output-dir", default="benchmarks/results/bench")
@@ -165,9 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="accelerate device map, e.g. auto: one model over all visible GPUs (larger than one GPU)")  # fmt: skip
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     bench.add_argument("--no-chat", action="store_true", help="do not apply the chat template (base models)")
-    bench.add_argument("--data", action="append", default=[], metavar="TASK=PATH",
+    bench.add_argument("--data", action="append", type=_task_path, default=[], metavar="TASK=PATH",
                        help="a local data file for a benchmark, e.g. gsm8k=gsm8k_test.jsonl")  # fmt: skip
-    bench.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    bench.add_argument("--threads", type=_threads, default=0, help="torch CPU threads (default: torch's choice)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     bench.set_defaults(func=cmd_bench)
@@ -178,9 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
     demo.add_argument("--port", type=int, default=None, help="port (default 7860 or the next free one)")
     demo.add_argument("--share", action="store_true", help="also open a public gradio.live link")
-    demo.add_argument("--concurrency", type=int, default=1, help="decodes at once (the model is shared)")
-    demo.add_argument("--max-new-tokens", type=int, default=None, help="upper limit of the slider (256; 512 on GPU)")
-    demo.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    demo.add_argument("--concurrency", type=_positive_int, default=1, help="decodes at once (the model is shared)")
+    demo.add_argument("--max-new-tokens", type=_positive_int, default=None, help="upper limit of the slider (256; 512 on GPU)")
+    demo.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     demo.add_argument("--app", default=None, help="path of the app (default: demo/app.py of this checkout)")
     demo.set_defaults(func=cmd_demo)
     return parser

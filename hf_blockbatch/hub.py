@@ -52,6 +52,20 @@ def load_model(
     import hf_blockbatch  # noqa: F401  (registers the Auto classes)
 
     path = resolve_model_path(name_or_path)
+    if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} but this PyTorch sees no CUDA GPU: use device='cpu'.")
+    try:
+        return _load(path, device, dtype, **kwargs)
+    except OSError as err:
+        if Path(path).exists():
+            raise
+        raise FileNotFoundError(
+            f"Cannot load {name_or_path!r}: it is not an embedded model (tiny-llada, tiny-dream) nor a local folder, "
+            f"and the Hub did not serve it ({type(err).__name__}: {str(err).splitlines()[0]})."
+        ) from err
+
+
+def _load(path: str, device, dtype, **kwargs):
     if kwargs.get("device_map") is not None:
         if dtype is None:
             dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32

@@ -258,6 +258,70 @@ def test_cli_bench(tiny, tmp_path, capsys):
     assert main(["bench", "--model", str(folder), "--task", "nope", "--output-dir", str(out)]) == 2
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--limit", "0"], "--limit: must be >= 1"),
+        (["--limit", "-1"], "--limit: must be >= 1"),
+        (["--gen-length", "0"], "--gen-length: must be >= 1"),
+        (["--batch-size", "0"], "--batch-size: must be >= 1"),
+        (["--threads", "-1"], "--threads: must be >= 1"),
+        (["--data", "gsm8k"], "expected TASK=PATH"),
+    ],
+)
+def test_cli_bench_refuses_bad_numbers_before_loading(argv, message, capsys):
+    from hf_blockbatch.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--model", "/nonexistent", *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--set", "fast_dlm.threshold=0.5"], "Overrides for 'fast_dlm' would be ignored"),
+        (["--set", "blockbatch.threshold=0.5"], "Overrides for 'blockbatch' would be ignored"),
+        (["--set", "fast_dllm.block_size=4"], "Did you mean 'block_length'"),
+        (["--set", "fast_dllm.max_new_tokens=16"], "set for all methods by --gen-length"),
+        (["--data", "arith=x.jsonl", "--data", "mbpp=y.jsonl"], "--data names mbpp, which --task does not run"),
+        (["--device", "cuda"], "sees no CUDA GPU"),
+    ],
+)
+def test_cli_bench_errors_say_what_to_change(tiny, tmp_path, capsys, argv, message):
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from hf_blockbatch.cli import main
+
+    _, _, folder = tiny
+    rc = main(["bench", "--model", str(folder), "--task", "arith", "--methods", "fast_dllm", "--limit", "1",
+               "--output-dir", str(tmp_path), "--no-progress", "--no-plots", *argv])  # fmt: skip
+    assert rc == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "samples.jsonl").exists()
+
+
+def test_cli_bench_repeated_options_add_up(tiny, tmp_path):
+    from hf_blockbatch.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--task", "arith", "--task", "code,lists", "--methods", "vanilla",
+                                      "--methods", "blockbatch"])  # fmt: skip
+    assert args.task == ["arith", "code,lists"] and args.methods == ["vanilla", "blockbatch"]
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not an embedded model .* nor a local folder"):
+        hb.load_model(str(tmp_path / "no-such-model"))
+
+
+def test_bench_checks_that_prompts_fit_before_decoding(tiny, tmp_path):
+    """The error names the task and the run's generation length, not the warm-up decode's."""
+    model, tok, _ = tiny
+    settings = runner.BenchSettings(model="x", tasks=["arith"], methods=["fast_dllm"], limit=2,
+                                    gen_length=model.config.context_length, output_dir=str(tmp_path), progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match=rf"Task 'arith'.*max_new_tokens \({model.config.context_length}\)"):
+        runner.run_bench(settings, model=model, tokenizer=tok)
+
+
 # ----------------------------------------------------------------------------- lm-evaluation-harness
 
 

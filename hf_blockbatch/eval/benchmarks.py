@@ -129,7 +129,10 @@ def _load_from_hub(src: _HubSource, task: str) -> list[dict[str, Any]]:
         datasets = None
     if datasets is not None:
         logger.info("loading %s from the Hub: %s (%s) split %s", task, src.repo_id, src.config, src.split)
-        ds = datasets.load_dataset(src.repo_id, src.config, split=src.split)
+        try:
+            ds = datasets.load_dataset(src.repo_id, src.config, split=src.split)
+        except Exception as e:  # offline, gated, renamed ...
+            raise DataNotFoundError(_how_to_get(task, src) + f"\n(datasets.load_dataset failed: {e})") from e
         return [dict(r) for r in ds]
     try:
         from huggingface_hub import hf_hub_download

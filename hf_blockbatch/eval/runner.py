@@ -41,6 +41,7 @@ import torch
 
 from hf_blockbatch.eval.base import EvalItem, Task
 from hf_blockbatch.eval.stats import wilson_interval
+from hf_blockbatch.generation.mixin import check_context
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
 
 logger = logging.getLogger(__name__)
@@ -213,10 +214,14 @@ def build_method_configs(
         )
 
     names = list(dict.fromkeys(list(methods) + [f"{SWEEP_PREFIX}{int(b)}" for b in sweep_blocks]))
+    _check_overrides(overrides, names)
     configs = {}
     for name in names:
-        cfg = make(name)
-        cfg.validate()
+        try:  # GenerationConfig validates in __init__ too
+            cfg = make(name)
+            cfg.validate()
+        except TypeError as err:  # an unknown option: our message says which, and what was meant
+            raise ValueError(f"{name}: {err}") from err
         if (cfg.num_return_sequences or 1) != 1:  # scoring reads one answer per item, in item order
             raise ValueError(
                 f"{name}: num_return_sequences={cfg.num_return_sequences} is not supported by the benchmarks, which "
@@ -224,6 +229,26 @@ def build_method_configs(
             )
         configs[name] = cfg
     return configs
+
+
+def _check_overrides(overrides: Mapping[str, Mapping[str, Any]], names: Sequence[str]) -> None:
+    """Refuse overrides that would be ignored: a misspelt or unselected method (a config file may
+    still define methods with a ``"strategy"`` that this run does not select), and
+    ``max_new_tokens``, which is the run's generation length (``--gen-length``)."""
+    fast = any(n.startswith("fast_dllm") for n in names)
+    ignored = sorted(
+        m for m, fields in overrides.items()
+        if m not in names and "strategy" not in fields and not (fast and m in ("fast_dllm", SWEEP_KEY))
+    )  # fmt: skip
+    if ignored:
+        raise ValueError(
+            f"Overrides for {', '.join(map(repr, ignored))} would be ignored: this run decodes {', '.join(names)} "
+            f"(fast_dllm's and {SWEEP_KEY}'s overrides reach every Fast-dLLM variant). Fix the method name, or "
+            "add the method to --methods."
+        )
+    for m, fields in overrides.items():
+        if "max_new_tokens" in fields:
+            raise ValueError(f"{m}.max_new_tokens: the generation length is set for all methods by --gen-length.")
 
 
 def method_label(name: str) -> str:
@@ -441,6 +466,16 @@ def _encode(tokenizer: Any, texts: Sequence[str], device: torch.device) -> tuple
     return enc.input_ids.to(device), enc.attention_mask.to(device)
 
 
+def _check_prompts_fit(model: Any, tokenizer: Any, task: str, prompts: Sequence[str], gen_length: int) -> None:
+    """Before any decode: the longest prompt of a task plus the generation length must fit the
+    model's context (otherwise the warm-up decode would be the first to fail, naming its own length)."""
+    longest = max(len(ids) for ids in tokenizer(list(prompts), add_special_tokens=False).input_ids)
+    try:
+        check_context(model.config, longest, gen_length)
+    except ValueError as err:
+        raise ValueError(f"Task {task!r}: its longest prompt does not fit. {err} (--limit, --gen-length)") from err
+
+
 def _score_all(task: Task, items: Sequence[EvalItem], completions: Sequence[str]) -> list[Any]:
     score_batch = getattr(task, "score_batch", None)
     if callable(score_batch):
@@ -519,6 +554,7 @@ def run_bench(
         if not len(mine):
             continue
         prompts = {i: task.prompt(items[i], tokenizer, chat=chat) for i in mine}
+        _check_prompts_fit(model, tokenizer, name, list(prompts.values()), gen_length)
         if not warmed:
             _warmup(model, tokenizer, prompts[mine[0]], device)
             warmed = True

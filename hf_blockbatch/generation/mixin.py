@@ -60,6 +60,18 @@ def _resolve_config(model, generation_config, kwargs) -> DiffusionGenerationConf
     return cfg
 
 
+def check_context(model_config: Any, prompt_length: int, max_new_tokens: int) -> None:
+    """Refuse a canvas (prompt + new tokens) longer than the model's context, saying what to change."""
+    limit = getattr(model_config, "context_length", None)
+    total = prompt_length + max_new_tokens
+    if limit and total > limit:
+        what = "shorten the prompt" if prompt_length >= limit else "shorten the prompt or lower max_new_tokens"
+        raise ValueError(
+            f"Prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+            f"model's context of {limit} positions: {what}."
+        )
+
+
 @torch.no_grad()
 def diffusion_generate(
     model,
@@ -97,13 +109,7 @@ def diffusion_generate(
             "This model's config has no mask_token_id: set generation_config.mask_token_id to the id of the "
             "[MASK] token the model was trained with."
         )
-    limit = getattr(config, "context_length", None)
-    total = input_ids.shape[1] + cfg.max_new_tokens
-    if limit and total > limit:
-        raise ValueError(
-            f"Prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({cfg.max_new_tokens}) = {total} exceeds the "
-            f"model's context of {limit} positions: shorten the prompt or lower max_new_tokens."
-        )
+    check_context(config, input_ids.shape[1], cfg.max_new_tokens)
     eos_ids = _as_list(cfg.eos_token_id) or _as_list(getattr(config, "eos_token_id", None))
     if not eos_ids:
         raise ValueError("No eos_token_id in the generation config or the model config: set one.")
