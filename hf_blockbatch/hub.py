@@ -59,9 +59,10 @@ def load_model(
     except OSError as err:
         if Path(path).exists():
             raise
+        reason = (str(err).splitlines() or [""])[0]
         raise FileNotFoundError(
             f"Cannot load {name_or_path!r}: it is not an embedded model (tiny-llada, tiny-dream) nor a local folder, "
-            f"and the Hub did not serve it ({type(err).__name__}: {str(err).splitlines()[0]})."
+            f"and the Hub did not serve it ({type(err).__name__}: {reason})."
         ) from err
 
 
