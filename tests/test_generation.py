@@ -203,12 +203,9 @@ BAD = [
         ValueError,
         "multiple of",
     ),
-    (
-        lambda: FastDLLMConfig(),
-        {"no_such_option": 1},
-        TypeError,
-        "Unknown generation option 'no_such_option'",
-    ),
+    (lambda: FastDLLMConfig(), {"no_such_option": 1}, TypeError, "Unknown option(s) for FastDLLMConfig: no_such_option"),
+    (lambda: BlockBatchConfig(), {"block_size": 16}, TypeError, "Did you mean 'block_sizes' instead of 'block_size'?"),
+    (lambda: FastDLLMConfig(), {"factor": 1.0, "threshold": 0.5}, ValueError, "exactly one of threshold, factor"),
     (lambda: GenerationConfig(max_new_tokens=8), {}, TypeError, "FastDLLMConfig or BlockBatchConfig"),
     (lambda: FastDLLMConfig(temperature=-1.0), {}, ValueError, "temperature must be >= 0"),
     (lambda: BlockBatchConfig(eos_confidence="max"), {}, ValueError, "eos_confidence must be 'completion' or 'commit'"),
@@ -226,6 +223,20 @@ BAD = [
     (lambda: BlockBatchConfig(num_return_sequences=2), {}, ValueError, "greedy decoding would return identical copies"),
     (lambda: BlockBatchConfig(temperature=0.5, num_return_sequences=0), {}, ValueError, "num_return_sequences must be"),
 ]
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [(FastDLLMConfig, {"factor": 1.0}), (FastDLLMConfig, {"steps": 8}), (BlockBatchConfig, {"factor": 1.0})],
+)
+def test_generate_options_choose_the_rule_as_the_constructor_does(cls, kwargs):
+    """``generate(factor=...)`` drops the default threshold, as ``FastDLLMConfig(factor=...)`` does."""
+    m, cfg = make_tiny_llada(), cls(max_new_tokens=16)
+    out = m.generate(torch.tensor([PROMPT]), generation_config=cfg, return_dict_in_generate=True, **kwargs)
+    direct = m.generate(torch.tensor([PROMPT]), generation_config=cls(max_new_tokens=16, **kwargs),
+                        return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, direct.sequences) and torch.equal(out.nfe, direct.nfe)
+    assert cfg.threshold == 0.9  # the caller's config is not changed
 
 
 @pytest.mark.parametrize("make_cfg,kwargs,exc,message", BAD)
@@ -383,6 +394,23 @@ def test_answer_texts_end_at_the_first_end_token(name):
     assert texts[:2] == [tok.decode(a)] * 2
     assert texts[2] == tok.decode(new[2].tolist(), skip_special_tokens=True)  # no end token: every token
     assert "7" in texts[2]
+
+
+@pytest.mark.parametrize("name", [hb.TINY_LLADA, hb.TINY_DREAM])
+def test_confidence_eos_eot_inf_covers_the_end_of_turn_token(name, monkeypatch):
+    """The model config names the end-of-turn token (LLaDA's <|eot_id|>, Dream's <|im_end|>), and
+    ``confidence_eos_eot_inf`` ranks its predictions last together with EOS, as LLaDA's sampler."""
+    from hf_blockbatch.generation import mixin as mixin_mod
+
+    model, tok = hb.load_model(name)
+    eot = tok.convert_tokens_to_ids("<|eot_id|>" if name == hb.TINY_LLADA else "<|im_end|>")
+    assert model.config.eot_token_id == eot
+    plans = []
+    real = mixin_mod.plan_from_config
+    monkeypatch.setattr(mixin_mod, "plan_from_config", lambda *a: plans.append(real(*a)) or plans[-1])
+    model.generate(torch.tensor([tok.encode("1 + 2")]), generation_config=VanillaDiffusionConfig(
+        max_new_tokens=8, confidence_eos_eot_inf=True))  # fmt: skip
+    assert sorted(plans[0].low_confidence_ids) == sorted({tok.eos_token_id, eot})
 
 
 def test_config_from_dict_rejects_unknown_strategy():

@@ -26,6 +26,8 @@ __all__ = [
 ]
 
 _REMASKING = ("low_confidence", "random")
+# the transfer rules a Fast-dLLM / BlockBatch config chooses between (threshold is the default)
+_RULES = ("threshold", "factor", "steps")
 
 # Every field of transformers' GenerationConfig.
 _STANDARD = frozenset(GenerationConfig().to_dict())
@@ -92,7 +94,9 @@ class DiffusionGenerationConfig(GenerationConfig):
         remasking: ``"low_confidence"`` (commit the most confident positions first) or
             ``"random"`` (random order, as LLaDA's ablation).
         mask_token_id: the ``[MASK]`` id; ``None`` takes ``model.config.mask_token_id``.
-        eos_token_id: the stop token(s); ``None`` takes the model's (and LLaDA's end-of-turn).
+        eos_token_id: the stop token(s) of early stop; ``None`` takes the model config's. The model
+            config's ``eot_token_id`` (end of turn) joins them for ``confidence_eos_eot_inf``
+            and in :func:`hf_blockbatch.answer_texts`.
         output_trace: record a per-step trace (commits, merges, syncs, refreshes) in ``stats``.
 
     Standard ``GenerationConfig`` fields kept: ``do_sample`` (follows the temperature when not
@@ -129,6 +133,16 @@ class DiffusionGenerationConfig(GenerationConfig):
         data = model_config if isinstance(model_config, dict) else model_config.to_dict()
         ids = ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id")
         return cls(**{k: data[k] for k in ids if data.get(k) is not None and k not in kwargs}, **kwargs)
+
+    def override(self, options: dict[str, Any]) -> None:
+        """Set ``generate()``'s keyword options, as the constructor would have: naming another
+        transfer rule (``factor``, ``steps``) without a ``threshold`` drops the default threshold.
+        Unknown names are kept, so that :meth:`validate` refuses them with a suggestion."""
+        for key, value in options.items():
+            setattr(self, key, value)
+        other_rule = any(options.get(rule) is not None for rule in _RULES[1:])
+        if other_rule and "threshold" not in options and "threshold" in self._ours:
+            self.threshold = None
 
     def follow_temperature(self) -> None:
         """Set ``do_sample`` from the temperature (sampling when > 0), as ``generate`` does when a call
@@ -257,7 +271,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
 
     def __init__(self, **kwargs: Any) -> None:
         self.cache = kwargs.pop("cache", "dual")
-        self.threshold = kwargs.pop("threshold", 0.9 if "factor" not in kwargs and "steps" not in kwargs else None)
+        self.threshold = kwargs.pop("threshold", None if any(r in kwargs for r in _RULES[1:]) else 0.9)
         self.factor = kwargs.pop("factor", None)
         self.steps = kwargs.pop("steps", None)
         self.block_length = kwargs.pop("block_length", 32)
@@ -270,7 +284,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         if self.cache not in ("none", "prefix", "dual"):
             raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}.")
         _check_positive_int("block_length", self.block_length)
-        chosen = [n for n in ("threshold", "factor", "steps") if getattr(self, n) is not None]
+        chosen = [n for n in _RULES if getattr(self, n) is not None]
         if len(chosen) != 1:
             raise ValueError(f"Give exactly one of threshold, factor or steps (got {chosen or 'none'}).")
         _check_threshold("threshold", self.threshold, allow_none=True)

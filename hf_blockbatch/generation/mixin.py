@@ -50,10 +50,7 @@ def _resolve_config(model, generation_config, kwargs) -> DiffusionGenerationConf
         )
     if kwargs:  # options given to generate() override a copy; the caller's config is never changed
         cfg = copy.deepcopy(cfg)
-    for key, value in kwargs.items():
-        if not hasattr(cfg, key):
-            raise TypeError(f"Unknown generation option {key!r} for {type(cfg).__name__}.")
-        setattr(cfg, key, value)
+    cfg.override(kwargs)  # an unknown option is refused by validate(), with a suggestion
     if "temperature" in kwargs and "do_sample" not in kwargs:
         cfg.follow_temperature()  # the config's do_sample followed its temperature: follow the new one
     cfg.validate()

@@ -28,6 +28,8 @@ class DreamConfig(PreTrainedConfig):
     """The official Dream config fields; defaults are those of Dream-v0-7B (Qwen2.5-7B geometry).
 
     ``window_attention`` (ours) names the attention backend for window forwards (``auto``).
+    ``eot_token_id`` (ours) is the end-of-turn token, which the official configs do not name:
+    ``None`` means ``<|im_end|>`` (151645) for the official 152,064-token Qwen2.5 vocabulary, else none.
     """
 
     model_type = "Dream"
@@ -57,6 +59,7 @@ class DreamConfig(PreTrainedConfig):
         pad_token_id: int = 151643,
         bos_token_id: int | None = 151665,
         eos_token_id: int | None = 151643,
+        eot_token_id: int | None = None,
         window_attention: str = "auto",
         **kwargs,
     ) -> None:
@@ -79,6 +82,7 @@ class DreamConfig(PreTrainedConfig):
         self.max_window_layers = max_window_layers
         self.attention_dropout = attention_dropout
         self.mask_token_id = mask_token_id
+        self.eot_token_id = 151645 if eot_token_id is None and vocab_size == 152064 else eot_token_id
         self.window_attention = window_attention
         kwargs.setdefault("architectures", ["DreamModel"])
         super().__init__(

@@ -31,6 +31,8 @@ class LLaDAConfig(PreTrainedConfig):
     """The official LLaDA config fields; defaults are those of LLaDA-8B-Instruct.
 
     ``window_attention`` (ours) names the attention backend for window forwards (``auto``).
+    ``eot_token_id`` (ours) is the end-of-turn token, which the official configs do not name:
+    ``None`` means ``<|eot_id|>`` (126348) for the official 126,464-token vocabulary, else none.
     """
 
     model_type = "llada"
@@ -74,6 +76,7 @@ class LLaDAConfig(PreTrainedConfig):
         eos_token_id: int = 126081,
         pad_token_id: int = 126081,
         mask_token_id: int | None = 126336,
+        eot_token_id: int | None = None,
         init_device: str | None = None,
         init_fn: str = "mitchell",
         init_std: float = 0.02,
@@ -117,6 +120,7 @@ class LLaDAConfig(PreTrainedConfig):
         self.embedding_size = embedding_size
         self.weight_tying = weight_tying
         self.mask_token_id = mask_token_id
+        self.eot_token_id = 126348 if eot_token_id is None and vocab_size == 126464 else eot_token_id
         self.init_device = init_device
         self.init_fn = init_fn
         self.init_std = init_std

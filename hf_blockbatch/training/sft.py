@@ -132,6 +132,7 @@ def build_model(config: TrainConfig, tokenizer: Any) -> torch.nn.Module:
             pad_token_id=ids["pad"],
             bos_token_id=ids["bos"],
             mask_token_id=ids["mask"],
+            eot_token_id=ids["eot"],
         )
         return LLaDAModelLM(cfg)
     if config.family == "dream":
@@ -149,6 +150,7 @@ def build_model(config: TrainConfig, tokenizer: Any) -> torch.nn.Module:
             pad_token_id=ids["pad"],
             bos_token_id=ids["bos"],
             eos_token_id=ids["eos"],
+            eot_token_id=ids["eot"],
         )
         return DreamModel(cfg)
     raise ValueError(f"family must be 'llada' or 'dream', got {config.family!r}")

@@ -30,6 +30,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from hf_blockbatch.generation.outputs import END_OF_TURN_TOKENS
+
 logger = logging.getLogger(__name__)
 
 FAMILIES: tuple[str, ...] = ("llada", "dream")
@@ -365,7 +367,7 @@ def special_token_ids(tokenizer: Any) -> dict[str, int]:
     """
     vocab = tokenizer.get_vocab()
     mask = next((t for t in ("<|mdm_mask|>", "<|mask|>") if t in vocab), tokenizer.mask_token)
-    eot = next((t for t in ("<|eot_id|>", "<|im_end|>") if t in vocab), tokenizer.eos_token)
+    eot = next((t for t in END_OF_TURN_TOKENS if t in vocab), tokenizer.eos_token)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id
     return {
