@@ -300,6 +300,16 @@ def test_cli_bench_errors_say_what_to_change(tiny, tmp_path, capsys, argv, messa
     assert not (tmp_path / "samples.jsonl").exists()
 
 
+def test_bench_without_plots_leaves_no_plot_of_an_earlier_run(tiny, tmp_path):
+    model, tok, _ = tiny
+    stale = tmp_path / runner.PLOT_FILES[0]
+    stale.write_bytes(b"an earlier run's plot")
+    settings = runner.BenchSettings(model="x", tasks=["arith"], methods=["fast_dllm"], limit=1, gen_length=8,
+                                    output_dir=str(tmp_path), progress=False, plots=False)  # fmt: skip
+    runner.run_bench(settings, model=model, tokenizer=tok)
+    assert (tmp_path / "summary.md").exists() and not stale.exists()
+
+
 def test_cli_bench_repeated_options_add_up(tiny, tmp_path):
     from hf_blockbatch.cli import build_parser
 

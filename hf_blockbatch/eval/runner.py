@@ -610,6 +610,11 @@ def run_bench(
     (out_dir / "summary.md").write_text(render_markdown(summary), encoding="utf-8")
     if settings.plots:
         summary["plots"] = [str(p) for p in make_plots(summary, rows, out_dir)]
+    else:  # a folder's files all describe one run: no plot of an earlier run next to this summary
+        for stale in (out_dir / name for name in PLOT_FILES):
+            if stale.exists():
+                stale.unlink()
+                logger.info("removed %s of an earlier run (plots are off)", stale)
     logger.info("results in %s", out_dir)
     return summary
 
@@ -806,6 +811,9 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
 
 # ---------------------------------------------------------------------------------------- plots
 
+#: what :func:`make_plots` writes into a bench folder
+PLOT_FILES = ("accuracy_vs_nfe.png", "nfe_distribution.png")
+
 
 def _save_grid(fig: Any, axes: Any, used: int, path: Path) -> Path:
     """Hide the unused panels of a subplot grid, save it, and free the figure."""
@@ -860,7 +868,7 @@ def make_plots(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], ou
         ax.set_ylabel("accuracy (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    paths.append(_save_grid(fig, axes, len(tasks), out_dir / "accuracy_vs_nfe.png"))
+    paths.append(_save_grid(fig, axes, len(tasks), out_dir / PLOT_FILES[0]))
 
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.2 * nrows), squeeze=False)
     for ax, task in zip(axes.flat, tasks):
@@ -876,5 +884,5 @@ def make_plots(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], ou
         ax.set_title(task)
         ax.set_ylabel("NFE per request")
         ax.grid(alpha=0.3, axis="y")
-    paths.append(_save_grid(fig, axes, len(tasks), out_dir / "nfe_distribution.png"))
+    paths.append(_save_grid(fig, axes, len(tasks), out_dir / PLOT_FILES[1]))
     return paths
