@@ -363,6 +363,19 @@ def test_lm_eval_adapter_generate_until(tiny):
         HFBlockBatchLM(pretrained=model, tokenizer=tok, method="greedy")
     bb = HFBlockBatchLM(pretrained=model, tokenizer=tok, method="blockbatch", block_sizes="4|8")
     assert bb.overrides["blockbatch"]["block_sizes"] == [4, 8]
+    # LLaDA's own setting, one step per token at the harness's default length, is accepted up front
+    van = HFBlockBatchLM(pretrained=model, tokenizer=tok, method="vanilla", gen_length=256, steps=256)
+    assert van.overrides["vanilla"]["steps"] == 256
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
+def test_lm_eval_adapter_takes_the_harness_default_device_on_a_cpu_machine(tiny, caplog):
+    """The harness passes ``device='cuda:0'`` unless told otherwise; without CUDA the model stays on the CPU."""
+    from hf_blockbatch.eval.lm_eval_model import HFBlockBatchLM
+
+    _, _, folder = tiny
+    lm = HFBlockBatchLM(pretrained=str(folder), method="fast_dllm", device="cuda:0")
+    assert lm.model.device.type == "cpu" and "CUDA is not available" in caplog.text
 
 
 def test_lm_eval_harness_local_task(tiny, tmp_path, monkeypatch):
