@@ -413,6 +413,19 @@ def test_confidence_eos_eot_inf_covers_the_end_of_turn_token(name, monkeypatch):
     assert sorted(plans[0].low_confidence_ids) == sorted({tok.eos_token_id, eot})
 
 
+def test_a_model_split_over_gpus_is_refused_where_a_cache_is_needed():
+    """With ``device_map`` over several GPUs the cache (one device) cannot serve every layer: the
+    cached strategies say so before any forward; cache-free decoding still runs."""
+    m = make_tiny_llada()
+    m.hf_device_map = {"model.transformer.blocks.0": 0, "model.transformer.blocks.1": 1, "lm_head": 1}
+    with pytest.raises(NotImplementedError, match=r"split over devices \['0', '1'\]"):
+        m.generate(torch.tensor([PROMPT]), generation_config=FastDLLMConfig(max_new_tokens=8, block_length=4))
+    out = m.generate(torch.tensor([PROMPT]), generation_config=FastDLLMConfig(max_new_tokens=8, block_length=4, cache="none"))
+    assert out.shape == (1, len(PROMPT) + 8)
+    m.hf_device_map = {"": 0}  # one device: the cache is fine
+    m.generate(torch.tensor([PROMPT]), generation_config=FastDLLMConfig(max_new_tokens=8, block_length=4))
+
+
 def test_config_from_dict_rejects_unknown_strategy():
     with pytest.raises(ValueError, match="Unknown strategy"):
         config_from_dict({"strategy": "beam"})

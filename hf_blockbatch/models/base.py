@@ -112,6 +112,13 @@ class DiffusionLMMixin:
     # ---- caches --------------------------------------------------------------------------
     def new_cache(self, num_rows: int, length: int, attention_mask: torch.Tensor | None = None) -> BranchCache:
         """An empty :class:`BranchCache` for this model's geometry, device and dtype."""
+        placed = {str(d) for d in (getattr(self, "hf_device_map", None) or {}).values()} - {"cpu", "disk"}
+        if len(placed) > 1:  # the storage, the masks and the step's metadata all live on one device
+            raise NotImplementedError(
+                f"This model is split over devices {sorted(placed)} (device_map), and the decoding cache lives on "
+                "one device: decode it without a cache (VanillaDiffusionConfig, or FastDLLMConfig(cache='none')), or "
+                "load it on one GPU (device='cuda'; LLaDA-8B and Dream-7B fit one GPU in bf16)."
+            )
         p = next(self.parameters())
         return BranchCache.for_model(
             self.config, num_rows, length, dtype=p.dtype, device=p.device, attention_mask=attention_mask
