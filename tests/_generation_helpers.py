@@ -94,6 +94,7 @@ def ref_generate(
         for p in range(bs, be):
             if int(x[0, p]) == MASK_ID:
                 probs = logits_of(p).double().softmax(-1)
+                probs[MASK_ID] = -1.0  # the mask token is never proposed
                 c, t = probs.max(-1)
                 conf[p], tok[p] = float(c), int(t)
         quota = schedule[step] if schedule is not None else None

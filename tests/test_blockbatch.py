@@ -329,3 +329,91 @@ def test_commit_reading_is_the_probability_at_commit(family):
                 assert branch["eos_probability"] == pytest.approx(float(probs[row, EOS_ID]), rel=1e-5)
                 checked += 1
     assert checked > 0
+
+
+# ----------------------------------------------------------------------------- found in review
+
+
+def test_a_request_that_hits_eos_ends_before_any_refresh():
+    """BLOCKBATCH.md, stop: the request ends when a branch completes a block holding EOS, so the
+    refresh that the completed block would trigger never runs (nor counts in NFE)."""
+    m = eos_model("llada")
+    cfg = FastDLLMConfig(max_new_tokens=32, block_length=8, early_stop=True, output_trace=True)
+    out = m.generate(torch.tensor([[5, 3, 8, 1, 9, 2]]), generation_config=cfg, return_dict_in_generate=True)
+    st = out.stats[0]
+    assert st["stopped_by"] == "eos" and st["trace"][-1]["phase"] == "block" and st["nfe_refresh"] == 0
+    assert int(out.nfe[0]) == 1 + st["nfe_block"] == 8
+    cfg = BlockBatchConfig(max_new_tokens=32, block_sizes=[16, 2, 4], threshold=0.3, sync_threshold=2,
+                           refresh_interval=4, output_trace=True)  # fmt: skip
+    out = m.generate(torch.tensor([[62, 51, 38, 61, 45, 74, 27, 64]]), generation_config=cfg, return_dict_in_generate=True)
+    assert out.stats[0]["stopped_by"] == "eos" and int(out.nfe[0]) == 1  # every branch hit EOS in the initial forward
+
+
+def test_divergence_refresh_does_not_depend_on_the_rest_of_the_batch():
+    """Key drift builds up in ordinary block steps: the divergence check runs every step, not only
+    on steps where some window (perhaps another request's) moved."""
+    m = peaked("llada")
+    cfg = BlockBatchConfig(max_new_tokens=13, block_sizes=[8, 3], threshold=0.5, merge=False, sync=False,
+                           refresh="divergence", eos_confidence="commit")  # fmt: skip
+    prompts = [[46, 7, 8, 60, 82, 6, 59, 24, 9, 25], [82, 1], [86, 11, 38, 22, 55, 53, 78, 86, 64, 29, 31, 89]]
+    ids = torch.full((3, 12), EOS_ID)
+    mask = torch.zeros(3, 12, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, 12 - len(p) :], mask[i, 12 - len(p) :] = torch.tensor(p), 1
+    batch = m.generate(ids, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True)
+    for i, p in enumerate(prompts):
+        alone = m.generate(torch.tensor([p]), generation_config=cfg, return_dict_in_generate=True)
+        assert torch.equal(alone.sequences[0, len(p) :], batch.sequences[i, 12:]), i
+        assert int(alone.nfe[0]) == int(batch.nfe[i]) and alone.stats[0]["nfe_refresh"] == batch.stats[i]["nfe_refresh"], i
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_eos_winner_is_the_most_confident_whatever_the_batch(batch):
+    """Among branches that hit EOS, the highest EOS probability wins; decoded counts only break
+    exact ties (a score mixing both let 20 more decoded tokens outweigh a probability lead that
+    shrank with the batch size)."""
+    from hf_blockbatch.generation.state import DecodeState
+    from hf_blockbatch.generation.stop import pick_winners
+
+    N, G = 2, 64
+    R = batch * N
+    canvas = torch.full((R, 1 + G), MASK_ID)
+    canvas[:, 0] = 1
+    canvas[0, 1:41] = 5  # row 0: 40 decoded, EOS probability 0.999990
+    canvas[1, 1:21] = 5  # row 1: 20 decoded, EOS probability 0.999991
+    z = torch.zeros(R, dtype=torch.long)
+    s = DecodeState(
+        canvas=canvas, attention_mask=torch.ones_like(canvas, dtype=torch.bool), request=torch.arange(batch).repeat_interleave(N),
+        branch=torch.arange(N).repeat(batch), block=torch.full((R,), 4), win_start=z.clone(), win_end=z.clone(),
+        done=torch.zeros(R, dtype=torch.bool), since_refresh=z.clone(), steps_in_block=z.clone(),
+        masked_at_block_start=z.clone(), prob_p=None, prob_ids=None, eos_hit=torch.zeros(R, dtype=torch.bool),
+        eos_prob=torch.zeros(R, dtype=torch.float64), committed=z.clone(), merged=z.clone(), copied=z.clone(),
+        syncs=z.clone(), refreshes=z.clone(), synced_now=None, retired=torch.zeros(R, dtype=torch.bool), gen_start=1,
+        mask_id=MASK_ID,
+    )  # fmt: skip
+    s.eos_hit[:2] = True
+    s.eos_prob[0], s.eos_prob[1] = 0.999990, 0.999991
+    finished = torch.zeros(batch, dtype=torch.bool)
+    finished[0] = True
+    winner, by_eos = pick_winners(s, finished, True, N)
+    assert int(winner[0]) == 1 and bool(by_eos[0])
+    s.eos_prob[1] = 0.999990  # an exact tie: the branch with more decoded tokens
+    assert int(pick_winners(s, finished, True, N)[0][0]) == 0
+
+
+def test_the_mask_token_is_never_proposed():
+    """An untrained model can rank [MASK] first; committing it made no progress, and decoding
+    stopped with 'no progress'. It is now never proposed, and other tokens keep their probability."""
+    from conftest import make_tiny_llada
+
+    from hf_blockbatch.generation.transfer import sample_tokens
+
+    logits = torch.tensor([[0.0, 1.0, 3.0], [2.0, 0.5, 0.0]])
+    s = sample_tokens(logits, 0.0, "low_confidence", 1, mask_id=2)
+    assert s.tokens.tolist() == [1, 0]
+    torch.testing.assert_close(s.probability, logits.double().softmax(-1)[[0, 1], [1, 0]])
+    assert (sample_tokens(logits, 1.0, "low_confidence", 0, torch.Generator().manual_seed(0), mask_id=2).tokens != 2).all()
+    m, x = make_tiny_llada(5), torch.tensor([[17, 30, 61, 45, 78, 36]])
+    for cfg in (BlockBatchConfig(max_new_tokens=16, block_sizes=[4, 8]), FastDLLMConfig(max_new_tokens=16, block_length=4)):
+        out = m.generate(x, generation_config=cfg)
+        assert not (out[0, 6:] == MASK_ID).any()

@@ -323,7 +323,8 @@ class _Run:
         plan = self.plan
         t = time.perf_counter()
         out = sample_tokens(
-            packed_logits, plan.temperature, plan.remasking, plan.top_k, self.generator, self._suppress, self._lowconf
+            packed_logits, plan.temperature, plan.remasking, plan.top_k, self.generator, self._suppress, self._lowconf,
+            self.mask_id,
         )
         self.sample_seconds += time.perf_counter() - t
         return out
@@ -511,21 +512,38 @@ class _Run:
                 self._trace_sync(synced, leader)
         return moved
 
-    def refresh(self) -> None:
+    def refresh(self) -> bool:
+        """Refresh the due rows; returns whether any were. With ``divergence`` a row can be due
+        without any window having moved, so the loop asks every step; ``periodic`` rows become due
+        only as windows move."""
         # With advance_after_full, a refresh that completes its block moves the window into a new
         # block, which is due at once: refresh again (a block starts with a full forward), else the
         # next block step would query a window against a cache that predates the last commits.
         # Terminates: every full step commits at least one token per row.
+        refreshed = False
         while True:
             due = due_rows(self.state, self.plan.refresh, self.plan.refresh_interval, self.cache,
                            self.plan.divergence_threshold)  # fmt: skip
             rows = due.nonzero().squeeze(1)
             if not rows.numel():
-                return
+                return refreshed
             self.full_step(rows, "refresh")
+            refreshed = True
             if not self.plan.advance_after_full:
-                return
+                return refreshed
             self.state.advance()
+
+    def settle(self, moved: bool) -> tuple[bool, bool]:
+        """End of a step: requests that ended leave, *then* the due rows are refreshed (a request
+        whose branch completed a block holding EOS ends there, without the refresh its moved window
+        would trigger: BLOCKBATCH.md, stop), and a refresh may end requests in turn.
+
+        Returns ``(no request left, a window may have moved)``."""
+        finished = self.finish() if moved else False
+        if not finished and (moved or self.plan.refresh == "divergence") and self.refresh():
+            moved = True
+            finished = self.finish()
+        return finished, moved
 
     def finish(self) -> bool:
         """Retire finished requests; True when none is left.
@@ -660,10 +678,9 @@ class _Run:
         t0 = time.perf_counter()
         self.initial_step()
         self.after_commit(full=True)
-        self.refresh()
+        finished, _ = self.settle(moved=True)
         self.stream()
         guard = 4 * plan.max_new_tokens + 16
-        finished = self.finish()
         rows = None
         while not finished:
             guard -= 1
@@ -675,13 +692,11 @@ class _Run:
                 moved = self.after_commit(full=False, completed=self.block_step(rows))
             else:
                 moved = True
-            if moved:
-                self.refresh()
-            self.stream()
             # While no window moves, no row becomes done or hits EOS (that needs a completed window),
             # so no request can finish and the active rows and their windows stay as they are.
+            finished, moved = self.settle(moved)
+            self.stream()
             if moved:
-                finished = self.finish()
                 rows = self._windows = None
         self.stream(final=True)
         if self.streamer is not None:

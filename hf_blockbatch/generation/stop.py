@@ -74,13 +74,13 @@ def pick_winners(state: DecodeState, finished: torch.Tensor, early_stop: bool, b
     EOS hitters first (by EOS probability), then the most decoded tokens, then the lowest branch.
     """
     R, B = state.num_rows, finished.shape[0]
-    decoded = state.decoded().double()
-    score = decoded * (R + 1)
-    if early_stop:  # (1 + p) * 1e9 dominates any decoded count
-        score = torch.where(state.eos_hit, (1.0 + state.eos_prob.double()) * 1e9 + score, score)
+    decoded = state.decoded().view(-1, branches)
+    if early_stop:  # strictly by EOS probability first: a decoded count only breaks exact ties
+        p = torch.where(state.eos_hit, state.eos_prob.double(), -1.0).view(-1, branches)
+        decoded = torch.where(p == p.amax(-1, keepdim=True), decoded, -1)
     first = state.first_rows(branches)
-    best = score.view(-1, branches).argmax(-1) + first  # argmax: the first maximum, the lowest branch
-    winner = torch.full((B,), R - 1, dtype=torch.long, device=score.device)
+    best = decoded.argmax(-1) + first  # argmax: the first maximum, the lowest branch
+    winner = torch.full((B,), R - 1, dtype=torch.long, device=best.device)
     winner.index_put_((state.request[first],), best)
     by_eos = state.eos_hit[winner] & early_stop
     return winner, by_eos

@@ -51,6 +51,7 @@ def sample_tokens(
     generator: torch.Generator | None = None,
     suppress_logit_ids: torch.Tensor | None = None,
     low_confidence_ids: torch.Tensor | None = None,
+    mask_id: int | None = None,
 ) -> Sampled:
     """Propose a token for every packed position.
 
@@ -58,6 +59,10 @@ def sample_tokens(
     ``exp(logits) / (-log u)^T``), since low-precision Gumbel noise hurts masked diffusion. The
     confidence is the softmax probability of the proposed token (``low_confidence``) or a
     uniform random number (``random`` remasking). ``top_k = 0`` skips the top-k map.
+
+    ``mask_id`` is never proposed: committing it would leave the position masked, and a step that
+    commits only masks makes no progress (an untrained or a peaked model can rank it first). It is
+    taken out after the softmax, so every other token keeps the probability the model gives it.
     """
     if suppress_logit_ids is not None:
         logits = logits.index_fill(-1, suppress_logit_ids, float("-inf"))
@@ -65,6 +70,8 @@ def sample_tokens(
     # in float64: a float64 softmax over the vocabulary costs ~4x more on CPUs and moves a
     # probability by ~1e-7 relative. This is the largest cost of the policy on a small model.
     logp = torch.log_softmax(logits if logits.dtype == torch.float32 else logits.float(), dim=-1)
+    if mask_id is not None:  # in place: logp is this function's own tensor
+        logp[:, mask_id] = float("-inf")
     top_probs = top_ids = None
     if top_k > 1:
         top_logp, top_ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
@@ -77,7 +84,10 @@ def sample_tokens(
     if temperature > 0:
         logits64 = logits.double()
         noise = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
-        tokens = torch.argmax(logits64.exp() / (-torch.log(noise)) ** temperature, dim=-1)
+        gumbel = logits64.exp() / (-torch.log(noise)) ** temperature  # >= 0
+        if mask_id is not None:
+            gumbel[:, mask_id] = -1.0
+        tokens = torch.argmax(gumbel, dim=-1)
         token_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)
     else:
         tokens, token_logp = best_ids, best_logp
