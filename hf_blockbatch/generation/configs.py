@@ -318,8 +318,8 @@ class BlockBatchConfig(DiffusionGenerationConfig):
             completed the block (the EOS token's probability at the first EOS), as the reference's
             LLaDA code does; ``"commit"`` keeps the EOS token's probability from when it was
             committed (or merged, or copied by a sync), as its Dream code does. ``"completion"`` is
-            the default: on the six tiny suites it was right on 74 items where ``"commit"`` was
-            wrong, and wrong on 55 where it was right (``benchmarks/RESULTS.md`` §6).
+            the default: on the six tiny suites it was right on 69 items where ``"commit"`` was
+            wrong, and wrong on 52 where it was right (``benchmarks/RESULTS.md`` §6).
         skip_completed_block_step: as in :class:`FastDLLMConfig` (the reference BlockBatch code also
             runs the extra forward on a block that a full forward completed; default ``False``).
     """
