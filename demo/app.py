@@ -50,6 +50,7 @@ _ensure_package()
 
 import hf_blockbatch as hb  # noqa: E402
 from hf_blockbatch.generation.outputs import answer_lengths  # noqa: E402
+from hf_blockbatch.generation.trace import CommitEvent, MergeEvent, SyncEvent, TraceEvent  # noqa: E402
 
 logger = logging.getLogger("hf_blockbatch.demo")
 
@@ -369,7 +370,7 @@ def _eos_stop_line(stats: dict) -> str:
 
 
 def build_frames(
-    trace: Sequence[dict], block_sizes: Sequence[int], length: int
+    trace: Sequence[TraceEvent], block_sizes: Sequence[int], length: int
 ) -> tuple[list[Frame], list[LogLine]]:
     """Turn a ``stats["trace"]`` into one :class:`Frame` per forward and a log of merges, syncs and
     refreshes. Frame ``k`` is the state after every event of step ``k``; its ``new``/``merged_now``/
@@ -380,9 +381,9 @@ def build_frames(
     merged_ever: list[set[int]] = [set() for _ in range(n)]
     frames = [Frame(0, [BranchView(b, window=windows[i]) for i, b in enumerate(block_sizes)])]
     log: list[LogLine] = []
-    by_step: dict[int, list[dict]] = {}
+    by_step: dict[int, list[TraceEvent]] = {}
     for event in trace:
-        by_step.setdefault(int(event["step"]), []).append(event)
+        by_step.setdefault(event.step, []).append(event)
     last = max(by_step, default=0)
     for step in range(1, last + 1):
         new = [set() for _ in range(n)]
@@ -393,20 +394,19 @@ def build_frames(
         merges: list[str] = []
         syncs: dict[int, list[str]] = {}
         for event in by_step.get(step, []):
-            b = int(event["branch"])
+            b = event.branch
             if b >= n:
                 continue
-            phase = event["phase"]
-            if phase in ("init", "block", "refresh"):
-                positions = {int(p) for p in event.get("committed", [])}
+            if isinstance(event, CommitEvent):
+                positions = set(event.committed)
                 new[b] |= positions - decoded[b]
                 decoded[b] |= positions
-                windows[b] = tuple(event["window"])  # type: ignore[assignment]
-                if phase in ("init", "refresh"):
-                    badges[b].append(phase)
+                windows[b] = tuple(event.window)  # type: ignore[assignment]
+                if event.phase in ("init", "refresh"):
+                    badges[b].append(event.phase)
                     refreshed.append(b)
-            elif phase == "merge":
-                positions = {int(p) for p in event.get("positions", [])}
+            elif isinstance(event, MergeEvent):
+                positions = set(event.positions)
                 merged[b] |= positions
                 merged_ever[b] |= positions
                 decoded[b] |= positions
@@ -414,8 +414,8 @@ def build_frames(
                 merges.append(
                     f"b={block_sizes[b]} +{len(positions)} token{'s' if len(positions) != 1 else ''}"
                 )
-            elif phase == "sync":
-                leader = int(event["leader"])
+            elif isinstance(event, SyncEvent):
+                leader = event.leader
                 gained = decoded[leader] - decoded[b]
                 copied[b] |= gained
                 decoded[b] = set(decoded[leader])

@@ -38,9 +38,8 @@ __all__ = ["BranchCache", "BranchCacheLayer", "release_pooled_storage", "reuse_s
 class _StoragePool:
     """CPU memory for K/V storage, kept from one decode for the next.
 
-    A large CPU tensor is fresh memory-mapped pages, and every page faults on first touch:
-    BlockBatch's 75 MB cache at batch 16 on the tiny model took ~20 ms of a ~1 s call to fault in,
-    every call. Decoders lend their storage back when they return (no view of it leaves them) and
+    A large CPU tensor is fresh memory-mapped pages, and every page faults on first touch, a cost
+    paid again by every call that allocates anew. Decoders lend their storage back when they return (no view of it leaves them) and
     the next decode of the same dtype reuses it, as a serving engine preallocates its KV pool once.
     One buffer per dtype is kept, the largest lent; a decode that finds it taken (another thread is
     decoding) allocates its own. GPUs need none of this: PyTorch's caching allocator reuses freed
@@ -147,8 +146,8 @@ class BranchCache(Cache):
     The storage is allocated uninitialized (``torch.empty``), as every decoder fills it before it
     reads it: a masked-diffusion decode starts with a full forward, which writes every position of
     its rows (left padding included), and the other rows receive copies of written rows
-    (``broadcast_rows``, ``copy_rows``). Zeroing it first cost a pass over memory that no read needs
-    (~20 ms for BlockBatch's 96 rows at batch 16 on the tiny model, about 2 % of the call), and
+    (``broadcast_rows``, ``copy_rows``). Zeroing it first would cost a pass over memory that no read
+    needs, and
     ``tests/test_cache.py`` checks that a NaN-filled storage decodes the same tokens. Write a row
     with a full forward (``model(canvas, cache=cache, cache_rows=...)``) before a window forward
     reads it. Inside :func:`reuse_storage` (every ``generate`` call), CPU storage comes from a pool
@@ -312,7 +311,7 @@ class BranchCache(Cache):
         pairs = list(zip(src.tolist(), dst.tolist())) if slabs.device.type == "cpu" else None
         if pairs is not None and not {s for s, _ in pairs} & {d for _, d in pairs}:
             # On CPUs one strided copy per row is a single pass over memory; index_select followed
-            # by index_copy_ makes two, and measured 2-4x slower at 1-80 rows of the tiny model.
+            # by index_copy_ makes two.
             # (Only when no row is both a source and a destination: each must read its source's
             # old row.)
             row = self._rows()
@@ -337,8 +336,7 @@ class BranchCache(Cache):
 
         On CPUs, ascending rows (dropping finished requests) are moved down inside the existing
         storage, one strided copy per moved row: a fresh allocation of the kept cache costs page
-        faults as well as the copy (measured ~12 ms for 96 rows of the tiny model, against the
-        ~4 ms of the copy alone). Elsewhere, or in any other order, the rows are gathered into new
+        faults as well as the copy. Elsewhere, or in any other order, the rows are gathered into new
         storage (one kernel per slab on a GPU, rather than one per row).
         """
         rows = torch.as_tensor(rows, device=self.device, dtype=torch.long)

@@ -44,32 +44,32 @@ def test_single_branch_blockbatch_is_fast_dllm_dual(family, b, threshold):
 
 
 # ----------------------------------------------------------------------------- 3. invariants
-def _replay(trace: list[dict], G: int, n_branches: int) -> tuple[set[int], set[int], list[set[int]]]:
-    """Replay a trace per branch; returns (block-step NFEs, refresh NFEs, decoded sets)."""
+def _replay(trace: list, G: int, n_branches: int) -> tuple[set[int], set[int], list[set[int]]]:
+    """Replay a trace (typed events) per branch; returns (block-step NFEs, refresh NFEs, decoded sets)."""
+    from hf_blockbatch.generation.trace import CommitEvent, MergeEvent, SyncEvent
+
     decoded: list[set[int]] = [set() for _ in range(n_branches)]
     block_steps, refresh_steps = set(), set()
     for ev in trace:
-        br, phase = ev["branch"], ev["phase"]
-        if phase in ("init", "block", "refresh"):
-            lo, hi = ev["window"]
-            for p in ev["committed"]:
-                assert lo <= p < hi, f"{phase} commit at {p} outside the window {ev['window']}"
+        br, phase = ev.branch, ev.phase
+        if isinstance(ev, CommitEvent):
+            lo, hi = ev.window
+            for p in ev.committed:
+                assert lo <= p < hi, f"{phase} commit at {p} outside the window {ev.window}"
                 assert p not in decoded[br], f"branch {br} committed position {p} twice without a sync"
                 decoded[br].add(p)
-            (block_steps if phase == "block" else refresh_steps if phase == "refresh" else set()).add(
-                ev["step"]
-            )
+            (block_steps if phase == "block" else refresh_steps if phase == "refresh" else set()).add(ev.step)
             if phase == "init":
-                assert ev["step"] == 1
-        elif phase == "merge":
-            for p in ev["positions"]:
+                assert ev.step == 1
+        elif isinstance(ev, MergeEvent):
+            for p in ev.positions:
                 assert p not in decoded[br], f"merge into branch {br} overwrote committed position {p}"
                 decoded[br].add(p)
-        elif phase == "sync":
-            assert ev["leader"] != br
-            decoded[br] = set(decoded[ev["leader"]])
+        elif isinstance(ev, SyncEvent):
+            assert ev.leader != br
+            decoded[br] = set(decoded[ev.leader])
         else:
-            raise AssertionError(f"unknown trace phase {phase!r}")
+            raise AssertionError(f"unknown trace event {ev!r}")
         assert all(0 <= p < G for p in decoded[br])
     return block_steps, refresh_steps, decoded
 
@@ -177,15 +177,12 @@ def _random_state(seed: int, B: int, N: int, G: int, k: int):
     # mostly the request's token on top (the model agrees with the branches), ids kept distinct
     top = torch.where(torch.rand(R, G, generator=g) < 0.7, base, ids[..., 0])
     ids[..., 0] = torch.where((ids[..., 1:] == top[..., None]).any(-1), ids[..., 0], top)
-    zeros = torch.zeros(R, dtype=torch.long)
     state = DecodeState(
         canvas=canvas, attention_mask=torch.ones_like(canvas, dtype=torch.bool), request=torch.arange(B).repeat_interleave(N),
-        branch=torch.arange(N).repeat(B), block=block, win_start=zeros + gs - 1, win_end=zeros + gs - 1,
-        done=zeros.bool(), since_refresh=zeros.clone(), steps_in_block=zeros.clone(), masked_at_block_start=zeros.clone(),
-        prob_p=probs, prob_ids=ids, eos_hit=zeros.bool(), eos_prob=zeros.double(), committed=zeros.clone(),
-        merged=zeros.clone(), copied=zeros.clone(), syncs=zeros.clone(), refreshes=zeros.clone(), synced_now=None,
-        retired=zeros.bool(), gen_start=gs, mask_id=M, quota=False,
+        branch=torch.arange(N).repeat(B), block=block, gen_start=gs, mask_id=M, branches=N, prob_p=probs, prob_ids=ids,
     )  # fmt: skip
+    state.win_start.fill_(gs - 1)
+    state.win_end.fill_(gs - 1)
     state.advance()
     return state
 
@@ -224,14 +221,14 @@ def _plain_merge(state, threshold: float, N: int) -> torch.Tensor:
 @pytest.mark.parametrize("threshold", [0.5, 0.3, 0.2])
 @pytest.mark.parametrize("seed", range(12))
 def test_merge_equals_a_plain_loop_implementation(seed, threshold):
-    from hf_blockbatch.generation.blockbatch.merge import merge
+    from hf_blockbatch.generation.policies.merge import merge
 
     N = 3 + seed % 4
     k = max(1, -(-10 // int(threshold * 10)) - 1)  # ceil(1 / t) - 1, as the engine keeps
     state = _random_state(seed, B=2, N=N, G=14, k=k)
     expect = _plain_merge(state, threshold, N)
     before = state.canvas.clone()
-    taken = merge(state, threshold, N)
+    taken = merge(state, threshold)
     assert torch.equal(state.canvas, expect)
     assert torch.equal(taken, (state.canvas != before)[:, state.gen_start :])
     assert state.merged.tolist() == taken.sum(-1).tolist()
@@ -284,7 +281,7 @@ def test_commit_probabilities_cover_exactly_the_decoded_positions(monkeypatch):
     from hf_blockbatch.generation import engine
 
     checked = []
-    finish = engine._Run.finish
+    finish = engine.Run.finish
 
     def checking_finish(self):
         s = self.state
@@ -293,7 +290,7 @@ def test_commit_probabilities_cover_exactly_the_decoded_positions(monkeypatch):
         checked.append(bool(((s.commit_prob > 0) == decoded)[live].all()))
         return finish(self)
 
-    monkeypatch.setattr(engine._Run, "finish", checking_finish)
+    monkeypatch.setattr(engine.Run, "finish", checking_finish)
     cfg = BlockBatchConfig(max_new_tokens=32, block_sizes=[2, 4, 8, 16], threshold=0.47, sync_threshold=2,
                            merge_threshold=0.3, refresh_interval=8, eos_confidence="commit", output_trace=True)  # fmt: skip
     for kind in ("llada-peaked", "llada-eos", "dream-eos"):
@@ -321,8 +318,8 @@ def test_commit_reading_is_the_probability_at_commit(family):
                 continue
             phase_of = {}
             for e in stats["trace"]:
-                if e["branch"] == b and "committed" in e:
-                    phase_of.update({pos: (e["phase"], tok) for pos, tok in zip(e["committed"], e["tokens"])})
+                if e.branch == b and hasattr(e, "committed"):
+                    phase_of.update({pos: (e.phase, tok) for pos, tok in zip(e.committed, e.tokens)})
             first = min(pos for pos, (_, tok) in phase_of.items() if tok == EOS_ID)
             if phase_of[first][0] == "init":
                 row = len(prompt) + first - model.logit_shift
@@ -341,7 +338,7 @@ def test_a_request_that_hits_eos_ends_before_any_refresh():
     cfg = FastDLLMConfig(max_new_tokens=32, block_length=8, early_stop=True, output_trace=True)
     out = m.generate(torch.tensor([[5, 3, 8, 1, 9, 2]]), generation_config=cfg, return_dict_in_generate=True)
     st = out.stats[0]
-    assert st["stopped_by"] == "eos" and st["trace"][-1]["phase"] == "block" and st["nfe_refresh"] == 0
+    assert st["stopped_by"] == "eos" and st["trace"][-1].phase == "block" and st["nfe_refresh"] == 0
     assert int(out.nfe[0]) == 1 + st["nfe_block"] == 8
     cfg = BlockBatchConfig(max_new_tokens=32, block_sizes=[16, 2, 4], threshold=0.3, sync_threshold=2,
                            refresh_interval=4, output_trace=True)  # fmt: skip
@@ -381,24 +378,18 @@ def test_eos_winner_is_the_most_confident_whatever_the_batch(batch):
     canvas[:, 0] = 1
     canvas[0, 1:41] = 5  # row 0: 40 decoded, EOS probability 0.999990
     canvas[1, 1:21] = 5  # row 1: 20 decoded, EOS probability 0.999991
-    z = torch.zeros(R, dtype=torch.long)
     s = DecodeState(
         canvas=canvas, attention_mask=torch.ones_like(canvas, dtype=torch.bool), request=torch.arange(batch).repeat_interleave(N),
-        branch=torch.arange(N).repeat(batch), block=torch.full((R,), 4), win_start=z.clone(), win_end=z.clone(),
-        done=torch.zeros(R, dtype=torch.bool), since_refresh=z.clone(), steps_in_block=z.clone(),
-        masked_at_block_start=z.clone(), prob_p=None, prob_ids=None, eos_hit=torch.zeros(R, dtype=torch.bool),
-        eos_prob=torch.zeros(R, dtype=torch.float64), committed=z.clone(), merged=z.clone(), copied=z.clone(),
-        syncs=z.clone(), refreshes=z.clone(), synced_now=None, retired=torch.zeros(R, dtype=torch.bool), gen_start=1,
-        mask_id=MASK_ID,
+        branch=torch.arange(N).repeat(batch), block=torch.full((R,), 4), gen_start=1, mask_id=MASK_ID, branches=N,
     )  # fmt: skip
     s.eos_hit[:2] = True
     s.eos_prob[0], s.eos_prob[1] = 0.999990, 0.999991
     finished = torch.zeros(batch, dtype=torch.bool)
     finished[0] = True
-    winner, by_eos = pick_winners(s, finished, True, N)
+    winner, by_eos = pick_winners(s, finished, True)
     assert int(winner[0]) == 1 and bool(by_eos[0])
     s.eos_prob[1] = 0.999990  # an exact tie: the branch with more decoded tokens
-    assert int(pick_winners(s, finished, True, N)[0][0]) == 0
+    assert int(pick_winners(s, finished, True)[0][0]) == 0
 
 
 def test_the_mask_token_is_never_proposed():
@@ -406,7 +397,7 @@ def test_the_mask_token_is_never_proposed():
     stopped with 'no progress'. It is now never proposed, and other tokens keep their probability."""
     from conftest import make_tiny_llada
 
-    from hf_blockbatch.generation.transfer import sample_tokens
+    from hf_blockbatch.generation.sampling import sample_tokens
 
     logits = torch.tensor([[0.0, 1.0, 3.0], [2.0, 0.5, 0.0]])
     s = sample_tokens(logits, 0.0, "low_confidence", 1, mask_id=2)

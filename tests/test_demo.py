@@ -35,15 +35,18 @@ SETTINGS = (32, "16", ["4", "8", "16", "32"], 0.9, 0.5, 0.0, 0, 8, 32, True, "in
 
 def test_build_frames_replays_commits_merges_and_syncs() -> None:
     """A hand-written trace: frame k holds what step k changed, a sync copies the leader's set."""
-    trace = [
-        {"step": 1, "phase": "init", "branch": 0, "window": [0, 4], "committed": [0]},
-        {"step": 1, "phase": "init", "branch": 1, "window": [0, 8], "committed": [0, 5, 6]},
-        {"step": 2, "phase": "block", "branch": 0, "window": [0, 4], "committed": [1]},
-        {"step": 2, "phase": "block", "branch": 1, "window": [0, 8], "committed": [1, 2]},
-        {"step": 2, "phase": "merge", "branch": 0, "positions": [2]},
+    from hf_blockbatch.generation.trace import event_from_dict
+
+    trace = [event_from_dict(e) for e in (
+        {"step": 1, "phase": "init", "branch": 0, "window": [0, 4], "committed": [0], "tokens": [7]},
+        {"step": 1, "phase": "init", "branch": 1, "window": [0, 8], "committed": [0, 5, 6], "tokens": [7, 8, 9]},
+        {"step": 2, "phase": "block", "branch": 0, "window": [0, 4], "committed": [1], "tokens": [7]},
+        {"step": 2, "phase": "block", "branch": 1, "window": [0, 8], "committed": [1, 2], "tokens": [7, 7]},
+        {"step": 2, "phase": "merge", "branch": 0, "positions": [2], "tokens": [7]},
         {"step": 3, "phase": "sync", "branch": 0, "leader": 1},
-        {"step": 4, "phase": "refresh", "branch": 0, "window": [4, 8], "committed": [3]},
-    ]
+        {"step": 4, "phase": "refresh", "branch": 0, "window": [4, 8], "committed": [3], "tokens": [7]},
+    )]  # fmt: skip
+    assert [event_from_dict(e.to_dict()) for e in trace] == trace
     frames, log = app.build_frames(trace, [4, 8], 8)
     assert [f.step for f in frames] == [0, 1, 2, 3, 4]
     assert frames[0].branches[0].decoded == frozenset() and frames[0].branches[0].window == (0, 4)

@@ -5,16 +5,35 @@ from __future__ import annotations
 import torch
 from _generation_helpers import ref_quota
 
-from hf_blockbatch.generation.transfer import (
-    eos_probability,
-    factor_rule,
-    quota_rule,
-    quota_schedule,
-    sample_tokens,
-    threshold_rule,
-)
+from hf_blockbatch.generation.rules import RULES, candidate_scores, make_rule
+from hf_blockbatch.generation.rules.factor import factor_select
+from hf_blockbatch.generation.rules.quota import quota_schedule, quota_select
+from hf_blockbatch.generation.rules.threshold import threshold_select
+from hf_blockbatch.generation.sampling import eos_probability, sample_tokens
 
 NEG = float("-inf")
+
+
+# the rules on (confidence, candidates), through the scores the engine builds for them
+def threshold_rule(conf, cand, threshold):
+    return threshold_select(candidate_scores(conf, cand), threshold)
+
+
+def factor_rule(conf, cand, factor):
+    return factor_select(candidate_scores(conf, cand), factor)
+
+
+def quota_rule(conf, cand, count):
+    return quota_select(candidate_scores(conf, cand), count)
+
+
+def test_the_registered_rules_select_as_their_functions():
+    conf = _t([[0.95, 0.2, 0.91, 0.5], [0.3, 0.1, 0.2, 0.25]])
+    cand = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    scores = candidate_scores(conf, cand)
+    assert {"threshold", "factor", "quota"} <= set(RULES)
+    assert torch.equal(make_rule("threshold", threshold=0.9).select(scores, None, None, None), threshold_rule(conf, cand, 0.9))
+    assert torch.equal(make_rule("factor", factor=1.0).select(scores, None, None, None), factor_rule(conf, cand, 1.0))
 
 
 def _t(rows, dtype=torch.float64):
@@ -150,10 +169,13 @@ def test_sample_tokens_maps_and_eos_probability():
 
 
 def test_probability_map_size_is_exact_for_the_merge_threshold():
-    from hf_blockbatch.generation.engine import DecodePlan
+    import hf_blockbatch as hb
+    from hf_blockbatch.generation.plans import map_size, plan_from_config
 
     for t, k in ((0.5, 1), (0.9, 1), (0.4, 2), (1 / 3, 2), (0.3, 3), (0.25, 3), (0.2, 4)):
-        assert DecodePlan("blockbatch", 8, [4], merge=True, merge_threshold=t).top_k == k
+        assert map_size(t) == k
+        assert plan_from_config(hb.BlockBatchConfig(merge_threshold=t), [1], []).map_k == k
         # fewer than 1/t tokens can each exceed t, so the top k always holds any token above t
         assert (k + 1) * t >= 1 - 1e-12
-    assert DecodePlan("fast_dllm", 8, [4]).top_k == 0
+    assert plan_from_config(hb.FastDLLMConfig(), [1], []).map_k == 0
+    assert plan_from_config(hb.BlockBatchConfig(merge=False), [1], []).map_k == 0

@@ -10,8 +10,8 @@ Every backend answers the same two questions:
 
 Backends: ``flash_varlen`` (flash-attn, CUDA, fp16/bf16), ``torch_varlen`` (PyTorch's own
 varlen kernel, CUDA), ``sdpa_grouped`` (one ``scaled_dot_product_attention`` per distinct window
-length: measured 1.8-2.5x faster than padding on CPU for BlockBatch's windows, see
-``benchmarks/attention_cpu.py``), ``sdpa`` (windows padded to the longest) and ``reference``
+length: no padded query is computed, which makes it the fastest on CPU for BlockBatch's windows
+of different sizes, see ``benchmarks/attention_cpu.py``), ``sdpa`` (windows padded to the longest) and ``reference``
 (explicit float32 softmax, for tests). ``auto`` picks the first that can run.
 """
 

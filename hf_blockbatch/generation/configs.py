@@ -150,7 +150,7 @@ class DiffusionGenerationConfig(GenerationConfig):
         if isinstance(self.temperature, (int, float)):
             self.do_sample = self.temperature > 0
 
-    def validate(self, strict: bool = False, **kwargs: Any) -> None:
+    def validate(self, **kwargs: Any) -> None:
         """Check every field before any forward; a wrong value fails here with what to change.
 
         Options these strategies would ignore fail too, since ignoring them decodes something
@@ -227,7 +227,7 @@ class VanillaDiffusionConfig(DiffusionGenerationConfig):
         steps = self.steps or self.max_new_tokens
         return steps, block
 
-    def validate(self, strict: bool = False, **kwargs: Any) -> None:
+    def validate(self, **kwargs: Any) -> None:
         super().validate()
         steps, block = self.resolved()
         _check_positive_int("steps", steps)
@@ -279,7 +279,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         self.skip_completed_block_step = kwargs.pop("skip_completed_block_step", False)
         super().__init__(**kwargs)
 
-    def validate(self, strict: bool = False, **kwargs: Any) -> None:
+    def validate(self, **kwargs: Any) -> None:
         super().validate()
         if self.cache not in ("none", "prefix", "dual"):
             raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}.")
@@ -346,7 +346,7 @@ class BlockBatchConfig(DiffusionGenerationConfig):
         self.skip_completed_block_step = kwargs.pop("skip_completed_block_step", False)
         super().__init__(**kwargs)
 
-    def validate(self, strict: bool = False, **kwargs: Any) -> None:
+    def validate(self, **kwargs: Any) -> None:
         super().validate()
         if self.eos_confidence not in ("completion", "commit"):
             raise ValueError(f"eos_confidence must be 'completion' or 'commit', got {self.eos_confidence!r}.")

@@ -69,6 +69,37 @@ def check_context(model_config: Any, prompt_length: int, max_new_tokens: int) ->
         )
 
 
+def _token_ids(cfg: DiffusionGenerationConfig, config: Any) -> tuple[int, list[int], int]:
+    """``(mask id, EOS ids, padding id)`` from the generation config, else the model config."""
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else getattr(config, "mask_token_id", None)
+    if mask_id is None:
+        raise ValueError(
+            "This model's config has no mask_token_id: set generation_config.mask_token_id to the id of the "
+            "[MASK] token the model was trained with."
+        )
+    eos_ids = _as_list(cfg.eos_token_id) or _as_list(getattr(config, "eos_token_id", None))
+    if not eos_ids:
+        raise ValueError("No eos_token_id in the generation config or the model config: set one.")
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else getattr(config, "pad_token_id", None)
+    return int(mask_id), eos_ids, eos_ids[0] if pad_id is None else int(pad_id)
+
+
+def _checked_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """The batch's attention mask, refused unless it is left padding around non-empty prompts."""
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}.")
+    am = attention_mask.bool()
+    if bool((am[:, 1:] < am[:, :-1]).any()):
+        raise ValueError("Prompts must be left-padded (tokenizer.padding_side = 'left').")
+    empty = (~am.any(1)).nonzero().flatten().tolist()
+    if empty:  # as for an empty prompt alone: nothing to condition on (and nothing to shift from, on Dream)
+        raise ValueError(
+            f"Prompt(s) {empty} of the batch are empty (attention_mask all 0): a masked-diffusion model needs at "
+            "least one prompt token; drop them or give them one (e.g. the BOS token)."
+        )
+    return attention_mask
+
+
 @torch.no_grad()
 def diffusion_generate(
     model,
@@ -100,18 +131,8 @@ def diffusion_generate(
     if input_ids.shape[1] == 0:
         raise ValueError("The prompt is empty: a masked-diffusion model needs at least one prompt token.")
     config = model.config
-    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else getattr(config, "mask_token_id", None)
-    if mask_id is None:
-        raise ValueError(
-            "This model's config has no mask_token_id: set generation_config.mask_token_id to the id of the "
-            "[MASK] token the model was trained with."
-        )
+    mask_id, eos_ids, pad_id = _token_ids(cfg, config)
     check_context(config, input_ids.shape[1], cfg.max_new_tokens)
-    eos_ids = _as_list(cfg.eos_token_id) or _as_list(getattr(config, "eos_token_id", None))
-    if not eos_ids:
-        raise ValueError("No eos_token_id in the generation config or the model config: set one.")
-    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else getattr(config, "pad_token_id", None)
-    pad_id = eos_ids[0] if pad_id is None else int(pad_id)
     device = model.device
     if generator is not None and generator.device.type != device.type:
         raise ValueError(
@@ -120,18 +141,7 @@ def diffusion_generate(
         )
     input_ids = input_ids.to(device)
     if attention_mask is not None:
-        attention_mask = attention_mask.to(device)
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}.")
-        am = attention_mask.bool()
-        if bool((am[:, 1:] < am[:, :-1]).any()):
-            raise ValueError("Prompts must be left-padded (tokenizer.padding_side = 'left').")
-        empty = (~am.any(1)).nonzero().flatten().tolist()
-        if empty:  # as for an empty prompt alone: nothing to condition on (and nothing to shift from, on Dream)
-            raise ValueError(
-                f"Prompt(s) {empty} of the batch are empty (attention_mask all 0): a masked-diffusion model needs at "
-                "least one prompt token; drop them or give them one (e.g. the BOS token)."
-            )
+        attention_mask = _checked_mask(attention_mask.to(device), input_ids)
     n = cfg.num_return_sequences or 1
     if n > 1:  # as transformers: each prompt's n samples are consecutive rows of the output
         if attention_mask is None:
@@ -139,7 +149,7 @@ def diffusion_generate(
         input_ids, attention_mask = input_ids.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0)
     plan = plan_from_config(cfg, eos_ids, _as_list(getattr(config, "eot_token_id", None)))
     logger.debug("diffusion_generate: %s", plan)
-    result = run_plan(model, input_ids, attention_mask, plan, int(mask_id), eos_ids, pad_id, generator, streamer)
+    result = run_plan(model, input_ids, attention_mask, plan, mask_id, eos_ids, pad_id, generator, streamer)
     return_dict = cfg.return_dict_in_generate if return_dict_in_generate is None else return_dict_in_generate
     if return_dict:
         return DiffusionGenerateOutput(sequences=result.sequences, nfe=result.nfe, stats=result.stats)

@@ -9,11 +9,20 @@ from typing import Any
 import torch
 from transformers.utils import ModelOutput
 
-__all__ = ["DiffusionGenerateOutput", "answer_lengths", "answer_texts", "end_token_ids"]
+__all__ = ["DecodeResult", "DiffusionGenerateOutput", "answer_lengths", "answer_texts", "end_token_ids"]
 
 #: End-of-turn markers of the chat formats in use (LLaDA / Llama-3, Dream / Qwen), by text: not
 #: every config names them, but an answer ends at them as it does at EOS.
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>")
+
+
+@dataclass
+class DecodeResult:
+    """What the decoding core returns for one call: sequences ``[B, L]``, NFE ``[B]``, stats per request."""
+
+    sequences: torch.Tensor
+    nfe: torch.Tensor
+    stats: list[dict[str, Any]]
 
 
 @dataclass

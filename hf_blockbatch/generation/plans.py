@@ -1,12 +1,18 @@
-"""From a generation config to the decoding core's plan: where each strategy's choices live.
+"""From a generation config to the decoding core's plan: the parts each strategy is made of.
 
-* vanilla: full forwards (no cache), one block size, fixed quota per step;
-* Fast-dLLM: one block size, threshold/factor/quota, a cache mode; its block-start full forward
-  is a refresh with ``refresh_interval = block_length``;
-* BlockBatch: one branch per block size, merge, sync, refresh policy, EOS early stop.
+* vanilla: full forwards (no cache), one block size, the fixed-quota rule, no refresh;
+* Fast-dLLM: one block size, threshold / factor / quota rule, a cache mode; its block-start full
+  forward is a refresh with ``interval = block_length``;
+* BlockBatch: one branch per block size; advance, merge and sync policies; a refresh policy; EOS
+  early stop ranking the hitting branches.
+
+The engine runs any plan without knowing which strategy it came from.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
 
 from hf_blockbatch.generation.configs import (
     BlockBatchConfig,
@@ -14,9 +20,49 @@ from hf_blockbatch.generation.configs import (
     FastDLLMConfig,
     VanillaDiffusionConfig,
 )
-from hf_blockbatch.generation.engine import DecodePlan
+from hf_blockbatch.generation.policies import Advance, BranchPolicy, Merge, Sync
+from hf_blockbatch.generation.refresh import Off, make_refresh
+from hf_blockbatch.generation.rules import TransferRule, make_rule
+from hf_blockbatch.generation.stop import StopRule
 
-__all__ = ["plan_from_config"]
+__all__ = ["DecodePlan", "map_size", "plan_from_config"]
+
+
+@dataclass
+class DecodePlan:
+    """Everything the core needs to know about a strategy: its parts and its settings."""
+
+    strategy: str
+    max_new_tokens: int
+    block_sizes: list[int]
+    rule: TransferRule
+    policies: list[BranchPolicy]
+    refresh: object = field(default_factory=Off)  # a refresh policy (refresh.py)
+    stop: StopRule = field(default_factory=StopRule)
+    cache: str = "dual"  # "none" | "prefix" | "dual"
+    temperature: float = 0.0
+    remasking: str = "low_confidence"
+    advance_after_full: bool = True  # see policies.advance.Advance
+    map_k: int = 0  # entries per position of the probability map (0: none is kept)
+    suppress_logit_ids: list[int] = field(default_factory=list)
+    low_confidence_ids: list[int] = field(default_factory=list)
+    end_ids: list[int] = field(default_factory=list)  # where a streamed answer ends
+    output_trace: bool = False
+
+
+def map_size(merge_threshold: float) -> int:
+    """Entries per position in the probability map. A merge takes a token only when the map rates
+    it above ``merge_threshold`` t, and fewer than 1/t tokens can each hold more than t, so the top
+    ``ceil(1/t) - 1`` entries are exact (the top-1 alone at the default t = 0.5)."""
+    return max(1, math.ceil(1.0 / merge_threshold) - 1)
+
+
+def _rule(cfg, steps_per_block: int | None) -> TransferRule:
+    if getattr(cfg, "threshold", None) is not None:
+        return make_rule("threshold", threshold=float(cfg.threshold))
+    if getattr(cfg, "factor", None) is not None:
+        return make_rule("factor", factor=float(cfg.factor))
+    return make_rule("quota", steps_per_block=steps_per_block)
 
 
 def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids: list[int]) -> DecodePlan:
@@ -26,53 +72,40 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
         temperature=float(cfg.temperature or 0.0),
         remasking=cfg.remasking,
         output_trace=bool(cfg.output_trace),
+        end_ids=list(eos_ids),
     )
     if isinstance(cfg, VanillaDiffusionConfig):
         steps, block = cfg.resolved()
-        num_blocks = -(-cfg.max_new_tokens // block)
+        steps_per_block = steps // -(-cfg.max_new_tokens // block)
         return DecodePlan(
-            **common,
-            block_sizes=[block],
-            cache="none",
-            threshold=None,
-            steps_per_block=steps // num_blocks,
-            refresh="off",
+            **common, block_sizes=[block], cache="none", rule=make_rule("quota", steps_per_block=steps_per_block),
+            policies=[Advance()],
             suppress_logit_ids=list(eos_ids) if cfg.logits_eos_inf else [],
             low_confidence_ids=list(eos_ids) + list(eot_ids) if cfg.confidence_eos_eot_inf else [],
-        )
+        )  # fmt: skip
     if isinstance(cfg, FastDLLMConfig):
-        steps_per_block = None
-        if cfg.steps is not None:
-            steps_per_block = cfg.steps // -(-cfg.max_new_tokens // cfg.block_length)
+        steps_per_block = None if cfg.steps is None else cfg.steps // -(-cfg.max_new_tokens // cfg.block_length)
+        after_full = cfg.cache == "none" or bool(cfg.skip_completed_block_step)
         return DecodePlan(
-            **common,
-            block_sizes=[cfg.block_length],
-            cache=cfg.cache,
-            threshold=cfg.threshold,
-            factor=cfg.factor,
-            steps_per_block=steps_per_block,
-            refresh="off" if cfg.cache == "none" else "periodic",
-            refresh_interval=cfg.block_length,
-            early_stop=bool(cfg.early_stop),
-            advance_after_full=cfg.cache == "none" or bool(cfg.skip_completed_block_step),
-        )
+            **common, block_sizes=[cfg.block_length], cache=cfg.cache, rule=_rule(cfg, steps_per_block),
+            policies=[Advance(after_full=after_full)], advance_after_full=after_full,
+            refresh=make_refresh("periodic", cfg.block_length, 0.0, cached=cfg.cache != "none"),
+            stop=StopRule(early_stop=bool(cfg.early_stop)),
+        )  # fmt: skip
     if isinstance(cfg, BlockBatchConfig):
+        n = len(cfg.block_sizes)
+        after_full = bool(cfg.skip_completed_block_step)
+        policies: list[BranchPolicy] = [Advance(after_full=after_full)]
+        if n > 1 and cfg.merge:
+            policies.append(Merge(float(cfg.merge_threshold)))
+            if not cfg.sync:  # else the sync's advance moves the windows past the merged tokens too
+                policies.append(Advance(always=True))
+        if n > 1 and cfg.sync:
+            policies.append(Sync(int(cfg.sync_threshold)))
         return DecodePlan(
-            **common,
-            block_sizes=list(cfg.block_sizes),
-            cache="dual",
-            threshold=cfg.threshold,
-            factor=cfg.factor,
-            merge=bool(cfg.merge),
-            merge_threshold=float(cfg.merge_threshold),
-            sync=bool(cfg.sync),
-            sync_threshold=int(cfg.sync_threshold),
-            refresh=cfg.refresh,
-            refresh_interval=int(cfg.refresh_interval),
-            divergence_threshold=float(cfg.divergence_threshold),
-            early_stop=bool(cfg.early_stop),
-            eos_confidence=cfg.eos_confidence,
-            advance_after_full=bool(cfg.skip_completed_block_step),
-            prob_map=bool(cfg.merge),
-        )
+            **common, block_sizes=list(cfg.block_sizes), cache="dual", rule=_rule(cfg, None), policies=policies,
+            refresh=make_refresh(cfg.refresh, int(cfg.refresh_interval), float(cfg.divergence_threshold), cached=True),
+            stop=StopRule(bool(cfg.early_stop), cfg.eos_confidence if cfg.early_stop and n > 1 else None),
+            advance_after_full=after_full, map_k=map_size(float(cfg.merge_threshold)) if cfg.merge else 0,
+        )  # fmt: skip
     raise TypeError(f"Unsupported generation config {type(cfg).__name__}; use one of hf_blockbatch's configs.")

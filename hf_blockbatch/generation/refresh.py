@@ -1,48 +1,97 @@
-"""Which rows get a full-sequence forward (a *refresh*) this step.
+"""Refresh policies: which rows get a full-sequence forward (a *refresh*), and running it.
 
 Window steps leave the keys and values outside the window stale. A refresh recomputes a row's
 whole cache row, its probability map, and applies the transfer rule to its window. Fast-dLLM's
-block-start forward is the same operation with ``refresh_interval = block_length``: the row
-becomes due exactly when its window enters a new block.
+block-start forward is the same operation with ``interval = block_length``: the row becomes due
+exactly when its window enters a new block.
 
-Policies: ``periodic`` (due once the window advanced ``refresh_interval`` generated tokens since
-the last refresh), ``divergence`` (also due when the row's last-layer keys over the generated
-region drift from the mean of its request's rows by more than ``divergence_threshold``,
-relative; the authors' optional trigger), ``off``. A row synced this step is never refreshed in
-the same step (the sync already gave it the leader's cache).
+* :class:`Periodic`: due once the window advanced ``interval`` generated tokens since the last
+  refresh;
+* :class:`Divergence`: also due when the row's last-layer keys over the generated region drift
+  from the mean of its request's rows by more than ``threshold`` (relative; the authors' optional
+  trigger). It can fire without any window moving, so the engine asks it every step;
+* :class:`Off`: never.
+
+A row synced this step is never refreshed in the same step (the sync already gave it the
+leader's cache). A policy carries out its refresh through the engine's full forward
+(``run.full_step``), so it decides *and* runs, and the engine never asks which policy it holds.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from hf_blockbatch.cache import BranchCache
 from hf_blockbatch.generation.state import DecodeState
 
-__all__ = ["due_rows"]
+if TYPE_CHECKING:
+    from hf_blockbatch.generation.engine import Run
+
+__all__ = ["Divergence", "Off", "Periodic", "make_refresh"]
 
 
-def _divergence(state: DecodeState, cache: BranchCache) -> torch.Tensor:
-    keys = cache.layers[-1].keys[:, state.gen_start :].float().flatten(1)  # [R, G*H*D]
-    B = int(state.request.max()) + 1
-    sums = torch.zeros(B, keys.shape[1], device=keys.device).index_add_(0, state.request, keys)
-    counts = torch.zeros(B, device=keys.device).index_add_(0, state.request, torch.ones_like(state.request, dtype=torch.float))
-    mean = sums[state.request] / counts[state.request, None]
-    return (keys - mean).norm(dim=-1) / mean.norm(dim=-1).clamp_min(1e-6)
+@dataclass(frozen=True)
+class Periodic:
+    interval: int = 32
+    every_step: ClassVar[bool] = False  # a row ages only as its window moves
+
+    def due(self, state: DecodeState, cache: BranchCache) -> torch.Tensor:
+        """[R] bool: rows to refresh now."""
+        due = (state.since_refresh >= self.interval) & ~state.done
+        return due if state.synced_now is None else due & ~state.synced_now
+
+    def refresh(self, run: Run) -> bool:
+        """Refresh the due rows; returns whether any were.
+
+        After a full forward that completes its block (``advance_after_full``), the window moves
+        into a new block, which is due at once: refresh again (a block starts with a full
+        forward), else the next block step would query a window against a cache that predates the
+        last commits. Terminates: every full step commits at least one token per row.
+        """
+        refreshed = False
+        while True:
+            rows = self.due(run.state, run.cache).nonzero().squeeze(1)
+            if not rows.numel():
+                return refreshed
+            run.full_step(rows, "refresh")
+            refreshed = True
+            if not run.plan.advance_after_full:
+                return refreshed
+            run.state.advance()
 
 
-def due_rows(
-    state: DecodeState,
-    policy: str,
-    interval: int,
-    cache: BranchCache | None,
-    divergence_threshold: float,
-) -> torch.Tensor:
-    """[R] bool: rows to refresh now."""
-    if policy == "off" or cache is None:
-        return torch.zeros_like(state.done)
-    due = state.since_refresh >= interval
+@dataclass(frozen=True)
+class Divergence(Periodic):
+    threshold: float = 0.1
+    every_step: ClassVar[bool] = True
+
+    def due(self, state: DecodeState, cache: BranchCache) -> torch.Tensor:
+        keys = cache.layers[-1].keys[:, state.gen_start :].float().flatten(1)  # [R, G*H*D]
+        B = int(state.request.max()) + 1
+        sums = torch.zeros(B, keys.shape[1], device=keys.device).index_add_(0, state.request, keys)
+        ones = torch.ones_like(state.request, dtype=torch.float)
+        counts = torch.zeros(B, device=keys.device).index_add_(0, state.request, ones)
+        mean = sums[state.request] / counts[state.request, None]
+        drift = (keys - mean).norm(dim=-1) / mean.norm(dim=-1).clamp_min(1e-6)
+        due = ((state.since_refresh >= self.interval) | (drift > self.threshold)) & ~state.done
+        return due if state.synced_now is None else due & ~state.synced_now
+
+
+@dataclass(frozen=True)
+class Off:
+    every_step: ClassVar[bool] = False
+
+    def refresh(self, run: Run) -> bool:
+        return False
+
+
+def make_refresh(policy: str, interval: int, divergence_threshold: float, cached: bool):
+    """The refresh policy of a plan; a strategy without a cache has nothing to refresh."""
+    if policy == "off" or not cached:
+        return Off()
     if policy == "divergence":
-        due |= _divergence(state, cache) > divergence_threshold
-    due &= ~state.done
-    return due if state.synced_now is None else due & ~state.synced_now
+        return Divergence(interval, divergence_threshold)
+    return Periodic(interval)

@@ -1,9 +1,12 @@
-"""The rows of a decoding batch, as tensors.
+"""The rows of a decoding batch, as tensors, and their request-major layout.
 
 A row is one branch of one request (Fast-dLLM and vanilla have one branch per request;
-BlockBatch one per block size). Every per-row quantity is a tensor of shape ``[R]`` or
-``[R, ...]``, so the policy (transfer, advance, merge, sync, refresh, stop) is a handful of
-tensor operations per step, never a Python loop over rows or positions.
+BlockBatch one per block size). Rows are request-major, ``branches`` per request, and whole
+requests are kept together, so a per-request question is a ``[requests, branches]`` view
+(:meth:`DecodeState.per_request`): no mechanism takes the branch count or rebuilds views itself.
+Every per-row quantity is a tensor of shape ``[R]`` or ``[R, ...]``, so the policy (rule, advance,
+merge, sync, refresh, stop) is a handful of tensor operations per step, never a Python loop over
+rows or positions.
 
 Derived quantities are not stored: a row's decoded count is the number of non-mask tokens in its
 generated region, its window is the block of its own size that holds its first mask.
@@ -11,11 +14,15 @@ generated region, its window is the block of its own size that holds its first m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 __all__ = ["DecodeState"]
+
+
+def _zeros(n: int, device, dtype=torch.long) -> torch.Tensor:
+    return torch.zeros(n, dtype=dtype, device=device)
 
 
 @dataclass
@@ -25,29 +32,70 @@ class DecodeState:
     request: torch.Tensor  # [R] index of the row's request in the caller's batch
     branch: torch.Tensor  # [R] branch index within the request
     block: torch.Tensor  # [R] block size of the row
-    win_start: torch.Tensor  # [R] current window [win_start, win_end)
-    win_end: torch.Tensor  # [R]
-    done: torch.Tensor  # [R] bool: no mask left
-    since_refresh: torch.Tensor  # [R] generated tokens the window advanced since the last full forward
-    steps_in_block: torch.Tensor  # [R] commits since the window moved (fixed-quota schedule)
-    masked_at_block_start: torch.Tensor  # [R] masks in the window when it moved (fixed quota)
-    prob_p: torch.Tensor | None  # [R, G, k] probability map: top-k probabilities per generated position
-    prob_ids: torch.Tensor | None  # [R, G, k] and their token ids
-    eos_hit: torch.Tensor  # [R] bool: a fully decoded window holding EOS
-    eos_prob: torch.Tensor  # [R] probability of that EOS (to pick the winner)
-    committed: torch.Tensor  # [R] tokens committed by the transfer rule
-    merged: torch.Tensor  # [R] tokens committed by merging
-    copied: torch.Tensor  # [R] tokens gained by syncing to the leader
-    syncs: torch.Tensor  # [R] times this row was synced
-    refreshes: torch.Tensor  # [R] full forwards that refreshed this row
-    synced_now: torch.Tensor | None  # [R] bool: synced in this step (no refresh right after a sync); None: no sync
-    retired: torch.Tensor  # [R] bool: the row's request has finished (the row stays done until dropped)
     gen_start: int
     mask_id: int
-    quota: bool = True  # keep the fixed-quota counters (the other rules never read them)
+    branches: int  # rows per request
+    quota: bool = False  # keep the fixed-quota counters (only the quota rule reads them)
+    map_k: int = 0  # entries per position of the probability map (0: no map)
+    keep_commit_prob: bool = False
+    # filled by __post_init__ from the shapes above
+    win_start: torch.Tensor = field(default=None)  # [R] current window [win_start, win_end)
+    win_end: torch.Tensor = field(default=None)  # [R]
+    done: torch.Tensor = field(default=None)  # [R] bool: no mask left
+    since_refresh: torch.Tensor = field(default=None)  # [R] generated tokens the window advanced since the last full forward
+    steps_in_block: torch.Tensor = field(default=None)  # [R] commits since the window moved (fixed quota)
+    masked_at_block_start: torch.Tensor = field(default=None)  # [R] masks in the window when it moved (fixed quota)
+    prob_p: torch.Tensor | None = None  # [R, G, k] probability map: top-k probabilities per generated position
+    prob_ids: torch.Tensor | None = None  # [R, G, k] and their token ids
+    eos_hit: torch.Tensor = field(default=None)  # [R] bool: a fully decoded window holding EOS
+    eos_prob: torch.Tensor = field(default=None)  # [R] float64 probability of that EOS (ranks the hitters)
+    committed: torch.Tensor = field(default=None)  # [R] tokens committed by the transfer rule
+    merged: torch.Tensor = field(default=None)  # [R] tokens committed by merging
+    copied: torch.Tensor = field(default=None)  # [R] tokens gained by syncing to the leader
+    syncs: torch.Tensor = field(default=None)  # [R] times this row was synced
+    refreshes: torch.Tensor = field(default=None)  # [R] full forwards that refreshed this row
+    block_forwards: torch.Tensor = field(default=None)  # [R] block steps that carried this row
+    block_queries: torch.Tensor = field(default=None)  # [R] positions this row fed through them
+    synced_now: torch.Tensor | None = None  # [R] bool: synced in this step (no refresh right after a sync)
+    retired: torch.Tensor = field(default=None)  # [R] bool: the row's request has finished
     # [R, G] float64: each decoded position's probability when it was committed or merged (kept only
-    # for ``eos_confidence="commit"``, which ranks EOS hitters by it); None: not kept
+    # for ``eos_confidence="commit"``, which ranks EOS hitters by it)
     commit_prob: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        R, dev, G = self.canvas.shape[0], self.canvas.device, self.canvas.shape[1] - self.gen_start
+        for name in ("win_start", "win_end", "since_refresh", "steps_in_block", "masked_at_block_start", "committed",
+                     "merged", "copied", "syncs", "refreshes", "block_forwards", "block_queries"):  # fmt: skip
+            if getattr(self, name) is None:
+                setattr(self, name, _zeros(R, dev))
+        for name in ("done", "eos_hit", "retired"):
+            if getattr(self, name) is None:
+                setattr(self, name, _zeros(R, dev, torch.bool))
+        if self.eos_prob is None:
+            self.eos_prob = _zeros(R, dev, torch.float64)
+        if self.map_k and self.prob_p is None:
+            self.prob_p = torch.zeros(R, G, self.map_k, device=dev)
+            self.prob_ids = torch.full((R, G, self.map_k), -1, dtype=torch.long, device=dev)
+        if self.keep_commit_prob and self.commit_prob is None:
+            self.commit_prob = torch.zeros(R, G, dtype=torch.float64, device=dev)
+
+    @classmethod
+    def start(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, block_sizes: list[int], max_new_tokens: int,
+              mask_id: int, **options) -> DecodeState:  # fmt: skip
+        """Every request's rows at the start: prompt + ``max_new_tokens`` masks, one row per block
+        size, windows on each row's first block."""
+        B, Lp = input_ids.shape
+        N, device = len(block_sizes), input_ids.device
+        canvas = torch.cat([input_ids, input_ids.new_full((B, max_new_tokens), mask_id)], dim=1)
+        attn = torch.cat([attention_mask.bool(), attention_mask.new_ones((B, max_new_tokens)).bool()], dim=1)
+        rep = torch.arange(B, device=device).repeat_interleave(N)
+        state = cls(canvas=canvas[rep], attention_mask=attn[rep], request=rep, branch=torch.arange(N, device=device).repeat(B),
+                    block=torch.tensor(block_sizes, device=device, dtype=torch.long).repeat(B), gen_start=Lp,
+                    mask_id=mask_id, branches=N, **options)  # fmt: skip
+        state.win_start.fill_(Lp - 1)  # so the first advance counts as a move and sets the quota
+        state.advance()
+        state.since_refresh.zero_()
+        return state
 
     @property
     def num_rows(self) -> int:
@@ -57,10 +105,17 @@ class DecodeState:
     def length(self) -> int:
         return self.canvas.shape[1]
 
-    def first_rows(self, branches: int) -> torch.Tensor:
-        """[requests] the first row of each request: rows are request-major, ``branches`` per request
-        (whole requests are kept together), so per-request questions are ``view(-1, branches)``."""
-        return torch.arange(0, self.num_rows, branches, device=self.canvas.device)
+    def first_rows(self) -> torch.Tensor:
+        """[requests] the first row of each request."""
+        return torch.arange(0, self.num_rows, self.branches, device=self.canvas.device)
+
+    def per_request(self, t: torch.Tensor) -> torch.Tensor:
+        """A per-row tensor ``[R, ...]`` as ``[requests, branches, ...]``."""
+        return t.view(-1, self.branches, *t.shape[1:])
+
+    def request_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``[requests]`` a per-row count summed over each request's rows."""
+        return self.per_request(t).sum(1)
 
     def decoded(self) -> torch.Tensor:
         """[R] non-mask tokens in each row's generated region."""
@@ -101,7 +156,7 @@ class DecodeState:
         return ((self.canvas == self.mask_id) & inside).sum(-1)
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (drop finished requests)."""
+        """Keep only ``rows`` (whole requests: drop finished ones)."""
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):

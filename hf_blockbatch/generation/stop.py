@@ -1,20 +1,29 @@
-"""When a request ends, and which branch's canvas is its answer.
+"""The stop rule: when a request ends, which branch's canvas is its answer, and retirement.
 
 A row *hits EOS* when its current window is fully decoded and holds an end-of-sequence token.
 With early stop on, the first such hit ends the request and, among the request's hitting rows,
-the one most confident in its EOS wins. Otherwise a request ends when every row is done, and the
-row with the most decoded tokens (lowest branch index on ties) wins.
+the one most confident in its EOS wins (``eos_rank`` says which probability ranks them:
+``"completion"``, the forward that completed the block, or ``"commit"``, the one that committed
+the EOS; ``None`` for a request of one row, which has nothing to rank). Otherwise a request ends
+when every row is done, and the row with the most decoded tokens (lowest branch on ties) wins.
+
+A finished request's rows are *retired* at once (done: no forward or policy touches them again)
+and physically dropped from the state and the cache only once at least half of the rows are
+retired: dropping copies every kept cache row, so dropping at every finish would cost
+O(finishes × cache), halving keeps it O(cache) overall.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from hf_blockbatch.cache import BranchCache
 from hf_blockbatch.generation.state import DecodeState
 
-__all__ = ["mark_eos", "finished_requests", "pick_winners", "fill_after_eos"]
+__all__ = ["Ending", "StopRule", "fill_after_eos", "finished_requests", "mark_eos", "pick_winners"]
 
 
 def mark_eos(
@@ -52,33 +61,29 @@ def mark_eos(
         state.eos_hit[target] = True
 
 
-def finished_requests(state: DecodeState, num_requests: int, early_stop: bool, branches: int) -> torch.Tensor:
-    """[B] bool over the caller's batch: requests that end now (absent or retired requests: False).
-
-    Rows are request-major, ``branches`` per request (the engine keeps whole requests together),
-    so each request is one row of a ``[requests, branches]`` view.
-    """
-    first = state.first_rows(branches)
-    ends = state.done.view(-1, branches).all(-1)
+def finished_requests(state: DecodeState, num_requests: int, early_stop: bool) -> torch.Tensor:
+    """[B] bool over the caller's batch: requests that end now (absent or retired requests: False)."""
+    first = state.first_rows()
+    ends = state.per_request(state.done).all(-1)
     if early_stop:
-        ends |= state.eos_hit.view(-1, branches).any(-1)
+        ends |= state.per_request(state.eos_hit).any(-1)
     ends &= ~state.retired[first]
     finished = torch.zeros(num_requests, dtype=torch.bool, device=ends.device)
     return finished.index_put_((state.request[first],), ends)
 
 
-def pick_winners(state: DecodeState, finished: torch.Tensor, early_stop: bool, branches: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pick_winners(state: DecodeState, finished: torch.Tensor, early_stop: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """For the rows of finished requests: the winning row index per request and whether it won by EOS.
 
     Returns ``(winner_row [B], by_eos [B])``; entries of unfinished requests are meaningless.
     EOS hitters first (by EOS probability), then the most decoded tokens, then the lowest branch.
     """
     R, B = state.num_rows, finished.shape[0]
-    decoded = state.decoded().view(-1, branches)
+    decoded = state.per_request(state.decoded())
     if early_stop:  # strictly by EOS probability first: a decoded count only breaks exact ties
-        p = torch.where(state.eos_hit, state.eos_prob.double(), -1.0).view(-1, branches)
+        p = state.per_request(torch.where(state.eos_hit, state.eos_prob.double(), -1.0))
         decoded = torch.where(p == p.amax(-1, keepdim=True), decoded, -1)
-    first = state.first_rows(branches)
+    first = state.first_rows()
     best = decoded.argmax(-1) + first  # argmax: the first maximum, the lowest branch
     winner = torch.full((B,), R - 1, dtype=torch.long, device=best.device)
     winner.index_put_((state.request[first],), best)
@@ -93,3 +98,54 @@ def fill_after_eos(canvas: torch.Tensor, gen_start: int, mask_id: int, pad_id: i
     gen = out[:, gen_start:]
     gen.masked_fill_(gen == mask_id, pad_id)
     return out
+
+
+@dataclass
+class Ending:
+    """Requests that finished in this step: their indices, winning rows, whether by EOS, and outputs."""
+
+    finished: torch.Tensor  # [B] bool over the caller's batch
+    requests: torch.Tensor  # [n] indices into the caller's batch
+    winners: torch.Tensor  # [n] state rows
+    by_eos: torch.Tensor  # [n] bool
+    sequences: torch.Tensor  # [n, L]
+
+
+@dataclass(frozen=True)
+class StopRule:
+    early_stop: bool = False
+    eos_rank: str | None = None  # "completion" | "commit" | None (see the module docstring)
+
+    def ending(self, state: DecodeState, num_requests: int, pad_id: int) -> Ending | None:
+        """The requests that end now, or None (one host sync while none can)."""
+        # a request can only end once one of its live rows is done (or hit EOS, with early stop);
+        # retired rows are done and have no EOS hit
+        ready = state.done ^ state.retired
+        if self.early_stop:
+            ready |= state.eos_hit
+        if not bool(ready.any()):
+            return None
+        finished = finished_requests(state, num_requests, self.early_stop)
+        if not bool(finished.any()):
+            return None
+        winner, by_eos = pick_winners(state, finished, self.early_stop)
+        req = finished.nonzero().squeeze(1)
+        rows, eos_req = winner[req], by_eos[req]
+        out = state.canvas[rows]
+        if bool(eos_req.any()):
+            out = torch.where(eos_req[:, None], fill_after_eos(out, state.gen_start, state.mask_id, pad_id), out)
+        return Ending(finished, req, rows, eos_req, out)
+
+    def retire(self, state: DecodeState, cache: BranchCache | None, ending: Ending, pad_id: int) -> bool:
+        """Retire the ended requests' rows (dropping retired rows once they are half); True when
+        no request is left."""
+        state.retire(ending.finished[state.request], pad_id)
+        n_retired = int(state.retired.sum())
+        if n_retired == state.num_rows:
+            return True
+        if 2 * n_retired >= state.num_rows:
+            keep = (~state.retired).nonzero().squeeze(1)
+            state.select(keep)
+            if cache is not None:
+                cache.keep_rows(keep)
+        return False

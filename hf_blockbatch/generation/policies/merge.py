@@ -19,19 +19,31 @@ than ``threshold``, so a token above it is always among the top k (the top-1 at 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from hf_blockbatch.generation.policies import StepContext
 from hf_blockbatch.generation.state import DecodeState
 
-__all__ = ["merge"]
+__all__ = ["Merge", "merge"]
 
 
-def merge(state: DecodeState, merge_threshold: float, branches: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class Merge:
+    threshold: float = 0.5
+
+    def apply(self, ctx: StepContext) -> bool:
+        taken = merge(ctx.state, self.threshold)
+        ctx.recorder.positions(ctx.state, taken, "merge")
+        return True
+
+
+def merge(state: DecodeState, merge_threshold: float) -> torch.Tensor:
     """Apply one merge pass in place; returns the [R, G] bool of merged positions.
 
-    Rows are laid out request-major with ``branches`` rows per request (the engine keeps whole
-    requests together), so every comparison is ``[B, N, N, G]``: linear in the batch, not
-    quadratic in rows.
+    Every comparison is within a request, ``[B, N, N, G]`` over the state's request-major layout:
+    linear in the batch, not quadratic in rows.
 
     Only a token in the destination's top-k map can score above the threshold, and the map is
     sorted by probability, so instead of rating every source's token the pass asks, for each of
@@ -40,7 +52,8 @@ def merge(state: DecodeState, merge_threshold: float, branches: int) -> torch.Te
     """
     gs, mask_id = state.gen_start, state.mask_id
     R, G = state.num_rows, state.length - gs
-    B, N = R // branches, branches
+    N = state.branches
+    B = R // N
     gen = state.canvas[:, gs:].view(B, N, G)
     decoded = gen != mask_id
     idx = torch.arange(N, device=gen.device)

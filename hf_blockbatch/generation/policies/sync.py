@@ -8,37 +8,48 @@ This is the only operation that replaces committed tokens, and it replaces a who
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hf_blockbatch.cache import BranchCache
+from hf_blockbatch.generation.policies import StepContext
 from hf_blockbatch.generation.state import DecodeState
 
-__all__ = ["leaders", "sync_to_leader"]
+__all__ = ["Sync", "leaders", "sync_to_leader"]
 
 _COPIED = ("canvas", "prob_p", "prob_ids", "eos_hit", "eos_prob", "commit_prob")
 
 
-def leaders(state: DecodeState, branches: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(leader row of each row's request [R], decoded counts [R]).
+@dataclass(frozen=True)
+class Sync:
+    threshold: int = 8
 
-    Rows are request-major with ``branches`` rows per request (the engine keeps whole requests
-    together), so this is an argmax over a ``[B, N]`` view; argmax returns the first maximum,
-    which is the lowest branch on ties.
-    """
-    decoded = state.decoded()
-    per_request = decoded.view(-1, branches)
-    leader = (per_request.argmax(-1) + state.first_rows(branches)).repeat_interleave(branches)
-    return leader, decoded
+    def apply(self, ctx: StepContext) -> bool:
+        # leaders before the sync: afterwards a synced row ties with its leader and may win the tie
+        leader = leaders(ctx.state) if ctx.recorder.tracing else None
+        synced = sync_to_leader(ctx.state, ctx.cache, self.threshold)
+        if leader is not None:
+            ctx.recorder.sync(ctx.state, synced, leader)
+        return True
 
 
-def sync_to_leader(state: DecodeState, cache: BranchCache | None, sync_threshold: int, branches: int) -> torch.Tensor:
+def leaders(state: DecodeState) -> torch.Tensor:
+    """[R] the leader row of each row's request: an argmax over the ``[B, N]`` decoded counts,
+    which returns the first maximum, the lowest branch on ties."""
+    per_request = state.per_request(state.decoded())
+    return (per_request.argmax(-1) + state.first_rows()).repeat_interleave(state.branches)
+
+
+def sync_to_leader(state: DecodeState, cache: BranchCache | None, sync_threshold: int) -> torch.Tensor:
     """Sync lagging rows in place, then advance every row's window; returns the [R] bool of synced rows.
 
     The windows may be stale on entry (the engine merges, then syncs, then advances once): the
     decoded counts are exact, and a row that merged into completion has the most decoded tokens,
     so it is never synced, only followed.
     """
-    decoded = state.decoded().view(-1, branches)
+    branches = state.branches
+    decoded = state.per_request(state.decoded())
     best, leader = decoded.max(-1, keepdim=True)
     lag = best - decoded  # [B, N]; the leader's own lag is 0, never above a threshold >= 0
     synced = ((lag > sync_threshold) & ~state.done.view_as(lag)).view(-1)

@@ -1,0 +1,199 @@
+"""The model calls of a step: which slots a step reads, and the packed forwards that produce them.
+
+A *span* is, for each of a step's rows, a run of consecutive canvas positions (its window for a
+block step; the generated region for a full forward that refreshes the probability map), padded
+to the longest. Only the slots a step reads go through the model's head: greedy low-confidence
+decoding reads the still-masked slots (nothing else is ever committed or read back from the
+probability map), plus each row's first EOS slot in its window when EOS hitters are ranked at
+completion (its probability picks a winner if the window completes). Stochastic decoding reads
+every slot, so that the random draws follow the packed layout whatever the canvas holds; so does
+a ``shared`` span (the initial forward: every slot is masked, and each request's proposals serve
+all its branches).
+
+Block steps also count, per row, the forwards that carried it and its *query tokens* (positions
+fed through the model, padding excluded). They repeat one layout until a window moves, so they are
+added up once per layout (:meth:`Forwards.flush`), never once per step; full forwards are known
+from each row's ``refreshes`` (see ``trace.Recorder.finished``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hf_blockbatch.attention.metadata import packed_index
+from hf_blockbatch.generation.state import DecodeState
+
+__all__ = ["Forwards", "Span"]
+
+
+@dataclass
+class Span:
+    """The slots a step reads: ``[A, W]`` positions of a span of each of its rows, padded."""
+
+    rows: torch.Tensor  # [A] state rows
+    positions: torch.Tensor  # [A, W] canvas positions (padded slots: L, a spare column)
+    valid: torch.Tensor | None  # [A, W] real slots (None: all, the spans are uniform)
+    in_win: torch.Tensor | None  # [A, W] slots inside the row's window (None: all)
+    canvas: torch.Tensor  # the rows' canvases, with the spare column when padded
+    current: torch.Tensor  # [A, W] what they hold at the slots
+    masked: torch.Tensor  # [A, W] still masked
+    keep: torch.Tensor | None  # [A, W] slots whose logits the step reads (None: every real slot)
+
+    @property
+    def read(self) -> torch.Tensor | None:
+        """``[A, W]`` slots whose logits the step reads; ``None``: every slot."""
+        return self.keep if self.keep is not None else self.valid
+
+
+class Forwards:
+    """Builds spans over a state and runs the model's full and window forwards on them, timed apart
+    from the policy."""
+
+    def __init__(self, model, state: DecodeState, cache, cache_mode: str, pad_id: int, eos_ids: torch.Tensor,
+                 masked_only: bool, eos_slot: bool) -> None:  # fmt: skip
+        self.model, self.cache, self.cache_mode, self.pad_id, self.eos_ids = model, cache, cache_mode, pad_id, eos_ids
+        self.masked_only, self.eos_slot = masked_only, eos_slot
+        self.L, self.gs = state.length, state.gen_start
+        self.mask_id = state.mask_id
+        self.mask_logits = bool(getattr(model, "supports_logits_mask", False))
+        self.cuda = state.canvas.device.type == "cuda"  # read once: `model.device` walks the module tree
+        self.seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # column offsets, sliced by every step (never re-allocated): spans are at most L long, and
+        # they also index the <= R rows of a step
+        self.offsets = torch.arange(max(self.L, state.num_rows) + 1, device=state.canvas.device)
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # block-step layout's rows, lengths
+        self._pending_steps = 0
+
+    # ------------------------------------------------------------------ timing and counting
+    def timed(self, fn, *args, **kwargs):
+        """A model forward, timed apart from the policy. On CUDA by a pair of events read once the
+        run ends, so timing never stalls the host (a synchronize around every forward would stop
+        the CPU from queueing the forward's kernels while the policy's still run)."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            self._events.append((start, end))
+            return out
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.seconds += time.perf_counter() - t
+        return out
+
+    def forward_seconds(self) -> float:
+        if self.cuda:  # the call's wall time includes its last kernels; then the events can be read
+            torch.cuda.synchronize()
+            return sum(a.elapsed_time(b) for a, b in self._events) / 1000
+        return self.seconds
+
+    def block_step(self, rows: torch.Tensor, lengths) -> None:
+        """Count one block step over ``rows``; ``lengths()`` gives their query positions, asked
+        once per layout (rows and windows stay the same until a window moves)."""
+        if self._pending is None:
+            self._pending = (rows, lengths())
+        self._pending_steps += 1
+
+    def flush(self, state: DecodeState) -> None:
+        """Add the block steps run on the current layout to the rows' counts; call it before the
+        layout changes or rows are dropped."""
+        if self._pending_steps:
+            rows, lengths = self._pending
+            state.block_forwards.index_add_(0, rows, torch.full_like(rows, self._pending_steps))
+            state.block_queries.index_add_(0, rows, lengths * self._pending_steps)
+        self._pending, self._pending_steps = None, 0
+
+    # ------------------------------------------------------------------ spans
+    @staticmethod
+    def take(state: DecodeState, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``t[rows]`` without a copy when ``rows`` is every row (rows come from ``nonzero``:
+        ascending and unique, so all of them is ``arange(R)``)."""
+        return t if rows.shape[0] == state.num_rows else t[rows]
+
+    def layout(self, starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(positions [A, W], valid [A, W] | None)`` of the slots ``[start, start + length)`` of
+        each row, padded to the longest (padded slots point at ``L``, a spare column; ``valid``
+        is ``None`` when every span has the same length)."""
+        shortest, W = torch.stack(torch.aminmax(lengths)).tolist()
+        positions = starts[:, None] + self.offsets[:W]
+        valid = None
+        if shortest != W:
+            valid = self.offsets[:W] < lengths[:, None]
+            positions = positions.masked_fill(~valid, self.L)
+        return positions, valid
+
+    def span(self, state: DecodeState, rows: torch.Tensor, layout, window_only: bool, shared: bool = False) -> Span:
+        """The slots of a :meth:`layout` of each row and what the rows' canvases hold there;
+        ``window_only`` says the spans are exactly the rows' windows."""
+        positions, valid = layout
+        canvas = self.take(state, state.canvas, rows)
+        if valid is not None:  # the spare column: never masked
+            canvas = torch.cat([canvas, canvas.new_full((rows.shape[0], 1), self.pad_id)], dim=1)
+        current = canvas.gather(1, positions)
+        masked = current == self.mask_id
+        in_win = valid
+        if not window_only:
+            ws, we = self.take(state, state.win_start, rows), self.take(state, state.win_end, rows)
+            in_win = (positions >= ws[:, None]) & (positions < we[:, None])
+            if valid is not None:
+                in_win &= valid
+        keep = None
+        if self.masked_only and not shared:
+            keep = masked
+            if self.eos_slot:
+                is_eos = torch.isin(current, self.eos_ids)
+                if in_win is not None:
+                    is_eos &= in_win
+                first = is_eos.byte().argmax(-1, keepdim=True)
+                keep = keep.scatter(1, first, is_eos.gather(1, first) | masked.gather(1, first))
+        return Span(rows, positions, valid, in_win, canvas, current, masked, keep)
+
+    # ------------------------------------------------------------------ forwards
+    def full(self, state: DecodeState, span: Span, write_cache: bool, block_step: bool = False) -> torch.Tensor:
+        """Full forward over the span's rows; returns the packed logits predicting the slots it reads.
+        A full forward as a block step (no cache) is counted here; the initial forward and
+        refreshes are counted by the rows' ``refreshes``."""
+        rows, read = span.rows, span.read
+        want = torch.zeros(rows.shape[0], self.L + 1, dtype=torch.bool, device=rows.device)
+        # a padded slot points at L, which is L - 1 for a shifted model: a hidden state that predicts
+        # no position of the canvas, so no real slot shares it
+        want.scatter_(1, span.positions - self.model.logit_shift, True if read is None else read)
+        want = want[:, : self.L]
+        kwargs = {"logits_mask": want} if self.mask_logits else {}
+        attention_mask = state.attention_mask[rows]
+        if block_step:
+            self.block_step(rows, lambda: attention_mask.sum(-1))
+        out = self.timed(self.model, state.canvas[rows], attention_mask=attention_mask,
+                         cache=self.cache if write_cache else None, cache_rows=rows if write_cache else None,
+                         **kwargs)  # fmt: skip
+        return out.logits if self.mask_logits else out.logits[want]
+
+    def windows(self, state: DecodeState, span: Span, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Window forward over the span's rows (dual: queries are the windows; prefix: they run to
+        the end of the canvas); returns the packed logits predicting the slots it reads."""
+        rows, read = span.rows, span.read
+        if self.cache_mode == "dual":
+            q_end = ends
+            pick = None if read is None else (read.reshape(-1) if span.valid is None else read[span.valid])
+        else:  # prefix: each row's packed queries are [start, L); the span is their first `length`
+            q_end = torch.full_like(ends, self.L)
+            q_len = self.L - starts
+            Wq = int(q_len.max())
+            sel = torch.zeros(rows.shape[0], Wq, dtype=torch.bool, device=rows.device)
+            sel[:, : span.positions.shape[1]] = True if read is None else read
+            pick = sel[self.offsets[:Wq] < q_len[:, None]]
+        self.block_step(rows, lambda: q_end - starts)
+        kwargs = {"logits_mask": pick} if self.mask_logits and pick is not None else {}
+        out = self.timed(self.model.forward_windows, state.canvas, starts, q_end, self.cache, rows=rows, **kwargs)
+        return out.logits if kwargs or pick is None else out.logits[pick]
+
+    def slots(self, valid: torch.Tensor | None, A: int, W: int) -> torch.Tensor:
+        """``[A, W]`` row of the packed logits for each slot when every slot is read: ``a * W + w``
+        for uniform spans, else counted over the real slots (padded slots: 0)."""
+        if valid is None:
+            return torch.arange(A * W, device=self.offsets.device).view(A, W)
+        return packed_index(valid)

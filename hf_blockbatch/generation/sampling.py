@@ -1,0 +1,90 @@
+"""Token proposals: what the model proposes at each packed position, and how confident it is.
+
+Sampling works on packed logits ``[T, V]`` (only the positions a step reads, never the whole
+canvas). Which proposals are committed is the transfer rule's job (:mod:`.rules`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Sampled", "eos_probability", "sample_tokens"]
+
+
+@dataclass
+class Sampled:
+    """Per packed position: the proposed token, its confidence (what the transfer rule ranks), its
+    probability under the model, and the top-k probabilities that the probability map keeps (for
+    merging; ``None`` when no map is kept)."""
+
+    tokens: torch.Tensor  # [T] long
+    confidence: torch.Tensor  # [T] float64
+    probability: torch.Tensor  # [T] float64: the softmax probability of the proposed token
+    top_probs: torch.Tensor | None = None  # [T, k] float32
+    top_ids: torch.Tensor | None = None  # [T, k] long
+
+
+def eos_probability(logits: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
+    """``[n]`` total probability of the end-of-sequence ids under ``logits`` ``[n, V]``."""
+    return torch.log_softmax(logits.float(), dim=-1).index_select(-1, eos_ids).exp().sum(-1)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: float,
+    remasking: str,
+    top_k: int,
+    generator: torch.Generator | None = None,
+    suppress_logit_ids: torch.Tensor | None = None,
+    low_confidence_ids: torch.Tensor | None = None,
+    mask_id: int | None = None,
+) -> Sampled:
+    """Propose a token for every packed position.
+
+    Greedy at temperature 0; otherwise Gumbel-max on float64 logits (LLaDA's
+    ``exp(logits) / (-log u)^T``), since low-precision Gumbel noise hurts masked diffusion. The
+    confidence is the softmax probability of the proposed token (``low_confidence``) or a
+    uniform random number (``random`` remasking). ``top_k = 0`` skips the top-k map.
+
+    ``mask_id`` is never proposed: committing it would leave the position masked, and a step that
+    commits only masks makes no progress (an untrained or a peaked model can rank it first). It is
+    taken out after the softmax, so every other token keeps the probability the model gives it.
+    """
+    if suppress_logit_ids is not None:
+        logits = logits.index_fill(-1, suppress_logit_ids, float("-inf"))
+    # One fused log-softmax pass in float32, then only the entries a step reads are exponentiated
+    # in float64: a float64 softmax over the whole vocabulary is several times dearer on CPUs and
+    # moves a probability by ~1e-7 relative.
+    logp = torch.log_softmax(logits if logits.dtype == torch.float32 else logits.float(), dim=-1)
+    if mask_id is not None:  # in place: logp is this function's own tensor
+        logp[:, mask_id] = float("-inf")
+    top_probs = top_ids = None
+    if top_k > 1:
+        top_logp, top_ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+        top_probs = top_logp.exp()
+        best_logp, best_ids = top_logp[:, 0], top_ids[:, 0]
+    elif top_k == 1 or temperature == 0:  # a max is cheaper than a top-k
+        best_logp, best_ids = logp.max(dim=-1)
+        if top_k == 1:
+            top_probs, top_ids = best_logp.exp()[:, None], best_ids[:, None]
+    if temperature > 0:
+        logits64 = logits.double()
+        noise = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+        gumbel = logits64.exp() / (-torch.log(noise)) ** temperature  # >= 0
+        if mask_id is not None:
+            gumbel[:, mask_id] = -1.0
+        tokens = torch.argmax(gumbel, dim=-1)
+        token_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)
+    else:
+        tokens, token_logp = best_ids, best_logp
+    probability = token_logp.double().exp()
+    if remasking == "random":
+        confidence = torch.rand(tokens.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    else:
+        confidence = probability
+    if low_confidence_ids is not None:
+        hit = torch.isin(tokens, low_confidence_ids)
+        confidence = confidence.masked_fill(hit, float("-inf"))
+    return Sampled(tokens, confidence, probability, top_probs, top_ids)

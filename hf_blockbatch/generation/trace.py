@@ -1,0 +1,227 @@
+"""What a run records besides its tokens: NFE, per-request stats, the step trace, streaming.
+
+The trace is a list of typed events per request (:class:`CommitEvent`, :class:`MergeEvent`,
+:class:`SyncEvent`) that the demo and the notebooks import and replay; ``event.to_dict()`` gives
+the JSON form. Positions count from the start of the generated region; ``step`` is the request's
+NFE when the event happened.
+
+NFE is counted as the paper counts it: every forward call adds one to each request it carries.
+Every live request rides in every block step (a request whose rows are all done has finished), so
+block steps are one host counter, copied into ``nfe_block`` when a request finishes; refreshes
+carry only the due rows and are counted per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from hf_blockbatch.generation.state import DecodeState
+from hf_blockbatch.generation.stop import Ending
+
+__all__ = ["CommitEvent", "MergeEvent", "Recorder", "SyncEvent", "TraceEvent", "event_from_dict"]
+
+
+@dataclass
+class CommitEvent:
+    """Tokens the transfer rule committed in one row's window (``phase``: init, block or refresh)."""
+
+    step: int
+    phase: str
+    branch: int
+    window: list[int]  # [start, end)
+    committed: list[int]
+    tokens: list[int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class MergeEvent:
+    """Tokens a branch took from compatible branches by a confidence-gated merge."""
+
+    step: int
+    branch: int
+    positions: list[int]
+    tokens: list[int]
+    phase: ClassVar[str] = "merge"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"phase": self.phase, **asdict(self)}
+
+
+@dataclass
+class SyncEvent:
+    """A lagging branch became a copy of its request's leader."""
+
+    step: int
+    branch: int
+    leader: int
+    phase: ClassVar[str] = "sync"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"phase": self.phase, **asdict(self)}
+
+
+TraceEvent = CommitEvent | MergeEvent | SyncEvent
+
+
+def event_from_dict(data: dict[str, Any]) -> TraceEvent:
+    """The event a ``to_dict()`` came from (a trace saved as JSON)."""
+    data = dict(data)
+    phase = data.pop("phase")
+    if phase == "merge":
+        return MergeEvent(**data)
+    if phase == "sync":
+        return SyncEvent(**data)
+    return CommitEvent(phase=phase, **data)
+
+
+_COUNTS = ("committed", "merged", "copied", "syncs", "refreshes")
+
+
+def _query_tokens(host: dict[str, list[int]], rows: list[int]) -> int:
+    """Positions a request fed through the model: its rows' block steps, every full forward of a row
+    (its real length; ``refreshes`` counts the initial forward too), and the initial forward once,
+    since it is one forward per request whose K/V every branch shares."""
+    block = sum(host["block_queries"][i] for i in rows)
+    full = sum((host["refreshes"][i] - 1) * host["length"][i] for i in rows)
+    return block + full + host["length"][rows[0]]
+
+
+@dataclass
+class Recorder:
+    """NFE counters, per-request stats and the trace of one run, and its streamer."""
+
+    num_requests: int
+    device: torch.device
+    gen_start: int
+    strategy: str
+    tracing: bool = False
+    eos_rank: str | None = None
+    streamer: Any = None
+    stop_ids: torch.Tensor | None = None  # where a streamed answer ends
+    mask_id: int = -1
+    block_steps: int = 0
+    streamed: int = 0
+    stats: list[dict[str, Any]] = field(default_factory=list)
+    trace: list[list[TraceEvent]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.nfe_block = torch.zeros(self.num_requests, dtype=torch.long, device=self.device)
+        self.nfe_refresh = torch.zeros_like(self.nfe_block)
+        self.stats = [{} for _ in range(self.num_requests)]
+        self.trace = [[] for _ in range(self.num_requests)]
+
+    # ------------------------------------------------------------------ NFE
+    def count_refresh(self, state: DecodeState, rows: torch.Tensor) -> None:
+        """One refresh forward: +1 NFE for every request with at least one row in it."""
+        hit = torch.zeros_like(self.nfe_refresh, dtype=torch.bool).index_fill_(0, state.request[rows], True)
+        self.nfe_refresh += hit
+
+    def nfe(self, request: int) -> int:
+        """Forwards so far of a live request."""
+        return 1 + self.block_steps + int(self.nfe_refresh[request])
+
+    def total_nfe(self) -> torch.Tensor:
+        return 1 + self.nfe_block + self.nfe_refresh
+
+    # ------------------------------------------------------------------ trace
+    def commit(self, state: DecodeState, rows: torch.Tensor, positions: torch.Tensor, select: torch.Tensor,
+               phase: str) -> None:  # fmt: skip
+        if not self.tracing:
+            return
+        gs = self.gen_start
+        req, br = state.request[rows].tolist(), state.branch[rows].tolist()
+        ws, we = state.win_start[rows].tolist(), state.win_end[rows].tolist()
+        for i, (r, b) in enumerate(zip(req, br)):
+            pos = positions[i][select[i]]
+            self.trace[r].append(CommitEvent(self.nfe(r), phase, b, [ws[i] - gs, we[i] - gs], (pos - gs).tolist(),
+                                             state.canvas[rows[i], pos].tolist()))  # fmt: skip
+
+    def positions(self, state: DecodeState, taken: torch.Tensor, phase: str) -> None:
+        """Positions ``taken`` [R, G] by a merge."""
+        if not self.tracing:
+            return
+        for i in taken.any(-1).nonzero().squeeze(1).tolist():
+            r = int(state.request[i])
+            pos = taken[i].nonzero().squeeze(1)
+            self.trace[r].append(MergeEvent(self.nfe(r), int(state.branch[i]), pos.tolist(),
+                                            state.canvas[i, self.gen_start + pos].tolist()))  # fmt: skip
+
+    def sync(self, state: DecodeState, synced: torch.Tensor, leader: torch.Tensor) -> None:
+        for i in synced.nonzero().squeeze(1).tolist():
+            r = int(state.request[i])
+            self.trace[r].append(SyncEvent(self.nfe(r), int(state.branch[i]), int(state.branch[leader[i]])))
+
+    # ------------------------------------------------------------------ stats
+    def finished(self, state: DecodeState, ending: Ending) -> None:
+        """Per-request stats of the requests that just ended (before their rows retire)."""
+        req = ending.requests
+        self.nfe_block[req] = self.block_steps
+        cols = {"request": state.request, "branch": state.branch, "block": state.block, "decoded": state.decoded(),
+                "block_forwards": state.block_forwards, "block_queries": state.block_queries,
+                "length": state.attention_mask.sum(-1), **{k: getattr(state, k) for k in _COUNTS}}  # fmt: skip
+        host = dict(zip(cols, torch.stack(list(cols.values())).tolist()))
+        if self.eos_rank is not None:  # what ranked the EOS hitters (stop.pick_winners)
+            eos_hit, eos_prob = state.eos_hit.tolist(), state.eos_prob.tolist()
+        wanted = set(req.tolist())
+        rows_of: dict[int, list[int]] = {r: [] for r in wanted}
+        for i, r in enumerate(host["request"]):  # one pass over the rows, whatever finished
+            if r in wanted:
+                rows_of[r].append(i)
+        keys = (*_COUNTS, "decoded")
+        for r_i, w, e in zip(req.tolist(), ending.winners.tolist(), ending.by_eos.tolist()):
+            rows = rows_of[r_i]
+            branches = [{"block_size": host["block"][i], **{k: host[k][i] for k in keys}} for i in rows]
+            if self.eos_rank is not None:
+                for b, i in zip(branches, rows):
+                    b["eos_hit"], b["eos_probability"] = eos_hit[i], eos_prob[i] if eos_hit[i] else None
+            self.stats[r_i] = {
+                "strategy": self.strategy,
+                "winner_block_size": host["block"][w],
+                "winner_branch": host["branch"][w],
+                "stopped_by": "eos" if e else "complete",
+                "nfe": self.nfe(r_i),
+                "nfe_block": int(self.nfe_block[r_i]),
+                "nfe_refresh": int(self.nfe_refresh[r_i]),
+                # the forwards that carried the winner (the authors' count): its full ones and block steps
+                "nfe_authors": host["refreshes"][w] + host["block_forwards"][w],
+                "query_tokens": _query_tokens(host, rows),
+                "syncs": sum(b["syncs"] for b in branches),
+                "merged": sum(b["merged"] for b in branches),
+                "branches": branches,
+            }
+            if self.tracing:
+                self.stats[r_i]["trace"] = self.trace[r_i]
+
+    def timings(self, seconds: float, forward_seconds: float, sample_seconds: float) -> None:
+        for st in self.stats:
+            st.update(seconds=seconds, forward_seconds=forward_seconds, sample_seconds=sample_seconds)
+
+    # ------------------------------------------------------------------ streaming
+    def stream(self, state: DecodeState, sequences: torch.Tensor, final: bool = False) -> None:
+        """Send request 0's newly agreed left-to-right prefix to the streamer, up to its first end token."""
+        if self.streamer is None:
+            return
+        gs = self.gen_start
+        if final:
+            gen = sequences[0, gs:]
+            stop = torch.isin(gen, self.stop_ids) | (gen == self.mask_id)
+            n = int(stop.float().argmax()) if bool(stop.any()) else gen.shape[0]
+        else:
+            rows = ((state.request == 0) & ~state.retired).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                return
+            gen = state.canvas[rows, gs:]
+            agree = (gen != self.mask_id).all(0) & (gen == gen[:1]).all(0) & ~torch.isin(gen[0], self.stop_ids)
+            n = int((~agree).float().argmax()) if bool((~agree).any()) else agree.shape[0]
+            gen = gen[0]
+        if n > self.streamed:
+            self.streamer.put(gen[self.streamed : n].cpu())
+            self.streamed = n
+        if final:
+            self.streamer.end()
