@@ -99,13 +99,17 @@ class Run:
         s = self.state
         if self._windows is None:
             starts, ends = self.fwd.take(s, s.win_start, rows), self.fwd.take(s, s.win_end, rows)
-            self._windows = (starts, ends, self.fwd.layout(starts, ends - starts))
+            lengths = ends - starts
+            self._windows = (starts, ends, self.fwd.layout(starts, lengths))
+            queried = {"none": lambda: s.attention_mask[rows].sum(-1), "prefix": lambda: self.L - starts}
+            self.fwd.new_layout(rows, queried[self.plan.cache]() if self.plan.cache in queried else lengths)
         starts, ends, layout = self._windows
         span = self.fwd.span(s, rows, layout, window_only=True)
         if self.cache is None:
-            packed = self.fwd.full(s, span, write_cache=False, block_step=True)
+            packed = self.fwd.full(s, span, write_cache=False)
         else:
             packed = self.fwd.windows(s, span, starts, ends)
+        self.fwd.block_step()
         self.recorder.block_steps += 1
         return self.commit(span, packed, "block")
 
@@ -173,10 +177,10 @@ class Run:
 
     def finish(self) -> bool:
         """Record and retire the requests that ended; True when none is left."""
-        self.fwd.flush(self.state)
         ending = self.plan.stop.ending(self.state, self.B, self.pad_id)
         if ending is None:
             return False
+        self.fwd.flush(self.state)  # the block steps' counts, before they are read and rows dropped
         self.sequences[ending.requests] = ending.sequences
         self.recorder.finished(self.state, ending)
         return self.plan.stop.retire(self.state, self.cache, ending, self.pad_id)
@@ -202,7 +206,6 @@ class Run:
             finished, moved = self.settle(moved)
             self.recorder.stream(self.state, self.sequences)
             if moved:
-                self.fwd.flush(self.state)
                 rows = self._windows = None
         self.recorder.stream(self.state, self.sequences, final=True)
         self.recorder.timings(time.perf_counter() - t0, self.fwd.forward_seconds(), self.sample_seconds)

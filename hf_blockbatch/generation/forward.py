@@ -12,8 +12,8 @@ all its branches).
 
 Block steps also count, per row, the forwards that carried it and its *query tokens* (positions
 fed through the model, padding excluded). They repeat one layout until a window moves, so they are
-added up once per layout (:meth:`Forwards.flush`), never once per step; full forwards are known
-from each row's ``refreshes`` (see ``trace.Recorder.finished``).
+added up only when requests finish (:meth:`Forwards.flush`), never once per step; full forwards
+are known from each row's ``refreshes`` (see ``trace.Recorder.finished``).
 """
 
 from __future__ import annotations
@@ -65,8 +65,7 @@ class Forwards:
         # column offsets, sliced by every step (never re-allocated): spans are at most L long, and
         # they also index the <= R rows of a step
         self.offsets = torch.arange(max(self.L, state.num_rows) + 1, device=state.canvas.device)
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # block-step layout's rows, lengths
-        self._pending_steps = 0
+        self._layouts: list[list] = []  # [rows, query lengths, block steps] since the last flush
 
     # ------------------------------------------------------------------ timing and counting
     def timed(self, fn, *args, **kwargs):
@@ -91,21 +90,27 @@ class Forwards:
             return sum(a.elapsed_time(b) for a, b in self._events) / 1000
         return self.seconds
 
-    def block_step(self, rows: torch.Tensor, lengths) -> None:
-        """Count one block step over ``rows``; ``lengths()`` gives their query positions, asked
-        once per layout (rows and windows stay the same until a window moves)."""
-        if self._pending is None:
-            self._pending = (rows, lengths())
-        self._pending_steps += 1
+    def new_layout(self, rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Block steps from now on carry ``rows``, feeding ``lengths`` positions of each (until the
+        next layout: rows and windows stay the same until a window moves)."""
+        self._layouts.append([rows, lengths, 0])
+
+    def block_step(self) -> None:
+        self._layouts[-1][2] += 1
 
     def flush(self, state: DecodeState) -> None:
-        """Add the block steps run on the current layout to the rows' counts; call it before the
-        layout changes or rows are dropped."""
-        if self._pending_steps:
-            rows, lengths = self._pending
-            state.block_forwards.index_add_(0, rows, torch.full_like(rows, self._pending_steps))
-            state.block_queries.index_add_(0, rows, lengths * self._pending_steps)
-        self._pending, self._pending_steps = None, 0
+        """Add the block steps of the layouts since the last flush to the rows' counts: a fixed
+        handful of operations, whatever the number of layouts. Call it before rows are dropped
+        or their counts are read."""
+        layouts = [tuple(lay) for lay in self._layouts if lay[2]]
+        self._layouts = [[*self._layouts[-1][:2], 0]] if self._layouts else []  # the current one goes on
+        if not layouts:
+            return
+        rows = torch.cat([lay[0] for lay in layouts])
+        steps = torch.tensor([lay[2] for lay in layouts], device=rows.device)
+        steps = steps.repeat_interleave(torch.tensor([lay[0].shape[0] for lay in layouts], device=rows.device))
+        state.block_forwards.index_add_(0, rows, steps)
+        state.block_queries.index_add_(0, rows, torch.cat([lay[1] for lay in layouts]) * steps)
 
     # ------------------------------------------------------------------ spans
     @staticmethod
@@ -153,10 +158,8 @@ class Forwards:
         return Span(rows, positions, valid, in_win, canvas, current, masked, keep)
 
     # ------------------------------------------------------------------ forwards
-    def full(self, state: DecodeState, span: Span, write_cache: bool, block_step: bool = False) -> torch.Tensor:
-        """Full forward over the span's rows; returns the packed logits predicting the slots it reads.
-        A full forward as a block step (no cache) is counted here; the initial forward and
-        refreshes are counted by the rows' ``refreshes``."""
+    def full(self, state: DecodeState, span: Span, write_cache: bool) -> torch.Tensor:
+        """Full forward over the span's rows; returns the packed logits predicting the slots it reads."""
         rows, read = span.rows, span.read
         want = torch.zeros(rows.shape[0], self.L + 1, dtype=torch.bool, device=rows.device)
         # a padded slot points at L, which is L - 1 for a shifted model: a hidden state that predicts
@@ -164,10 +167,7 @@ class Forwards:
         want.scatter_(1, span.positions - self.model.logit_shift, True if read is None else read)
         want = want[:, : self.L]
         kwargs = {"logits_mask": want} if self.mask_logits else {}
-        attention_mask = state.attention_mask[rows]
-        if block_step:
-            self.block_step(rows, lambda: attention_mask.sum(-1))
-        out = self.timed(self.model, state.canvas[rows], attention_mask=attention_mask,
+        out = self.timed(self.model, state.canvas[rows], attention_mask=state.attention_mask[rows],
                          cache=self.cache if write_cache else None, cache_rows=rows if write_cache else None,
                          **kwargs)  # fmt: skip
         return out.logits if self.mask_logits else out.logits[want]
@@ -186,7 +186,6 @@ class Forwards:
             sel = torch.zeros(rows.shape[0], Wq, dtype=torch.bool, device=rows.device)
             sel[:, : span.positions.shape[1]] = True if read is None else read
             pick = sel[self.offsets[:Wq] < q_len[:, None]]
-        self.block_step(rows, lambda: q_end - starts)
         kwargs = {"logits_mask": pick} if self.mask_logits and pick is not None else {}
         out = self.timed(self.model.forward_windows, state.canvas, starts, q_end, self.cache, rows=rows, **kwargs)
         return out.logits if kwargs or pick is None else out.logits[pick]
