@@ -310,6 +310,30 @@ def test_bench_without_plots_leaves_no_plot_of_an_earlier_run(tiny, tmp_path):
     assert (tmp_path / "summary.md").exists() and not stale.exists()
 
 
+def test_read_samples_names_the_missing_raw_file(tiny, tmp_path):
+    """Result folders in git keep summaries, not raw rows: a reader of one says what to re-run."""
+    model, tok, _ = tiny
+    settings = runner.BenchSettings(model="x", tasks=["arith"], methods=["fast_dllm"], limit=2, gen_length=8,
+                                    output_dir=str(tmp_path), progress=False, plots=False)  # fmt: skip
+    runner.run_bench(settings, model=model, tokenizer=tok)
+    rows = runner.read_samples(tmp_path)
+    assert [r["index"] for r in rows] == [0, 1] and rows == runner.read_jsonl(tmp_path / runner.SAMPLES_FILE)
+    (tmp_path / runner.SAMPLES_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match=r"samples.jsonl is absent: raw per-sample outputs are not kept in git"
+                       r".*settings are in .*run.json"):  # fmt: skip
+        runner.read_samples(tmp_path)
+
+
+def test_raw_bench_rows_are_ignored_by_git():
+    """A re-run of any committed result folder must not add its samples.jsonl back to git."""
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    for path in ("benchmarks/results/tiny/tiny-llada-arith/samples.jsonl", "benchmarks/results/new/a/b/samples.jsonl"):
+        got = subprocess.run(["git", "check-ignore", "-q", path], cwd=repo)
+        assert got.returncode == 0, f"{path} is not ignored by .gitignore"
+
+
 def test_cli_bench_repeated_options_add_up(tiny, tmp_path):
     from hf_blockbatch.cli import build_parser
 

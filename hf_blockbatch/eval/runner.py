@@ -58,6 +58,7 @@ __all__ = [
     "parse_overrides",
     "partial_state",
     "read_jsonl",
+    "read_samples",
     "render_markdown",
     "run_bench",
     "shard_info",
@@ -358,6 +359,28 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+#: the per-sample rows of a bench folder; not kept in git (see ``benchmarks/RESULTS.md``)
+SAMPLES_FILE = "samples.jsonl"
+
+
+def read_samples(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The per-sample rows a bench run wrote into ``folder``.
+
+    Why a reader with its own message: the committed result folders keep their summaries, tables
+    and plots but not the raw rows (tens of MB per run), so a folder from a fresh checkout has no
+    ``samples.jsonl`` until its bench command is re-run; say so instead of a bare ``FileNotFoundError``.
+    """
+    path = Path(folder) / SAMPLES_FILE
+    if not path.is_file():
+        settings = Path(folder) / "run.json"
+        how = f"its settings are in {settings}" if settings.is_file() else "benchmarks/RESULTS.md lists the commands"
+        raise FileNotFoundError(
+            f"{path} is absent: raw per-sample outputs are not kept in git. Re-run the bench command that "
+            f"wrote {folder} ({how}; benchmarks/RESULTS.md gives each result folder's command)."
+        )
+    return read_jsonl(path)
+
+
 def _write_jsonl(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -601,7 +624,7 @@ def run_bench(
             _shard_path(out_dir, rank, shard.world_size).unlink(missing_ok=True)
         if not any((out_dir / "shards").iterdir()):
             (out_dir / "shards").rmdir()
-    _write_jsonl(out_dir / "samples.jsonl", rows)
+    _write_jsonl(out_dir / SAMPLES_FILE, rows)
 
     summary = summarize(rows, settings.tasks, method_order, aliases)
     summary["meta"] = _run_meta(settings, shard, model, plans, chat)
