@@ -30,7 +30,7 @@ DEFAULT_PROMPT = "Ken has 2 blocks. He gives 1 to Rosa. Then he doubles his bloc
 
 
 def _encode(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
-    from hf_blockbatch.eval.base import apply_chat
+    from hf_blockbatch.tasks.contract import apply_chat
 
     return tokenizer(apply_chat(prompt, tokenizer, chat), add_special_tokens=False, return_tensors="pt").input_ids
 

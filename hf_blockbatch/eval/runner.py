@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 
-from hf_blockbatch.eval.base import EvalItem, Task
 from hf_blockbatch.eval.stats import wilson_interval
 from hf_blockbatch.generation.mixin import check_context
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
+from hf_blockbatch.tasks.contract import EvalItem, Task
 
 logger = logging.getLogger(__name__)
 
