@@ -89,7 +89,6 @@ REAL_TASKS: tuple[str, ...] = ("gsm8k", "math", "humaneval", "mbpp")
 ALL_TASKS: tuple[str, ...] = TINY_TASKS + REAL_TASKS
 
 
-
 @dataclass(frozen=True)
 class Method:
     """A named method of the bench: its display name and how its config is built for one task.
