@@ -476,7 +476,8 @@ class BenchSettings:
     #: write the PNG plots (needs matplotlib, the ``eval`` extra)
     plots: bool = True
     #: with batch_size > 1: decode the first N items of each task and method again alone, to report
-    #: latency at batch 1 next to the run's batch size (0: off; at batch size 1 every item is alone)
+    #: latency at batch 1 next to the run's batch size (0: off; at batch size 1 every item is alone).
+    #: Several processes: each re-times the first N items of its own shard
     latency_batch_1: int = 0
 
 
