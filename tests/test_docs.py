@@ -20,7 +20,7 @@ def _anchor(heading: str) -> str:
 
 
 def _files() -> list[Path]:
-    skip = {".git", ".venv", "node_modules", "__pycache__", "results"}
+    skip = {".git", ".venv", ".venv-ci", "node_modules", "__pycache__", "results", "assets", "regression"}
     return [p for p in REPO.rglob("*") if p.is_file() and p.suffix in TEXT and not skip & set(p.relative_to(REPO).parts)
             and not str(p.relative_to(REPO)).startswith(PENDING)]  # fmt: skip
 
