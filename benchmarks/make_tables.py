@@ -2,17 +2,32 @@
 
 Usage: ``python benchmarks/make_tables.py benchmarks/results/tiny/tiny-llada-*`` — each argument is
 a bench output folder holding ``summary.json``; rows are (suite, method) in the order they ran.
+
+``--headline``: the paper's comparison against tuned baselines instead (vanilla, Fast-dLLM at the
+paper's setting and at the suite's best block with early stop, LocalLeap, the authors' BlockBatch,
+ours, where run), with NFE as both sides count it, query tokens, latency at the run's batch size
+and at batch 1, and tokens per second; one row per folder, suite and method, as the bench's own
+``summary.md`` writes it (``hf_blockbatch.eval.runner.headline_markdown``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
+
+from hf_blockbatch.eval.runner import headline_markdown
+
+
+def _summary(folder: Path) -> dict:
+    path = folder / "summary.json"
+    if not path.is_file():
+        raise SystemExit(f"{path} is absent: pass bench output folders (each holds summary.json).")
+    return json.loads(path.read_text())
 
 
 def rows(folder: Path) -> list[str]:
-    summary = json.loads((folder / "summary.json").read_text())
+    summary = _summary(folder)
     out = []
     for task, data in summary["tasks"].items():
         for method in data["methods"].values():
@@ -26,11 +41,35 @@ def rows(folder: Path) -> list[str]:
     return out
 
 
-def main() -> None:
+def headline(folders: list[Path]) -> list[str]:
+    """One headline table over every folder's suites; the batch-size column names the folders' batch
+    size when they agree."""
+    keyed, batches = [], set()
+    for folder in folders:
+        summary = _summary(folder)
+        meta = summary.get("meta", {})
+        batches.add(meta.get("settings", {}).get("batch_size", "B"))
+        model = Path(str(meta.get("settings", {}).get("model", folder.name))).name
+        for task, data in summary["tasks"].items():
+            table = data.get("headline_table")
+            if table is None:
+                raise SystemExit(f"{folder}/summary.json has no headline table: it predates it; re-run its bench.")
+            keyed += [(f"{model} / {task}", r) for r in table]
+    return headline_markdown(keyed, batches.pop() if len(batches) == 1 else "B", first="Model / suite")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folders", nargs="+", type=Path, help="bench output folders holding summary.json")
+    parser.add_argument("--headline", action="store_true", help="the comparison against tuned baselines")
+    args = parser.parse_args(argv)
+    if args.headline:
+        print("\n".join(headline(args.folders)))
+        return
     print("| suite | method | accuracy % [95 % CI] | items | mean NFE | latency s/item |")
-    print("|---|---|---|---:|---:|---:|")
-    for arg in sys.argv[1:]:
-        for line in rows(Path(arg)):
+    print("|---|---|---:|---:|---:|---:|")
+    for folder in args.folders:
+        for line in rows(folder):
             print(line)
 
 

@@ -35,7 +35,8 @@ transformers 5, none of which changes the math:
 
 What is compared: the plain forward (no cache, no attention mask): the official LLaDA code
 ignores the attention mask altogether (it calls SDPA with ``attn_mask=None``), so padded
-batches are not a parity question (our models mask padding on purpose, see MODELS.md).
+batches are not a parity question (our models mask padding on purpose: ``docs/algorithm.md``,
+"Vocabulary", and ``hf_blockbatch/models/base.py``).
 In bf16 the official Dream code keeps its RoPE ``inv_freq`` in float32, as ``from_pretrained``
 loading does (``model.to(bf16)`` alone would round it); the harness calls the official
 ``reset_rope_parameters()`` after the cast to reproduce that.

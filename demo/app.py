@@ -188,7 +188,7 @@ def _load(name: str, device: str | None) -> LoadedModel:
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> torch.Tensor:
     """``[1, Lp]`` ids: through the chat template when the tokenizer has one (instruct models),
     as plain text otherwise, always without extra special tokens, as the CLI does."""
-    from hf_blockbatch.eval.base import apply_chat
+    from hf_blockbatch.tasks.contract import apply_chat
 
     return tokenizer(apply_chat(prompt, tokenizer, chat), add_special_tokens=False, return_tensors="pt").input_ids
 

@@ -30,7 +30,7 @@ DEFAULT_PROMPT = "Ken has 2 blocks. He gives 1 to Rosa. Then he doubles his bloc
 
 
 def _encode(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
-    from hf_blockbatch.eval.base import apply_chat
+    from hf_blockbatch.tasks.contract import apply_chat
 
     return tokenizer(apply_chat(prompt, tokenizer, chat), add_special_tokens=False, return_tensors="pt").input_ids
 
@@ -106,7 +106,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         limit=args.limit, batch_size=args.batch_size, seed=args.seed, gen_length=args.gen_length,
         output_dir=args.output_dir, device=args.device, dtype=args.dtype, device_map=args.device_map,
         chat=False if args.no_chat else None, data_paths=dict(args.data),
-        progress=not args.no_progress, plots=not args.no_plots,
+        progress=not args.no_progress, plots=not args.no_plots, latency_batch_1=args.latency_batch_1,
     )  # fmt: skip
     unknown = sorted(set(settings.data_paths) - set(settings.tasks))
     if unknown:
@@ -115,7 +115,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if summary is not None:  # process 0
         print((Path(settings.output_dir) / "summary.md").read_text(encoding="utf-8"))
         print(f"written to {settings.output_dir}/: samples.jsonl summary.md summary.json run.json"
-              + ("" if args.no_plots else " accuracy_vs_nfe.png nfe_distribution.png"))  # fmt: skip
+              + ("" if args.no_plots else " accuracy_vs_nfe.png accuracy_vs_query_tokens.png nfe_distribution.png"))  # fmt: skip
     return 0
 
 
@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=_threads, default=0, help="torch CPU threads (default: torch's choice)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    bench.add_argument("--latency-batch-1", type=_positive_int, default=0, metavar="N",
+                       help="with --batch-size > 1, also time the first N items of each task and method alone, "
+                       "for the batch-1 latency column")  # fmt: skip
     bench.set_defaults(func=cmd_bench)
 
     demo = sub.add_parser("demo", help="the Gradio app: Fast-dLLM and BlockBatch side by side, live in the browser")

@@ -8,6 +8,7 @@ Wilson intervals, files written, sharded == single process.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -34,7 +35,8 @@ torch.set_num_threads(1)
 
 ROW_KEYS = {
     "task", "index", "id", "method", "strategy", "gen_length", "prompt", "output", "reference", "extracted",
-    "correct", "detail", "nfe", "latency_s", "batch_seconds", "batch_size", "rank", "stats",
+    "correct", "detail", "nfe", "latency_s", "batch_seconds", "batch_size", "rank", "stats", "answer_tokens",
+    "latency_b1_s", "same_output_b1",
 }  # fmt: skip
 
 
@@ -156,6 +158,72 @@ def test_summary_wilson_and_ratios():
     assert "| BlockBatch |" in md and "0.700" in md and "dominated by block 64" in md
 
 
+def _cell_rows(method, nfes, correct, stats=None, task="arith"):
+    return [{"task": task, "index": i, "method": method, "nfe": n, "correct": i < correct, "latency_s": n / 100,
+             "answer_tokens": 10, "latency_b1_s": n / 50 if i < 2 else None,
+             "stats": dict(stats(n)) if stats else {}} for i, n in enumerate(nfes)]  # fmt: skip
+
+
+def test_headline_tuned_baseline_compute_and_latency_columns():
+    """The tuned Fast-dLLM is the sweep's most accurate point, ties to the lower NFE; every method
+    reports NFE as the authors count it, query tokens, batch-1 latency and tokens per second."""
+    qt = {"fast_dllm": 40, "fast_dllm_b16": 20, "fast_dllm_b64": 64, "blockbatch": 250, "vanilla": 96}
+    rows = []
+    for method, nfes, correct in (("vanilla", [24] * 4, 3), ("fast_dllm", [10] * 4, 2), ("fast_dllm_b16", [8] * 4, 3),
+                                  ("fast_dllm_b64", [5] * 4, 3), ("blockbatch", [4, 4, 6, 6], 2)):  # fmt: skip
+        rows += _cell_rows(method, nfes, correct, lambda n, m=method: {"query_tokens": qt[m] * n, "nfe_authors": n - 1})
+    order = ["vanilla", "fast_dllm", "fast_dllm_b16", "fast_dllm_b64", "blockbatch"]
+    s = runner.summarize(rows, ["arith"], order)
+    t = s["tasks"]["arith"]
+    cells, head = t["methods"], t["headline"]
+    assert head["tuned_fast_dllm"] == "fast_dllm_b64"  # 75 % at blocks 16 and 64: the cheaper one
+    bb = cells["blockbatch"]
+    assert bb["nfe_authors_mean"] == pytest.approx(4.0) and bb["query_tokens_mean"] == pytest.approx(250 * 5)
+    assert bb["latency_b1_mean_s"] == pytest.approx((4 / 50 + 4 / 50) / 2) and bb["n_b1"] == 2
+    assert bb["tokens_per_second"] == pytest.approx(40 / sum(n / 100 for n in (4, 4, 6, 6)))
+    assert bb["tokens_per_second_b1"] == pytest.approx(20 / (8 / 50))
+    assert head["nfe_ratio_bb_tuned"] == pytest.approx(5 / 5)
+    assert head["query_tokens_ratio_bb_tuned"] == pytest.approx(1250 / 320)
+    assert head["acc_gap_points_bb_tuned"] == pytest.approx(-25.0)
+    table = t["headline_table"]
+    assert [r["role"] for r in table] == ["vanilla", "fast_dllm", runner.TUNED, "blockbatch"]
+    assert [r["method"] for r in table][2] == "fast_dllm_b64"
+    assert table[1]["label"].startswith("Fast-dLLM (paper") and table[2]["label"] == "Fast-dLLM, best block (64, early stop)"
+    assert table[0]["nfe_vs_tuned"] == pytest.approx(24 / 5) and table[3]["query_tokens_vs_tuned"] == pytest.approx(1250 / 320)
+    md = runner.render_markdown(s)
+    assert "## Headline: against tuned baselines" in md
+    line = next(x for x in md.splitlines() if x.startswith("| arith | BlockBatch (ours) |"))
+    # accuracy, NFE, NFE (authors), query tokens, latency b=N, latency b=1 (2 of 4 items), tokens/s b=N and b=1
+    assert "| 50.0 [15.0, 85.0] | 5.0 | 4.0 | 1250 | 0.050 | 0.080 (n=2) | 200 | 125 (n=2) | 1.00 | 3.91 |" in line
+    # Fast-dLLM + early stop at the baseline block competes too; a sweep configured without early stop does not
+    rows += _cell_rows("fast_dllm_early_stop", [7] * 4, 4)
+    cfgs = build_method_configs(["fast_dllm_early_stop"], 64, parse_overrides(["fast_dllm_sweep.early_stop=false"]),
+                                sweep_blocks=[16, 64])  # fmt: skip
+    t2 = runner.summarize(rows, ["arith"], [*order, "fast_dllm_early_stop"], configs={"arith": cfgs})["tasks"]["arith"]
+    assert t2["headline"]["tuned_fast_dllm"] == "fast_dllm_early_stop"
+    assert t2["headline_table"][2]["label"] == "Fast-dLLM, best block (32, early stop)"
+    rows[-4:] = _cell_rows("fast_dllm_early_stop", [7] * 4, 0)  # now the worst, but the sweep has no early stop
+    t3 = runner.summarize(rows, ["arith"], [*order, "fast_dllm_early_stop"], configs={"arith": cfgs})["tasks"]["arith"]
+    assert t3["headline"]["tuned_fast_dllm"] == "fast_dllm_early_stop"
+    # without the statistics (an older result file) the columns say so instead of guessing
+    bare = runner.summarize([{**r, "stats": {}} for r in rows], ["arith"], order)
+    assert bare["tasks"]["arith"]["methods"]["blockbatch"]["query_tokens_mean"] is None
+    assert "| — |" in runner.render_markdown(bare)
+
+
+def test_a_new_method_is_one_registry_entry(monkeypatch):
+    """LocalLeap and the authors' BlockBatch arrive as entries of METHODS; the headline picks them up."""
+    from hf_blockbatch.generation.configs import FastDLLMConfig
+
+    stand_in = runner.Method("LocalLeap", lambda g, fast, own: FastDLLMConfig(**{"max_new_tokens": g, **fast, "factor": 1.0, **own}), True)
+    monkeypatch.setitem(runner.METHODS, "localleap", stand_in)
+    cfgs = build_method_configs(["localleap"], 64, parse_overrides(["fast_dllm.block_length=16"]))
+    assert (cfgs["localleap"].block_length, cfgs["localleap"].factor, cfgs["localleap"].cache) == (16, 1.0, "dual")
+    rows = _cell_rows("localleap", [3, 3], 1) + _cell_rows("blockbatch", [2, 2], 1)
+    table = runner.summarize(rows, ["arith"], ["localleap", "blockbatch"])["tasks"]["arith"]["headline_table"]
+    assert [(r["role"], r["label"]) for r in table] == [("localleap", "LocalLeap"), ("blockbatch", "BlockBatch (ours)")]
+
+
 # ----------------------------------------------------------------------------- the runner
 
 
@@ -189,7 +257,8 @@ def test_bench_rows_table_plots_and_nfe(tiny, tmp_path):
     for label in ("Vanilla", "Fast-dLLM", "Fast-dLLM + early stop", "BlockBatch", "Fast-dLLM b=8", "## arith",
                   "## code", "NFE BlockBatch / Fast-dLLM"):  # fmt: skip
         assert label in md
-    for png in ("accuracy_vs_nfe.png", "nfe_distribution.png"):
+    assert runner.PLOT_FILES == ("accuracy_vs_nfe.png", "accuracy_vs_query_tokens.png", "nfe_distribution.png")
+    for png in runner.PLOT_FILES:
         data = (out / png).read_bytes()
         assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
     meta = json.loads((out / "run.json").read_text())
@@ -207,6 +276,58 @@ def test_bench_rows_table_plots_and_nfe(tiny, tmp_path):
         got = [r for r in rows if r["task"] == "arith" and r["method"] == m][:2]
         assert [r["nfe"] for r in got] == res.nfe.tolist(), m
         assert [r["output"] for r in got] == texts, m
+
+
+def test_bench_reads_query_tokens_and_authors_nfe_and_times_items_alone(tiny, tmp_path, monkeypatch):
+    """What the bench reads from each request's stats (``query_tokens``, ``nfe_authors``) reaches the
+    summary; ``latency_batch_1`` re-decodes the first N items of each method alone, after its batched pass.
+
+    The decoder reports both statistics itself once it counts them; until then (and so that this test
+    checks the bench, not the decoder) a wrapper adds them where absent."""
+    model, tok, _ = tiny
+    calls = []
+    real = type(model).generate
+
+    def generate(self, input_ids, *args, **kwargs):
+        out = real(self, input_ids, *args, **kwargs)
+        calls.append((kwargs["generation_config"].strategy, input_ids.shape[0]))
+        for i, st in enumerate(out.stats):
+            st.setdefault("query_tokens", 7 * int(out.nfe[i]) + i)
+            st.setdefault("nfe_authors", int(out.nfe[i]) - i)
+        return out
+
+    monkeypatch.setattr(type(model), "generate", generate)
+    settings = BenchSettings(model="random", tasks=["arith"], methods=["fast_dllm", "blockbatch"], limit=3, batch_size=2,
+                             gen_length=16, output_dir=str(tmp_path / "b1"), progress=False, plots=False, warmup=False,
+                             latency_batch_1=2)  # fmt: skip
+    summary = run_bench(settings, model, tok, shard=ShardInfo())
+    # per method: the batched pass (2 + 1 items), then items 0 and 1 alone
+    assert calls == [(m, n) for m in ("fast_dllm", "blockbatch") for n in (2, 1, 1, 1)]
+    rows = runner.read_samples(tmp_path / "b1")
+    for m in ("fast_dllm", "blockbatch"):
+        rs = [r for r in rows if r["method"] == m]
+        cell = summary["tasks"]["arith"]["methods"][m]
+        assert cell["query_tokens_mean"] == pytest.approx(sum(r["stats"]["query_tokens"] for r in rs) / 3)
+        assert cell["nfe_authors_mean"] == pytest.approx(sum(r["stats"]["nfe_authors"] for r in rs) / 3)
+        assert [r["latency_b1_s"] is not None for r in rs] == [True, True, False]
+        assert [r["same_output_b1"] for r in rs] == [True, True, None]  # greedy: alone == in the padded batch
+        assert cell["n_b1"] == 2 and cell["b1_output_mismatches"] == 0
+        assert cell["latency_b1_mean_s"] == pytest.approx((rs[0]["latency_b1_s"] + rs[1]["latency_b1_s"]) / 2)
+        assert cell["tokens_per_second"] == pytest.approx(sum(r["answer_tokens"] for r in rs) / sum(r["latency_s"] for r in rs))
+        assert all(0 <= r["answer_tokens"] <= 16 for r in rs)
+    assert json.loads((tmp_path / "b1" / "run.json").read_text())["settings"]["latency_batch_1"] == 2
+    md = (tmp_path / "b1" / "summary.md").read_text()
+    assert "the first 2 items of each method re-timed alone" in md and "(n=2)" in md
+    # benchmarks/make_tables.py --headline writes the same rows across folders
+    spec = importlib.util.spec_from_file_location("make_tables", Path(__file__).resolve().parents[1] / "benchmarks" / "make_tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    lines = tables.headline([tmp_path / "b1"])
+    assert lines[0].startswith("| Model / suite | Method | Accuracy") and "Latency (s), batch 2" in lines[0]
+    ours = next(x for x in lines if x.startswith("| random / arith | BlockBatch (ours) |"))
+    assert ours in md.replace("| arith | BlockBatch (ours) |", "| random / arith | BlockBatch (ours) |")
+    with pytest.raises(ValueError, match="latency_batch_1 must be an integer >= 0"):
+        run_bench(BenchSettings(tasks=["arith"], latency_batch_1=-1, output_dir=str(tmp_path / "x")), model, tok)
 
 
 def test_bench_gsm8k_few_shot(tiny, tmp_path):
@@ -249,12 +370,13 @@ def test_cli_bench(tiny, tmp_path, capsys):
     out = tmp_path / "cli"
     rc = main(["bench", "--model", str(folder), "--task", "arith,lists", "--methods", "fast_dllm", "blockbatch",
                "--limit", "1", "--gen-length", "8", "--set", "blockbatch.block_sizes=4,8", "--output-dir", str(out),
-               "--no-progress", "--no-plots", "--device", "cpu"])  # fmt: skip
+               "--no-progress", "--no-plots", "--device", "cpu", "--latency-batch-1", "1"])  # fmt: skip
     assert rc == 0
     printed = capsys.readouterr().out
     assert "| BlockBatch |" in printed and "samples.jsonl" in printed
     meta = json.loads((out / "run.json").read_text())
     assert meta["tasks"]["lists"]["configs"]["blockbatch"]["block_sizes"] == [4, 8]
+    assert meta["settings"]["latency_batch_1"] == 1
     assert main(["bench", "--model", str(folder), "--task", "nope", "--output-dir", str(out)]) == 2
 
 
@@ -308,6 +430,30 @@ def test_bench_without_plots_leaves_no_plot_of_an_earlier_run(tiny, tmp_path):
                                     output_dir=str(tmp_path), progress=False, plots=False)  # fmt: skip
     runner.run_bench(settings, model=model, tokenizer=tok)
     assert (tmp_path / "summary.md").exists() and not stale.exists()
+
+
+def test_read_samples_names_the_missing_raw_file(tiny, tmp_path):
+    """Result folders in git keep summaries, not raw rows: a reader of one says what to re-run."""
+    model, tok, _ = tiny
+    settings = runner.BenchSettings(model="x", tasks=["arith"], methods=["fast_dllm"], limit=2, gen_length=8,
+                                    output_dir=str(tmp_path), progress=False, plots=False)  # fmt: skip
+    runner.run_bench(settings, model=model, tokenizer=tok)
+    rows = runner.read_samples(tmp_path)
+    assert [r["index"] for r in rows] == [0, 1] and rows == runner.read_jsonl(tmp_path / runner.SAMPLES_FILE)
+    (tmp_path / runner.SAMPLES_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match=r"samples.jsonl is absent: raw per-sample outputs are not kept in git"
+                       r".*settings are in .*run.json"):  # fmt: skip
+        runner.read_samples(tmp_path)
+
+
+def test_raw_bench_rows_are_ignored_by_git():
+    """A re-run of any committed result folder must not add its samples.jsonl back to git."""
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    for path in ("benchmarks/results/tiny/tiny-llada-arith/samples.jsonl", "benchmarks/results/new/a/b/samples.jsonl"):
+        got = subprocess.run(["git", "check-ignore", "-q", path], cwd=repo)
+        assert got.returncode == 0, f"{path} is not ignored by .gitignore"
 
 
 def test_cli_bench_repeated_options_add_up(tiny, tmp_path):

@@ -188,7 +188,7 @@ def _random_state(seed: int, B: int, N: int, G: int, k: int):
 
 
 def _plain_merge(state, threshold: float, N: int) -> torch.Tensor:
-    """BLOCKBATCH.md step 4 with loops: destinations take, on pre-merge canvases, from compatible
+    """docs/algorithm.md, "BlockBatch — Merge", with loops: destinations take, on pre-merge canvases, from compatible
     active sources behind them (smaller window end; equal ends: higher row), at masked positions
     inside some such source's window, the source token the destination's map rates highest."""
     c, gs, M = state.canvas.tolist(), state.gen_start, state.mask_id
@@ -332,7 +332,7 @@ def test_commit_reading_is_the_probability_at_commit(family):
 
 
 def test_a_request_that_hits_eos_ends_before_any_refresh():
-    """BLOCKBATCH.md, stop: the request ends when a branch completes a block holding EOS, so the
+    """docs/algorithm.md, "BlockBatch — Stop": the request ends when a branch completes a block holding EOS, so the
     refresh that the completed block would trigger never runs (nor counts in NFE)."""
     m = eos_model("llada")
     cfg = FastDLLMConfig(max_new_tokens=32, block_length=8, early_stop=True, output_trace=True)

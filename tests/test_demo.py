@@ -98,7 +98,7 @@ def test_no_generated_text_is_executed() -> None:
         r"(?<![\w.])exec\(",
         r"(?<![\w.])eval\(",
         r"\bsubprocess\b",
-        r"hf_blockbatch\.eval\.execution",  # the sandboxed executor: the demo never runs code
+        r"hf_blockbatch\.tasks\.execution",  # the sandboxed executor: the demo never runs code
         r"\b(check|run)_programs?\b",
         r"os\.system",
     ):

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from hf_blockbatch.eval import benchmarks as bm
-from hf_blockbatch.eval.base import EvalItem, Task
 from hf_blockbatch.eval.benchmarks import (
     GSM8K,
     MATH,
@@ -23,6 +22,7 @@ from hf_blockbatch.eval.benchmarks import (
     find_data_file,
     get_benchmark,
 )
+from hf_blockbatch.tasks.contract import EvalItem, Task
 
 needs_data = pytest.mark.skipif(
     any(find_data_file(f) is None for f in ("gsm8k_test.jsonl", "math500_test.jsonl", "mbpp.jsonl")),

@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from hf_blockbatch.eval.execution import check_program, check_programs, run_program, run_programs
+from hf_blockbatch.tasks.execution import check_program, check_programs, run_program, run_programs
 
 
 def test_passing_and_failing_programs() -> None:

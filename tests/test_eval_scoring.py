@@ -8,7 +8,8 @@ import threading
 import pytest
 
 from hf_blockbatch.eval.benchmarks import find_data_file, get_benchmark
-from hf_blockbatch.eval.scoring import (
+from hf_blockbatch.eval.stats import wilson_interval
+from hf_blockbatch.tasks.scoring import (
     extract_gsm8k_answer,
     extract_math_answer,
     gsm8k_is_correct,
@@ -19,7 +20,6 @@ from hf_blockbatch.eval.scoring import (
     remove_boxed,
     truncate_at,
 )
-from hf_blockbatch.eval.stats import wilson_interval
 
 needs_data = pytest.mark.skipif(
     find_data_file("gsm8k_test.jsonl") is None or find_data_file("math500_test.jsonl") is None,
@@ -100,7 +100,7 @@ def test_extract_math_answer() -> None:
 
 def test_math_stop_sequence_and_score() -> None:
     task = get_benchmark("math")
-    from hf_blockbatch.eval.base import EvalItem
+    from hf_blockbatch.tasks.contract import EvalItem
 
     item = EvalItem(task="math", id="x", question="?", reference=r"\frac{1}{2}")
     comp = "Half.\nFinal Answer: The final answer is $0.5$. I hope it is correct.\n\nProblem:\nFoo\n\nSolution: \\boxed{3}"

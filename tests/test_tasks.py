@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from hf_blockbatch.eval.base import EvalItem, Task
 from hf_blockbatch.tasks import SUITES, TEST_SIZE, ArithTask, CodeTask, ListsTask, get_suite, is_test_question
+from hf_blockbatch.tasks.contract import EvalItem, Task
 from hf_blockbatch.training.tokenizer import load_tokenizer
 
 # sha256 of every test question + target, per suite. A change here means the test split

@@ -9,15 +9,8 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from hf_blockbatch.training.eval_quick import aligned_logits, greedy_decode
-from hf_blockbatch.training.sft import (
-    Example,
-    TrainConfig,
-    apply_noise,
-    build_model,
-    make_batch,
-    sft_loss,
-    train,
-)
+from hf_blockbatch.training.objective import apply_noise, sft_loss
+from hf_blockbatch.training.sft import Example, TrainConfig, build_model, make_batch, train
 from hf_blockbatch.training.tokenizer import asset_dir, special_token_ids
 
 FAMILIES = ("llada", "dream")

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_blockbatch.eval.base import EvalItem, Score, Task, apply_chat
-from hf_blockbatch.eval.execution import ExecResult, run_program, run_programs
-from hf_blockbatch.eval.scoring import (
+from hf_blockbatch.tasks.contract import EvalItem, Score, Task, apply_chat
+from hf_blockbatch.tasks.execution import ExecResult, run_program, run_programs
+from hf_blockbatch.tasks.scoring import (
     extract_code,
     extract_gsm8k_answer,
     gsm8k_is_correct,

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from hf_blockbatch.eval.runner import BASE_METHODS, build_method_configs, partial_state, shard_info
+from hf_blockbatch.eval.runner import METHODS, build_method_configs, partial_state, shard_info
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
 
 logger = logging.getLogger(__name__)
@@ -104,8 +104,8 @@ class HFBlockBatchLM(_LMBase):
         **config_fields: Any,
     ) -> None:
         super().__init__()
-        if method not in BASE_METHODS:
-            raise ValueError(f"method must be one of {', '.join(BASE_METHODS)}, got {method!r}")
+        if method not in METHODS:  # every method the bench knows (a new one is one entry of METHODS)
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         shard = shard_info()
         self._rank, self._world_size = shard.rank, shard.world_size
         if self._world_size > 1:

@@ -22,8 +22,8 @@ from __future__ import annotations
 import itertools
 import random
 
-from hf_blockbatch.eval.base import EvalItem, Score
 from hf_blockbatch.tasks.base import Draft, SyntheticTask
+from hf_blockbatch.tasks.contract import EvalItem, Score
 from hf_blockbatch.tasks.words import CONTAINERS, PEOPLE, PRICED, THINGS
 
 #: every value a solution line holds stays in 0..MAX_VALUE (the facts stay a small closed set)
@@ -241,7 +241,7 @@ class ArithTask(SyntheticTask):
 
     def score(self, item: EvalItem, completion: str) -> Score:
         """GSM8K scoring: the number after ``####`` (else the last number) against the answer."""
-        from hf_blockbatch.eval.scoring import extract_gsm8k_answer, numbers_equal
+        from hf_blockbatch.tasks.scoring import extract_gsm8k_answer, numbers_equal
 
         pred = extract_gsm8k_answer(completion)
         return Score(

@@ -20,7 +20,7 @@ from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_blockbatch.eval.base import EvalItem, Task, apply_chat
+from hf_blockbatch.tasks.contract import EvalItem, Task, apply_chat
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ Why it looks like this:
   that commits many tokens in one step can splice two into something that is not Python or
   computes the wrong thing (``len(1 for ...)``), which is how block size costs accuracy.
 * Scoring executes the answer with hidden asserts in a sandboxed subprocess
-  (:func:`hf_blockbatch.eval.execution.check_program`), as MBPP does.
+  (:func:`hf_blockbatch.tasks.execution.check_program`), as MBPP does.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hf_blockbatch.eval.base import EvalItem, Score
-from hf_blockbatch.eval.scoring import extract_code
 from hf_blockbatch.tasks.base import Draft, SyntheticTask
+from hf_blockbatch.tasks.contract import EvalItem, Score
+from hf_blockbatch.tasks.scoring import extract_code
 from hf_blockbatch.tasks.words import NAME_NOUNS, NAME_VERBS, WORDS
 
 
@@ -367,7 +367,7 @@ class CodeTask(SyntheticTask):
         return extract_code(completion).rstrip() + "\n\n" + "\n".join(item.tests) + "\n"
 
     def score(self, item: EvalItem, completion: str) -> Score:
-        from hf_blockbatch.eval.execution import check_program
+        from hf_blockbatch.tasks.execution import check_program
 
         code = extract_code(completion)
         ok = bool(check_program(self.program(item, completion)))

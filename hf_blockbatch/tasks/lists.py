@@ -27,8 +27,8 @@ import itertools
 import random
 import re
 
-from hf_blockbatch.eval.base import EvalItem, Score
 from hf_blockbatch.tasks.base import Draft, SyntheticTask
+from hf_blockbatch.tasks.contract import EvalItem, Score
 
 _FILTERS = {
     "even": (

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hf_blockbatch.training.objective import sft_loss
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["aligned_logits", "greedy_decode", "masked_token_accuracy", "decode_accuracy"]
@@ -103,8 +105,6 @@ def masked_token_accuracy(
 
     The batches are noised once, with a fixed seed, so successive evaluations are comparable.
     """
-    from hf_blockbatch.training.sft import sft_loss
-
     shift = int(getattr(model, "logit_shift", 0))
     device = next(model.parameters()).device
     tot_loss, tot_correct, tot_n = 0.0, 0, 0

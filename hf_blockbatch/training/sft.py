@@ -35,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from hf_blockbatch.training.eval_quick import decode_accuracy, masked_token_accuracy
+from hf_blockbatch.training.objective import apply_noise, sft_loss
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +47,6 @@ __all__ = [
     "build_model",
     "encode_items",
     "make_batch",
-    "apply_noise",
-    "sft_loss",
     "train",
     "main",
 ]
@@ -204,53 +204,6 @@ def make_batch(examples: list[Example], gen_length: int, eos_id: int) -> tuple[t
     return ids, is_prompt
 
 
-def apply_noise(
-    ids: torch.Tensor,
-    is_prompt: torch.Tensor,
-    mask_id: int,
-    generator: torch.Generator,
-    t_min: float = 0.1,
-    t: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask each response token with probability ``t`` (per row, ``U(t_min, 1)`` unless given).
-
-    Prompt tokens are never masked. Each row gets at least one masked token, so no example
-    contributes nothing. Returns ``(noisy_ids, masked)``.
-    """
-    B, L = ids.shape
-    if t is None:
-        t = t_min + (1 - t_min) * torch.rand(B, generator=generator)
-    u = torch.rand(B, L, generator=generator)
-    masked = (u < t[:, None]) & ~is_prompt
-    # rows with nothing masked: mask their response token with the smallest draw
-    empty = ~masked.any(dim=1)
-    if bool(empty.any()):
-        u_resp = u.masked_fill(is_prompt, 2.0)
-        first = u_resp.argmin(dim=1)
-        masked[empty, first[empty]] = True
-    noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
-    return noisy, masked
-
-
-def sft_loss(
-    logits: torch.Tensor, targets: torch.Tensor, masked: torch.Tensor, logit_shift: int = 0
-) -> torch.Tensor:
-    """Mean cross-entropy over the masked positions.
-
-    ``logit_shift = 1`` (Dream): the logits at ``i - 1`` predict token ``i``, so the logits
-    drop their last position and the targets/mask their first. Position 0 is always a prompt
-    token, so nothing is lost.
-    """
-    if logit_shift:
-        logits = logits[:, :-logit_shift]
-        targets = targets[:, logit_shift:]
-        masked = masked[:, logit_shift:]
-    sel = logits[masked]
-    if sel.numel() == 0:
-        return logits.sum() * 0.0
-    return F.cross_entropy(sel.float(), targets[masked])
-
-
 # ----------------------------------------------------------------------------- training
 
 
@@ -302,7 +255,6 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
     from transformers import AutoTokenizer
 
     from hf_blockbatch.tasks import get_suite
-    from hf_blockbatch.training.eval_quick import decode_accuracy, masked_token_accuracy
     from hf_blockbatch.training.tokenizer import asset_dir, special_token_ids
 
     out = Path(out_dir)

@@ -7,7 +7,7 @@ else the last number; MATH: minerva's "Final Answer: The final answer is $X$" or
 ``1/2`` are the same answer. String equality would silently under-count correct completions and
 make the decoders look worse than they are.
 
-Nothing here executes untrusted code; code scoring lives in :mod:`hf_blockbatch.eval.execution`.
+Nothing here executes untrusted code; code scoring lives in :mod:`hf_blockbatch.tasks.execution`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import threading
 from collections.abc import Sequence
 from fractions import Fraction
 
-from hf_blockbatch.eval.base import Score
+from hf_blockbatch.tasks.contract import Score
 
 logger = logging.getLogger(__name__)
 

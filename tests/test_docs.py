@@ -1,0 +1,50 @@
+"""The project's own algorithm page is what the repository cites, and its links resolve."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ALGORITHM = REPO / "docs" / "algorithm.md"
+TEXT = (".py", ".md", ".ipynb", ".sh", ".json", ".toml", ".txt")
+#: the lead engineer's refactor moves these citations; widen the check to them once it lands
+PENDING = ("hf_blockbatch/generation/",)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _files() -> list[Path]:
+    skip = {".git", ".venv", ".venv-ci", "node_modules", "__pycache__", "results", "assets", "regression"}
+    return [p for p in REPO.rglob("*") if p.is_file() and p.suffix in TEXT and not skip & set(p.relative_to(REPO).parts)
+            and not str(p.relative_to(REPO)).startswith(PENDING)]  # fmt: skip
+
+
+def test_nothing_cites_a_document_outside_the_repository():
+    cites = [(str(p.relative_to(REPO)), m.group(0)) for p in _files() if p.name != "test_docs.py"
+             for m in re.finditer(r"BLOCKBATCH\.md|shared/docs", p.read_text(encoding="utf-8", errors="ignore"))]  # fmt: skip
+    assert not cites, f"cite docs/algorithm.md instead: {cites}"
+
+
+def test_links_to_the_algorithm_page_resolve():
+    anchors = {_anchor(line.lstrip("#")) for line in ALGORITHM.read_text(encoding="utf-8").splitlines()
+               if line.startswith("#")}  # fmt: skip
+    links = [(str(p.relative_to(REPO)), a) for p in _files()
+             for a in re.findall(r"algorithm\.md#([\w\-]+)", p.read_text(encoding="utf-8", errors="ignore"))]  # fmt: skip
+    assert links, "expected the README or RESULTS to link a section of docs/algorithm.md"
+    assert all(a in anchors for _, a in links), [x for x in links if x[1] not in anchors]
+
+
+@pytest.mark.parametrize("item", list("abcdefghi"))
+def test_every_difference_from_the_authors_code_states_our_choice(item):
+    """Issue 15's items a-i: each says what theirs does, what ours does, and has a line for its measurement."""
+    text = ALGORITHM.read_text(encoding="utf-8").split("## Where the authors' code differs", 1)[1]
+    block = re.search(rf"^{item}\. (.*?)(?=^[a-i]\. |\Z)", text, flags=re.S | re.M)
+    assert block, f"item {item} is missing"
+    body = block.group(1)
+    assert "Theirs:" in body and "Ours:" in body and "Measured justification:" in body, body
