@@ -13,6 +13,8 @@ runs any plan on any model that implements the forward contract of
    (:mod:`.refresh`), and a refresh may end requests in turn.
 
 NFE, stats, the trace and streaming are recorded by :class:`~.trace.Recorder`.
+
+See docs/algorithm.md, "BlockBatch — Step" and "NFE and query tokens".
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ exactly when its window enters a new block.
 A row synced this step is never refreshed in the same step (the sync already gave it the
 leader's cache). A policy carries out its refresh through the engine's full forward
 (``run.full_step``), so it decides *and* runs, and the engine never asks which policy it holds.
+
+See docs/algorithm.md, "BlockBatch — Refresh".
 """
 
 from __future__ import annotations

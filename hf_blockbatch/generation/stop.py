@@ -11,6 +11,8 @@ A finished request's rows are *retired* at once (done: no forward or policy touc
 and physically dropped from the state and the cache only once at least half of the rows are
 retired: dropping copies every kept cache row, so dropping at every finish would cost
 O(finishes × cache), halving keeps it O(cache) overall.
+
+See docs/algorithm.md, "BlockBatch — Stop".
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Window advance: a row whose window has no mask left moves to the block (of its own size) that
-holds its first remaining mask; a row with no mask left is done (see ``DecodeState.advance``)."""
+holds its first remaining mask; a row with no mask left is done (see ``DecodeState.advance``).
+
+See docs/algorithm.md, "BlockBatch — Advance".
+"""
 
 from __future__ import annotations
 

@@ -15,6 +15,8 @@ The probability map keeps the top-k probabilities per position with ``k = ceil(1
 (at least 1), which is exact for this test: fewer than ``1 / threshold`` tokens can each hold more
 than ``threshold``, so a token above it is always among the top k (the top-1 at threshold 0.5).
 ``tests/test_blockbatch.py`` checks the pass against a plain loop over rows and positions.
+
+See docs/algorithm.md, "BlockBatch — Merge".
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ The leader of a request is its row with the most decoded tokens (first row on ti
 row more than ``sync_threshold`` decoded tokens behind copies the leader's canvas, cache row and
 probability map, then re-derives its own window (of its own block size) from its first mask.
 This is the only operation that replaces committed tokens, and it replaces a whole row at once.
+
+See docs/algorithm.md, "BlockBatch — Sync".
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ has one (a step always makes progress).
 Each rule is one small frozen dataclass in its own file, registered here by name with
 :func:`register`; :func:`make_rule` builds one from a config's options. Rules that keep per-row
 schedule counters (the fixed quota) say so with ``keeps_quota``, so the state maintains them.
+
+See docs/algorithm.md, "Transfer rules".
 """
 
 from __future__ import annotations
