@@ -25,8 +25,8 @@ What the authors' code does and this module follows (checked against their relea
 * thresholds are inclusive (``≥``), as in the threshold rule.
 
 Equivalently: ``threshold_select(scores, anchor) | (near_anchor & scores ≥ relaxed)``, which is
-how it is computed here (one cumulative sum for the dilation, no loop over rows or positions,
-no host sync).
+how it is computed here (one max-pool for the dilation, no loop over rows or positions, no
+host sync).
 """
 
 from __future__ import annotations
@@ -89,12 +89,10 @@ def localleap_select(
         return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     anchors = scores >= anchor_threshold  # -inf at non-candidates: never an anchor
     committed = threshold_select(scores, anchor_threshold)
-    # near[a, w] = any anchor in slots [w - radius, w + radius]: a windowed count from one cumsum.
-    prefix = torch.nn.functional.pad(anchors.to(torch.int32).cumsum(-1), (1, 0))  # [A, W + 1]
-    slots = torch.arange(width, device=scores.device)
-    hi = (slots + radius + 1).clamp_max(width).expand_as(anchors)
-    lo = (slots - radius).clamp_min(0).expand_as(anchors)
-    near = prefix.gather(-1, hi) > prefix.gather(-1, lo)
+    # near[a, w] = an anchor in slots [w - radius, w + radius]: one stride-1 max-pool (a dilation).
+    # A radius beyond the row reaches every slot anyway; capping it bounds the pooling window.
+    reach = min(radius, width - 1)
+    near = torch.nn.functional.max_pool1d(anchors[:, None].to(torch.float32), 2 * reach + 1, 1, reach)[:, 0] > 0
     return committed | (near & (scores >= relaxed_threshold))
 
 
