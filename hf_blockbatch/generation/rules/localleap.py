@@ -14,8 +14,8 @@ decay"). The rule, per step and per row:
 * candidates in the neighbourhood are committed at ``relaxed_threshold`` instead;
 * the single most confident candidate is always committed, so a step never commits nothing.
 
-What the authors' code does and this module follows (checked against their released
-``generate.py``, read, not copied):
+What the authors' released generation code does (``get_transfer_index`` in their LLaDA
+``generate.py``, read in public copies, not copied) and this module follows:
 
 * anchors are *this step's* confident candidates only. Tokens decoded in earlier steps are not
   anchors (hence ``decoded`` is accepted for the rules' common interface but not read), and a
