@@ -77,9 +77,11 @@ def ref_generate(
     threshold: float | None = None,
     factor: float | None = None,
     steps: int | None = None,
+    select=None,
 ) -> tuple[list[int], int]:
     """Greedy reference decode; ``mode`` in {"none", "prefix", "dual"} (vanilla is "none" with
-    ``steps``). Returns (prompt + generated tokens, NFE)."""
+    ``steps``). ``select(conf) -> positions`` replaces the threshold / factor / quota rule (e.g.
+    LocalLeap's plain restatement). Returns (prompt + generated tokens, NFE)."""
     Lp = len(prompt)
     L = Lp + max_new_tokens
     x = torch.tensor([prompt + [MASK_ID] * max_new_tokens])
@@ -98,7 +100,8 @@ def ref_generate(
                 c, t = probs.max(-1)
                 conf[p], tok[p] = float(c), int(t)
         quota = schedule[step] if schedule is not None else None
-        for p in ref_select(conf, threshold, factor, quota):
+        chosen = select(conf) if select is not None else ref_select(conf, threshold, factor, quota)
+        for p in chosen:
             x[0, p] = tok[p]
 
     def block_has_mask(bs: int, be: int) -> bool:

@@ -88,12 +88,14 @@ configs = st.fixed_dictionaries(
         "eos_confidence": st.sampled_from(["completion", "commit"]),
         "skip_completed_block_step": st.booleans(),
         "temperature": st.sampled_from([0.0, 1.0]),
+        # LocalLeap inside the branches: relaxed threshold as a fraction of the anchor threshold, radius
+        "localleap": st.sampled_from([None, (0.7, 1), (0.5, 3)]),
     }
 )
 
 
 # derandomized (the same examples every run) and without shrinking: a failure prints its example
-@settings(max_examples=16, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+@settings(max_examples=24, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 @given(
     cfg=configs,
@@ -105,6 +107,10 @@ def test_blockbatch_invariants(cfg, kind, prompt, seed):
     model = _model(kind)
     G = 16
     n = len(cfg["block_sizes"])
+    cfg = dict(cfg)
+    leap = cfg.pop("localleap")
+    if leap is not None:
+        cfg.update(rule="localleap", relaxed_threshold=leap[0] * cfg["threshold"], leap_radius=leap[1])
     config = BlockBatchConfig(max_new_tokens=G, output_trace=True, **cfg)
     out = _gen(model, prompt, config, generator=torch.Generator().manual_seed(seed))
     seq = out.sequences[0].tolist()

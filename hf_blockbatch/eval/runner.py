@@ -117,7 +117,20 @@ METHODS: dict[str, Method] = {
         "Fast-dLLM + early stop",
         lambda g, fast, own: FastDLLMConfig(**{"max_new_tokens": g, **fast, "early_stop": True, **own}), True,
     ),
+    # LocalLeap (Kong et al. 2025) at the paper's Fast-dLLM setting, its relaxed commits around anchors
+    "localleap": Method(
+        "LocalLeap", lambda g, fast, own: FastDLLMConfig(**{"max_new_tokens": g, **fast, "rule": "localleap", **own}), True,
+    ),
+    "localleap_early_stop": Method(
+        "LocalLeap + early stop",
+        lambda g, fast, own: FastDLLMConfig(**{"max_new_tokens": g, **fast, "rule": "localleap", "early_stop": True, **own}),
+        True,
+    ),
     "blockbatch": Method("BlockBatch", lambda g, fast, own: BlockBatchConfig(**{"max_new_tokens": g, **own})),
+    # LocalLeap's rule inside every BlockBatch branch
+    "blockbatch_localleap": Method(
+        "BlockBatch + LocalLeap", lambda g, fast, own: BlockBatchConfig(**{"max_new_tokens": g, "rule": "localleap", **own}),
+    ),
 }
 #: the methods a bench runs unless told otherwise: the paper's comparison
 BASE_METHODS: tuple[str, ...] = ("vanilla", "fast_dllm", "fast_dllm_early_stop", "blockbatch")

@@ -80,6 +80,31 @@ def _check_threshold(name: str, value: float | None, allow_none: bool = False) -
         raise ValueError(f"{name} must be in (0, 1], got {value!r}.")
 
 
+def _pop_rule_options(cfg: Any, kwargs: dict[str, Any]) -> None:
+    cfg.rule = kwargs.pop("rule", None)
+    cfg.relaxed_threshold = kwargs.pop("relaxed_threshold", None)
+    cfg.leap_radius = kwargs.pop("leap_radius", None)
+
+
+def _check_rule(cfg: Any) -> None:
+    """``rule="localleap"`` (LocalLeap: anchors at ``threshold``, ``relaxed_threshold`` within
+    ``leap_radius`` positions of one) or unset (threshold, factor or steps name the rule)."""
+    if cfg.rule is None:
+        given = [n for n in ("relaxed_threshold", "leap_radius") if getattr(cfg, n) is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} {'are LocalLeap options' if len(given) > 1 else 'is a LocalLeap option'}: set rule='localleap', or remove {'them' if len(given) > 1 else 'it'}.")
+        return
+    if cfg.rule != "localleap":
+        raise ValueError(f"rule must be 'localleap' or unset (threshold, factor and steps choose the others), got {cfg.rule!r}.")
+    if cfg.threshold is None:
+        raise ValueError("rule='localleap' commits anchors at `threshold`: give threshold (e.g. 0.9), not factor or steps.")
+    from hf_blockbatch.generation.rules.localleap import RADIUS, RELAXED_THRESHOLD, LocalLeapRule
+
+    LocalLeapRule(cfg.threshold, RELAXED_THRESHOLD if cfg.relaxed_threshold is None else cfg.relaxed_threshold,
+                  RADIUS if cfg.leap_radius is None else cfg.leap_radius).validate(
+        names={"anchor_threshold": "threshold", "radius": "leap_radius"})  # fmt: skip
+
+
 def _check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
@@ -267,6 +292,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
     strategy = "fast_dllm"
     _ours = DiffusionGenerationConfig._ours + (
         "cache", "threshold", "factor", "steps", "block_length", "early_stop", "skip_completed_block_step",
+        "rule", "relaxed_threshold", "leap_radius",
     )  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:
@@ -277,10 +303,12 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         self.block_length = kwargs.pop("block_length", 32)
         self.early_stop = kwargs.pop("early_stop", False)
         self.skip_completed_block_step = kwargs.pop("skip_completed_block_step", False)
+        _pop_rule_options(self, kwargs)
         super().__init__(**kwargs)
 
     def validate(self, **kwargs: Any) -> None:
         super().validate()
+        _check_rule(self)
         if self.cache not in ("none", "prefix", "dual"):
             raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}.")
         _check_positive_int("block_length", self.block_length)
@@ -328,6 +356,7 @@ class BlockBatchConfig(DiffusionGenerationConfig):
     _ours = DiffusionGenerationConfig._ours + (
         "block_sizes", "threshold", "factor", "merge", "merge_threshold", "sync", "sync_threshold", "refresh",
         "refresh_interval", "divergence_threshold", "early_stop", "eos_confidence", "skip_completed_block_step",
+        "rule", "relaxed_threshold", "leap_radius",
     )  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:
@@ -344,10 +373,12 @@ class BlockBatchConfig(DiffusionGenerationConfig):
         self.early_stop = kwargs.pop("early_stop", True)
         self.eos_confidence = kwargs.pop("eos_confidence", "completion")
         self.skip_completed_block_step = kwargs.pop("skip_completed_block_step", False)
+        _pop_rule_options(self, kwargs)
         super().__init__(**kwargs)
 
     def validate(self, **kwargs: Any) -> None:
         super().validate()
+        _check_rule(self)
         if self.eos_confidence not in ("completion", "commit"):
             raise ValueError(f"eos_confidence must be 'completion' or 'commit', got {self.eos_confidence!r}.")
         if not self.block_sizes:

@@ -62,4 +62,4 @@ def candidate_scores(confidence: torch.Tensor, candidates: torch.Tensor) -> torc
 
 
 # the built-in rules register themselves on import
-from hf_blockbatch.generation.rules import factor, quota, threshold  # noqa: E402,F401
+from hf_blockbatch.generation.rules import factor, localleap, quota, threshold  # noqa: E402,F401
