@@ -182,10 +182,14 @@ class Run:
         ending = self.plan.stop.ending(self.state, self.B, self.pad_id)
         if ending is None:
             return False
-        self.fwd.flush(self.state)  # the block steps' counts, before they are read and rows dropped
         self.sequences[ending.requests] = ending.sequences
         self.recorder.finished(self.state, ending)
-        return self.plan.stop.retire(self.state, self.cache, ending, self.pad_id)
+        return self.plan.stop.retire(self.state, self.cache, ending, self.pad_id, self.count_finished)
+
+    def count_finished(self) -> None:
+        """The finished requests' query tokens and authors' NFE, while their rows are still here."""
+        self.fwd.flush(self.state)
+        self.recorder.fill_counts(self.state)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> DecodeResult:
@@ -209,6 +213,7 @@ class Run:
             self.recorder.stream(self.state, self.sequences)
             if moved:
                 rows = self._windows = None
+        self.count_finished()
         self.recorder.stream(self.state, self.sequences, final=True)
         self.recorder.timings(time.perf_counter() - t0, self.fwd.forward_seconds(), self.sample_seconds)
         return DecodeResult(self.sequences, self.recorder.total_nfe(), self.recorder.stats)

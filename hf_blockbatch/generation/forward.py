@@ -12,7 +12,7 @@ all its branches).
 
 Block steps also count, per row, the forwards that carried it and its *query tokens* (positions
 fed through the model, padding excluded). They repeat one layout until a window moves, so they are
-added up only when requests finish (:meth:`Forwards.flush`), never once per step; full forwards
+added up only before rows are dropped and at the end (:meth:`Forwards.flush`), never per step; full forwards
 are known from each row's ``refreshes`` (see ``trace.Recorder.finished``).
 """
 

@@ -138,14 +138,16 @@ class StopRule:
             out = torch.where(eos_req[:, None], fill_after_eos(out, state.gen_start, state.mask_id, pad_id), out)
         return Ending(finished, req, rows, eos_req, out)
 
-    def retire(self, state: DecodeState, cache: BranchCache | None, ending: Ending, pad_id: int) -> bool:
-        """Retire the ended requests' rows (dropping retired rows once they are half); True when
-        no request is left."""
+    def retire(self, state: DecodeState, cache: BranchCache | None, ending: Ending, pad_id: int,
+               before_drop: Callable[[], None]) -> bool:  # fmt: skip
+        """Retire the ended requests' rows (dropping retired rows once they are half, after
+        ``before_drop()`` has read what it needs of them); True when no request is left."""
         state.retire(ending.finished[state.request], pad_id)
         n_retired = int(state.retired.sum())
         if n_retired == state.num_rows:
             return True
         if 2 * n_retired >= state.num_rows:
+            before_drop()
             keep = (~state.retired).nonzero().squeeze(1)
             state.select(keep)
             if cache is not None:

@@ -109,6 +109,7 @@ class Recorder:
     streamed: int = 0
     stats: list[dict[str, Any]] = field(default_factory=list)
     trace: list[list[TraceEvent]] = field(default_factory=list)
+    _uncounted: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (request, winner row, its rows)
 
     def __post_init__(self) -> None:
         self.nfe_block = torch.zeros(self.num_requests, dtype=torch.long, device=self.device)
@@ -163,8 +164,7 @@ class Recorder:
         req = ending.requests
         self.nfe_block[req] = self.block_steps
         cols = {"request": state.request, "branch": state.branch, "block": state.block, "decoded": state.decoded(),
-                "block_forwards": state.block_forwards, "block_queries": state.block_queries,
-                "length": state.attention_mask.sum(-1), **{k: getattr(state, k) for k in _COUNTS}}  # fmt: skip
+                **{k: getattr(state, k) for k in _COUNTS}}  # fmt: skip
         host = dict(zip(cols, torch.stack(list(cols.values())).tolist()))
         if self.eos_rank is not None:  # what ranked the EOS hitters (stop.pick_winners)
             eos_hit, eos_prob = state.eos_hit.tolist(), state.eos_prob.tolist()
@@ -188,15 +188,26 @@ class Recorder:
                 "nfe": self.nfe(r_i),
                 "nfe_block": int(self.nfe_block[r_i]),
                 "nfe_refresh": int(self.nfe_refresh[r_i]),
-                # the forwards that carried the winner (the authors' count): its full ones and block steps
-                "nfe_authors": host["refreshes"][w] + host["block_forwards"][w],
-                "query_tokens": _query_tokens(host, rows),
                 "syncs": sum(b["syncs"] for b in branches),
                 "merged": sum(b["merged"] for b in branches),
                 "branches": branches,
             }
             if self.tracing:
                 self.stats[r_i]["trace"] = self.trace[r_i]
+            self._uncounted.append((r_i, w, rows))
+
+    def fill_counts(self, state: DecodeState) -> None:
+        """``nfe_authors`` (the forwards that carried the winner: its full ones and block steps) and
+        ``query_tokens`` of the requests that finished since the last call, whose rows are still in
+        ``state``: once before rows are dropped and once at the end, not at every finish."""
+        if not self._uncounted:
+            return
+        cols = (state.refreshes, state.block_forwards, state.block_queries, state.attention_mask.sum(-1))
+        host = dict(zip(("refreshes", "block_forwards", "block_queries", "length"), torch.stack(cols).tolist()))
+        for r_i, w, rows in self._uncounted:
+            self.stats[r_i]["nfe_authors"] = host["refreshes"][w] + host["block_forwards"][w]
+            self.stats[r_i]["query_tokens"] = _query_tokens(host, rows)
+        self._uncounted = []
 
     def timings(self, seconds: float, forward_seconds: float, sample_seconds: float) -> None:
         for st in self.stats:
