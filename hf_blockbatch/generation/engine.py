@@ -111,11 +111,13 @@ class _Run:
     """One call of :func:`run_plan`: the state and the steps that change it."""
 
     def __init__(self, model, input_ids, attention_mask, plan: DecodePlan, mask_id, eos_ids, pad_id, generator,
-                 streamer):  # fmt: skip
+                 streamer, stream_end_ids=None):  # fmt: skip
         self.model, self.plan, self.generator, self.streamer = model, plan, generator, streamer
         self.mask_id, self.pad_id = mask_id, pad_id
         device = input_ids.device
         self.eos_ids = torch.tensor(eos_ids, device=device, dtype=torch.long)
+        # the stream ends where the answer does (answer_texts): at EOS or an end-of-turn token
+        self.stream_end_ids = torch.tensor(sorted(set(eos_ids) | set(stream_end_ids or ())), device=device, dtype=torch.long)
         B, Lp = input_ids.shape
         G = plan.max_new_tokens
         self.B, self.L, self.gs = B, Lp + G, Lp
@@ -656,14 +658,14 @@ class _Run:
         s = self.state
         if final:
             gen = self.sequences[0, self.gs :]
-            stop = torch.isin(gen, self.eos_ids) | (gen == self.mask_id)
+            stop = torch.isin(gen, self.stream_end_ids) | (gen == self.mask_id)
             n = int(stop.float().argmax()) if bool(stop.any()) else gen.shape[0]
         else:
             rows = ((s.request == 0) & ~s.retired).nonzero().squeeze(1)
             if rows.numel() == 0:
                 return
             gen = s.canvas[rows, self.gs :]
-            agree = (gen != self.mask_id).all(0) & (gen == gen[:1]).all(0) & ~torch.isin(gen[0], self.eos_ids)
+            agree = (gen != self.mask_id).all(0) & (gen == gen[:1]).all(0) & ~torch.isin(gen[0], self.stream_end_ids)
             n = int((~agree).float().argmax()) if bool((~agree).any()) else agree.shape[0]
             gen = gen[0]
         if n > self.streamed:
@@ -723,11 +725,14 @@ def run_plan(
     pad_id: int,
     generator: torch.Generator | None = None,
     streamer=None,
+    stream_end_ids: list[int] | None = None,
 ) -> DecodeResult:
-    """Decode ``plan.max_new_tokens`` new tokens for every row of ``input_ids`` (left-padded)."""
+    """Decode ``plan.max_new_tokens`` new tokens for every row of ``input_ids`` (left-padded).
+    The streamer's text ends at the first of ``eos_ids`` or ``stream_end_ids`` (end of turn)."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if streamer is not None:
         streamer.put(input_ids[0][attention_mask[0].bool()].cpu())
     with reuse_storage():  # the run's cache never leaves it: its CPU storage serves the next call
-        return _Run(model, input_ids, attention_mask, plan, mask_id, eos_ids, pad_id, generator, streamer).run()
+        return _Run(model, input_ids, attention_mask, plan, mask_id, eos_ids, pad_id, generator, streamer,
+                    stream_end_ids).run()  # fmt: skip
