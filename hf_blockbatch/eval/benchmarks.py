@@ -117,9 +117,13 @@ def _read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 number += 1
                 if line.strip():
                     rows.append(json.loads(line))
-        except (json.JSONDecodeError, UnicodeDecodeError, OSError, EOFError) as err:  # gzip errors are OSErrors
-            where = f"line {number}" if isinstance(err, json.JSONDecodeError) else "the file"
-            raise ValueError(f"{path}: {where} is not valid JSON Lines (one JSON object per line): {err}.") from err
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{path}: line {number} is not JSON ({err.msg} at column {err.colno}); the file must be JSON Lines, "
+                "one JSON object per line."
+            ) from err
+        except (UnicodeDecodeError, OSError, EOFError) as err:  # gzip errors are OSErrors
+            raise ValueError(f"{path} is not readable JSON Lines ({err}).") from err
     return rows
 
 
