@@ -392,17 +392,25 @@ def main(argv: list[str] | None = None) -> None:
         sys.argv = [sys.argv[0], *argv]
     # The harness's command line looks simple_evaluate up on the package when it runs; wrapping it
     # there (for this call only) is the one place between decoding and printing/saving the results.
-    original = lm_eval.simple_evaluate
+    # (older versions call it as lm_eval.evaluator.simple_evaluate: both names are wrapped)
+    import lm_eval.evaluator
+
+    original = lm_eval.evaluator.simple_evaluate
+    package_had = vars(lm_eval).get("simple_evaluate")
 
     def simple_evaluate(*args: Any, **kwargs: Any) -> dict[str, Any] | None:
         return annotate_results(original(*args, **kwargs))
 
-    lm_eval.simple_evaluate = simple_evaluate
+    lm_eval.simple_evaluate = lm_eval.evaluator.simple_evaluate = simple_evaluate
     _RUNS.clear()
     try:
         cli_evaluate()
     finally:
-        lm_eval.simple_evaluate = original
+        lm_eval.evaluator.simple_evaluate = original
+        if package_had is None:
+            del lm_eval.simple_evaluate  # the package resolves the name lazily again
+        else:
+            lm_eval.simple_evaluate = package_had
 
 
 if __name__ == "__main__":
