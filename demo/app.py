@@ -1069,7 +1069,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own health checks, one line per request
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_for_demo(args.model, device=args.device)
+    try:
+        loaded = load_for_demo(args.model, device=args.device)
+    except (ValueError, FileNotFoundError) as err:  # a bad --model / --device: one line, as the CLI does
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     limits = Limits()
     limits.max_new_tokens = args.max_new_tokens or (512 if loaded.device.type == "cuda" else 256)
     demo = build_demo(loaded, limits=limits, concurrency=args.concurrency)

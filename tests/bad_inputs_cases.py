@@ -306,3 +306,11 @@ def _(capsys, **_):
     with contextlib.suppress(SystemExit):  # argparse exits
         app.main(["--port", "99999"])
     return capsys.readouterr().err.strip().splitlines()[-1].split("error: ", 1)[1]
+
+
+@case("demo-cli-model")
+def _(capsys, **_):
+    app = _demo_app()
+    capsys.readouterr()
+    assert app.main(["--model", "./no-such-model"]) == 2
+    return capsys.readouterr().err.strip().splitlines()[-1].split("error: ", 1)[1]

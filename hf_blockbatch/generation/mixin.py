@@ -246,8 +246,10 @@ def _pipeline_options(kwargs: dict[str, Any], depth: int = 2) -> dict[str, Any]:
         from transformers import Pipeline
     except ImportError:  # pragma: no cover - transformers always exports it
         return {}
-    frame = sys._getframe(depth)
-    caller = frame.f_locals.get("self") if frame is not None else None
+    try:
+        caller = sys._getframe(depth).f_locals.get("self")
+    except ValueError:  # called from the top of the stack: no pipeline
+        return {}
     if not isinstance(caller, Pipeline):
         return {}
     return {"pad_after_end": kwargs.get("pad_after_end", True), "tokenizer": kwargs.get("tokenizer") or caller.tokenizer}
@@ -257,11 +259,14 @@ def _check_token_ids(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     """Token ids outside the embedding table would fail deep in the embedding (an IndexError on CPU,
     a device-side assert on CUDA); padding positions are checked too, since they are embedded.
     One host read per call, before any forward."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    try:
+        emb = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a contract model without the accessor
+        emb = None
     size = getattr(emb, "num_embeddings", None) or getattr(model.config, "vocab_size", None)
     if not size:
         return
-    low, high = int(input_ids.min()), int(input_ids.max())
+    low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()
     if low < 0 or high >= size:
         bad = high if high >= size else low
         raise ValueError(
