@@ -324,8 +324,10 @@ def test_cli_bench_repeated_options_add_up(tiny, tmp_path):
 
 
 def test_missing_model_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not an embedded model .* nor a local folder"):
+    with pytest.raises(FileNotFoundError, match="no-such-model'?: no such folder"):
         hb.load_model(str(tmp_path / "no-such-model"))
+    with pytest.raises(FileNotFoundError, match="not an embedded model .* nor a local folder"):
+        hb.load_model("no-such-org/no-such-model")  # a Hub id: not found there, or the Hub unreachable
 
 
 def test_bench_checks_that_prompts_fit_before_decoding(tiny, tmp_path):
@@ -375,12 +377,16 @@ def test_lm_eval_adapter_generate_until(tiny):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
 def test_lm_eval_adapter_takes_the_harness_default_device_on_a_cpu_machine(tiny, caplog):
-    """The harness passes ``device='cuda:0'`` unless told otherwise; without CUDA the model stays on the CPU."""
+    """The harness passes ``device='cuda:0'`` unless told otherwise; without CUDA the model stays on the
+    CPU, said at INFO (a warning on every CPU run was noise), and the device it ran on is recorded."""
     from hf_blockbatch.eval.lm_eval_model import HFBlockBatchLM
 
     _, _, folder = tiny
-    lm = HFBlockBatchLM(pretrained=str(folder), method="fast_dllm", device="cuda:0")
+    with caplog.at_level("INFO", logger="hf_blockbatch.eval.lm_eval_model"):
+        lm = HFBlockBatchLM(pretrained=str(folder), method="fast_dllm", device="cuda:0")
     assert lm.model.device.type == "cpu" and "CUDA is not available" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert lm.get_model_info()["hf_blockbatch_device"] == "cpu"
 
 
 def test_lm_eval_harness_local_task(tiny, tmp_path, monkeypatch):
