@@ -167,8 +167,9 @@ def test_refused_input_shows_in_the_banner_and_logs_one_line(loaded, caplog) -> 
 def test_answer_boxes_share_a_row() -> None:
     """The two answers sit in one row of their own, so they line up whatever each replay's height."""
     demo = app.build_demo(app.random_tiny_llada(hb.TINY_LLADA), examples=[PROMPT])
-    def labels(block) -> list[str]:  # Gradio wraps form fields in a Form inside the row
-        return [label for c in getattr(block, "children", []) for label in ([c.label] if getattr(c, "label", None) else labels(c))]
+    def labels(block) -> list[str]:  # the row's own fields (Gradio wraps them in a Form), not its columns'
+        return [label for c in getattr(block, "children", []) if not isinstance(c, gr.Column)
+                for label in ([c.label] if getattr(c, "label", None) else labels(c))]  # fmt: skip
 
     rows = [sorted(labels(b)) for b in demo.blocks.values() if isinstance(b, gr.Row)]
     assert ["BlockBatch answer", "Fast-dLLM answer"] in rows
