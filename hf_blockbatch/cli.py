@@ -30,7 +30,10 @@ import torch
 __all__ = ["main"]
 
 # an item of the arith suite's test split (never trained on) that the embedded tiny-llada answers
-DEFAULT_PROMPT = "Ken has 2 blocks. He gives 1 to Rosa. Then he doubles his blocks. How many blocks does Ken have now?"
+# right with both strategies at this command's defaults (a test checks it), as in the README's example
+DEFAULT_PROMPT = (
+    "A lamp costs 2 dollars and a toy costs 2 dollars. Sara buys 4 lamps and one toy. How many dollars does she spend?"
+)
 
 
 def _encode(tokenizer, prompt: str, chat: bool) -> torch.Tensor:

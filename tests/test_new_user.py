@@ -192,6 +192,17 @@ def test_the_readme_example_prompt_is_one_the_tiny_models_answer():
         assert task.score(item, text).correct, (cfg.strategy, text)
 
 
+@needs_weights
+def test_the_cli_default_prompt_is_answered_right_by_both(capsys):
+    """``hf-blockbatch generate`` with no options (the README's first command) shows two right answers."""
+    from hf_blockbatch.cli import DEFAULT_PROMPT, main
+
+    item = next(it for it in get_suite("arith").items("test") if it.question == DEFAULT_PROMPT)
+    assert main(["generate", "--device", "cpu"]) == 0
+    answers = re.findall(r"^── [^\n]*\n(.*?)\n   NFE", capsys.readouterr().out, re.M | re.S)
+    assert len(answers) == 2 and all(get_suite("arith").score(item, a).correct for a in answers), answers
+
+
 # --------------------------------------------------------------------------------- custom_generate
 
 
