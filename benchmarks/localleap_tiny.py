@@ -13,10 +13,10 @@ import argparse
 import math
 
 import torch
+from hf_blockbatch.generation.transfer import threshold_select
 
 import hf_blockbatch as hb
 from hf_blockbatch.generation.rules.localleap import LocalLeapRule
-from hf_blockbatch.generation.transfer import threshold_select
 from hf_blockbatch.tasks import get_suite
 
 RULES = {

@@ -15,6 +15,7 @@ Nothing here executes generated text: tokens are only decoded and HTML-escaped.
 from __future__ import annotations
 
 import argparse
+import functools
 import html
 import logging
 import math
@@ -49,6 +50,7 @@ def _ensure_package() -> None:
 _ensure_package()
 
 import hf_blockbatch as hb  # noqa: E402
+from hf_blockbatch.cli import port_number  # noqa: E402
 from hf_blockbatch.generation.outputs import answer_lengths  # noqa: E402
 from hf_blockbatch.generation.trace import CommitEvent, MergeEvent, SyncEvent, TraceEvent  # noqa: E402
 
@@ -193,13 +195,44 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> torch.Tenso
     return tokenizer(apply_chat(prompt, tokenizer, chat), add_special_tokens=False, return_tensors="pt").input_ids
 
 
-def example_prompts(per_suite: int = 2) -> list[str]:
+#: Test items of the tiny suites shown as examples (suite, index in the test split): ones the embedded
+#: tiny-llada answers right with both strategies at the page's default settings (a test checks it),
+#: so a first visit shows the comparison rather than two wrong answers. The tiny models answer only
+#: the suites' kinds of question (arith word problems, small Python functions, list questions).
+EXAMPLE_ITEMS: tuple[tuple[str, int], ...] = (("arith", 1), ("code", 0), ("lists", 3), ("arith", 4), ("code", 1),
+                                               ("lists", 7))  # fmt: skip
+
+
+def example_prompts(items: tuple[tuple[str, int], ...] = EXAMPLE_ITEMS) -> list[str]:
     """Test questions of the tiny suites: what the embedded checkpoints were trained to answer."""
     try:
-        from hf_blockbatch.tasks import SUITES, get_suite
+        from hf_blockbatch.tasks import get_suite
     except ImportError:  # a trimmed copy of the package without the testbed
         return ["Mia has 3 apples. She buys 4 more apples. How many apples does she have now?"]
-    return [item.question for suite in SUITES for item in get_suite(suite).items("test", per_suite)]
+    return [get_suite(suite).items("test", index + 1)[index].question for suite, index in items]
+
+
+@functools.lru_cache(maxsize=1)
+def _suite_questions() -> dict[str, tuple[Any, Any]]:
+    """Every test question of the tiny suites -> (its suite, its item), to mark answers."""
+    try:
+        from hf_blockbatch.tasks import SUITES, get_suite
+    except ImportError:
+        return {}
+    return {item.question.strip(): (get_suite(name), item) for name in SUITES for item in get_suite(name).items("test")}
+
+
+def suite_verdict(prompt: str, answer: str) -> dict[str, Any] | None:
+    """When ``prompt`` is a suite's test question: whether ``answer`` is right by that suite's own
+    scorer (what the bench counts), with the reference; ``None`` for any other prompt."""
+    found = _suite_questions().get(prompt.strip())
+    if found is None:
+        return None
+    task, item = found
+    score = task.score(item, answer)
+    # a code answer is judged by running the suite's tests, so its reference is that, not a text to compare
+    reference = "its tests" if task.kind == "code" else item.reference
+    return {"suite": task.name, "correct": bool(score.correct), "reference": reference, "extracted": score.extracted}
 
 
 # -------------------------------------------------------------------------------------- settings
@@ -221,11 +254,14 @@ class Settings:
     refresh_interval: int = 32
     chat: bool = True
     speed: str = "normal"
+    #: Fast-dLLM stops at EOS too (as BlockBatch does): on short answers early stop alone explains
+    #: much of BlockBatch's saving, so the visitor chooses which baseline to compare with
+    fast_early_stop: bool = False
 
     def fast_config(self) -> hb.FastDLLMConfig:
         return hb.FastDLLMConfig(
             max_new_tokens=self.max_new_tokens, block_length=self.fast_block, threshold=self.threshold, cache="dual",
-            temperature=self.temperature, output_trace=True,
+            temperature=self.temperature, early_stop=self.fast_early_stop, output_trace=True,
         )  # fmt: skip
 
     def blockbatch_config(self) -> hb.BlockBatchConfig:
@@ -284,6 +320,7 @@ def check_settings(
     refresh_interval: Any = 32,
     chat: Any = True,
     speed: Any = "normal",
+    fast_early_stop: Any = False,
     limits: Limits | None = None,
 ) -> Settings:
     """Validate raw UI/API values into :class:`Settings`, or raise :class:`InputError` saying what
@@ -314,6 +351,7 @@ def check_settings(
         refresh_interval=int(_number("Refresh interval", refresh_interval, 1, 1024, integer=True)),
         chat=bool(chat),
         speed=str(speed),
+        fast_early_stop=bool(fast_early_stop),
     )
 
 
@@ -464,6 +502,7 @@ class SideResult:
     winner: int
     frames: list[Frame]
     log: list[LogLine]
+    verdict: dict[str, Any] | None = None  # right or wrong, when the prompt is a suite's test question
 
     @property
     def tokens_per_second(self) -> float:
@@ -478,6 +517,8 @@ class SideResult:
         if self.key == "blockbatch":
             out.update(merged=self.stats.get("merged"), syncs=self.stats.get("syncs"),
                        refreshes=self.stats.get("nfe_refresh"))  # fmt: skip
+        if self.verdict is not None:
+            out.update(correct=self.verdict["correct"], reference=self.verdict["reference"])
         return out
 
 
@@ -537,7 +578,9 @@ def run_side(loaded: LoadedModel, ids: torch.Tensor, config: Any, key: str, sett
             log.append(LogLine(len(frames) - 1, "stop", _eos_stop_line(stats)))
     else:
         title = "Fast-dLLM"
-        subtitle = f"dual cache · block {settings.fast_block} · τ {settings.threshold:g}"
+        subtitle = f"dual cache · block {settings.fast_block} · τ {settings.threshold:g}" + (
+            " · early stop" if settings.fast_early_stop else " · no early stop"
+        )
     return SideResult(
         key=key, title=title, subtitle=subtitle, nfe=int(out.nfe[0]), seconds=seconds, text=text, tokens=labels,
         answer_tokens=answer, stats=stats, block_sizes=block_sizes, winner=int(stats.get("winner_branch", 0)),
@@ -563,6 +606,8 @@ def compare_once(
                          f"model's context of {context}: shorten the prompt or ask for fewer tokens.")  # fmt: skip
     fast = run_side(loaded, ids, settings.fast_config(), "fast_dllm", settings)
     block = run_side(loaded, ids, settings.blockbatch_config(), "blockbatch", settings)
+    for side in (fast, block):
+        side.verdict = suite_verdict(settings.prompt, side.text)
     return fast, block
 
 
@@ -640,6 +685,11 @@ CSS = """
 .bb-log .k { font-weight:700; }
 .bb-log .merge .k { color:#a21caf; } .bb-log .sync .k { color:#0f766e; } .bb-log .refresh .k, .bb-log .init .k { color:#0369a1; }
 .bb-log .stop .k { color:var(--bb-bb); }
+.bb-verdict { display:inline-block; margin-top:.25rem; font-size:.78rem; font-weight:700; padding:1px 8px;
+              border-radius:999px; }
+.bb-verdict.right { background:#dcfce7; color:#166534; } .bb-verdict.wrong { background:#fee2e2; color:#991b1b; }
+.bb-banner.error { background:#fef2f2; border-color:#fca5a5; color:#991b1b; }
+@media (max-width: 640px) { .bb-prompt textarea { min-height: 9em; } }
 .bb-answer textarea { font-family:ui-monospace,SFMono-Regular,Menlo,monospace !important; font-size:.85rem !important; }
 footer { display:none !important; }
 """
@@ -768,9 +818,16 @@ def render_side(side: SideResult, step: int) -> str:
         if side.key != "blockbatch"
         else f"output canvas (branch b={side.block_sizes[side.winner]}, the winner)"
     )
+    verdict = ""
+    if final and side.verdict is not None:
+        v = side.verdict
+        verdict = (f'<span class="bb-verdict {"right" if v["correct"] else "wrong"}">'
+                   f'{"✓ right" if v["correct"] else "✗ wrong"} · {html.escape(v["suite"])} reference: '
+                   f'{html.escape(str(v["reference"]))}</span>')  # fmt: skip
     body = [
         f'<div class="bb-side {cls}"><div class="bb-head"><div class="bb-title">{side.title}'
-        f'<span class="bb-sub">{html.escape(side.subtitle)}</span></div><div class="bb-stats">{stat_html}</div></div>',
+        f'<span class="bb-sub">{html.escape(side.subtitle)}</span>{verdict}</div>'
+        f'<div class="bb-stats">{stat_html}</div></div>',
         f'<div class="bb-bar"><div style="width:{100 * done / max(side.nfe, 1):.1f}%"></div></div>',
         f'<div class="bb-caption">{caption}</div>',
         render_canvas(side, frame, final),
@@ -828,6 +885,11 @@ LEGEND = '<div class="bb-legend">' + "".join(
 # ----------------------------------------------------------------------------------------- the UI
 
 
+def render_error_banner(message: str) -> str:
+    """The banner after a refused request: the error, never the previous run's numbers."""
+    return f'<div class="bb-banner error"><span>⚠ {html.escape(message)}</span></div>'
+
+
 def _frame_steps(total: int) -> list[int]:
     stride = max(1, math.ceil(total / MAX_FRAMES))
     steps = list(range(0, total + 1, stride))
@@ -851,25 +913,28 @@ def build_demo(
     examples = example_prompts() if examples is None else examples
     device = str(loaded.device)
 
+    def refuse(err: Exception) -> Iterator[tuple]:
+        """A refused request: one log line (no traceback: it is the visitor's input, not a fault),
+        the error in the banner, and a gr.Error so an API client gets it as an error too."""
+        logger.info("input refused: %s", err)
+        yield (render_error_banner(str(err)), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+        raise gr.Error(str(err), print_exception=False)
+
     def compare(prompt, max_new_tokens, fast_block, block_sizes, threshold, merge_threshold, temperature, seed,
-                sync_threshold, refresh_interval, chat, speed) -> Iterator[tuple]:  # fmt: skip
+                sync_threshold, refresh_interval, chat, speed, fast_early_stop=False) -> Iterator[tuple]:  # fmt: skip
         """Validate, decode with both strategies, then replay both traces frame by frame."""
         try:
             settings = check_settings(prompt, max_new_tokens, fast_block, block_sizes, threshold, merge_threshold,
-                                      temperature, seed, sync_threshold, refresh_interval, chat, speed, limits)  # fmt: skip
+                                      temperature, seed, sync_threshold, refresh_interval, chat, speed,
+                                      fast_early_stop, limits)  # fmt: skip
         except InputError as err:
             if prompt is None or not str(prompt).strip():
+                logger.info("input refused: %s", err)
                 gr.Warning(str(err))
-                yield (
-                    render_banner(None, None, None, str(err)),
-                    gr.skip(),
-                    gr.skip(),
-                    gr.skip(),
-                    gr.skip(),
-                    gr.skip(),
-                )
+                yield (render_error_banner(str(err)), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
                 return
-            raise gr.Error(str(err)) from None
+            yield from refuse(err)
+            return
         g = settings.max_new_tokens
         yield (render_banner(None, None, None, f"decoding on {device}…"),
                render_placeholder("Fast-dLLM", "fast_dllm", "decoding…", g),
@@ -878,7 +943,8 @@ def build_demo(
             try:
                 fast, block = compare_once(loaded, settings, limits)
             except (InputError, ValueError) as err:
-                raise gr.Error(str(err)) from None
+                yield from refuse(err)
+                return
         stats = {"model": loaded.label, "device": device, "fast_dllm": fast.summary(), "blockbatch": block.summary(),
                  "nfe_saving_percent": round(100.0 * (1 - block.nfe / fast.nfe), 2) if fast.nfe else None}  # fmt: skip
         total = max(fast.nfe, block.nfe)
@@ -903,8 +969,11 @@ def build_demo(
         )
         with gr.Row(equal_height=False):
             with gr.Column(scale=5):
-                prompt = gr.Textbox(label="Prompt", lines=2, max_lines=8, placeholder="Ask something…",
-                                    value=examples[0] if examples else "", max_length=limits.max_prompt_chars)  # fmt: skip
+                # lines=3: at phone width the example prompts wrap to 3-5 lines, and the CSS gives the box
+                # room for them there (an unedited value does not grow the box)
+                prompt = gr.Textbox(label="Prompt", lines=3, max_lines=12, placeholder="Ask something…",
+                                    value=examples[0] if examples else "", max_length=limits.max_prompt_chars,
+                                    elem_classes="bb-prompt")  # fmt: skip
             with gr.Column(scale=3, min_width=380):
                 run = gr.Button("Decode both ▶", variant="primary", size="lg")
                 speed = gr.Radio(list(SPEEDS), value="normal", label="Replay speed")
@@ -921,6 +990,7 @@ def build_demo(
                 fast_block = gr.Dropdown(
                     [str(b) for b in BLOCK_CHOICES], value="32", label="Fast-dLLM block length"
                 )
+                fast_early_stop = gr.Checkbox(value=False, label="Fast-dLLM stops at EOS (early stop, as BlockBatch)")
                 block_sizes = gr.CheckboxGroup([str(b) for b in BLOCK_CHOICES], value=["4", "8", "16", "32", "64"],
                                                label="BlockBatch block sizes (one branch each)")  # fmt: skip
             with gr.Row():
@@ -932,13 +1002,15 @@ def build_demo(
                 chat = gr.Checkbox(value=True, label="Apply the chat template")
         banner = gr.HTML(render_banner(None, None, None, "Press “Decode both” to run the two strategies."))
         gr.HTML(LEGEND)
+        # the answers in a row of their own, so they line up whatever height each replay column has
         with gr.Row(equal_height=False):
             with gr.Column():
                 fast_view = gr.HTML(render_placeholder("Fast-dLLM", "fast_dllm", "dual cache, block 32"))
-                fast_text = _answer_box("Fast-dLLM answer")
             with gr.Column():
                 block_view = gr.HTML(render_placeholder("BlockBatch", "blockbatch", "blocks 4…64"))
-                block_text = _answer_box("BlockBatch answer")
+        with gr.Row(equal_height=True):
+            fast_text = _answer_box("Fast-dLLM answer")
+            block_text = _answer_box("BlockBatch answer")
         with gr.Accordion("Raw numbers", open=False):
             raw = gr.JSON(label="stats")
         if examples:
@@ -946,7 +1018,7 @@ def build_demo(
                 examples=[[e] for e in examples], inputs=[prompt], label="Examples from the tiny suites"
             )
         inputs = [prompt, max_new_tokens, fast_block, block_sizes, threshold, merge_threshold, temperature, seed,
-                  sync_threshold, refresh_interval, chat, speed]  # fmt: skip
+                  sync_threshold, refresh_interval, chat, speed, fast_early_stop]  # fmt: skip
         outputs = [banner, fast_view, block_view, fast_text, block_text, raw]
         # the banner and the replay are the progress display: Gradio's own overlay would hide them
         run.click(compare, inputs, outputs, api_name="compare", show_progress="hidden")
@@ -978,7 +1050,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--host", default=None, help="interface to bind (default 127.0.0.1; 0.0.0.0 on a Space)"
     )
-    parser.add_argument("--port", type=int, default=None, help="port (default 7860 or the next free one)")
+    parser.add_argument("--port", type=port_number, default=None, help="port (default 7860 or the next free one)")
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     parser.add_argument("--concurrency", type=int, default=1, help="decodes at once (the model is shared)")
     parser.add_argument(
@@ -997,7 +1069,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own health checks, one line per request
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_for_demo(args.model, device=args.device)
+    try:
+        loaded = load_for_demo(args.model, device=args.device)
+    except (ValueError, FileNotFoundError) as err:  # a bad --model / --device: one line, as the CLI does
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     limits = Limits()
     limits.max_new_tokens = args.max_new_tokens or (512 if loaded.device.type == "cuda" else 256)
     demo = build_demo(loaded, limits=limits, concurrency=args.concurrency)

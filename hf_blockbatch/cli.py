@@ -11,6 +11,10 @@ over the processes and process 0 merges them.
 
 ``hf-blockbatch demo`` serves the Gradio app of ``demo/app.py`` (Fast-dLLM and BlockBatch side by
 side, replayed forward by forward) on this machine.
+
+``hf-blockbatch lm-eval ...`` is lm-evaluation-harness's own command line (the same arguments as
+``lm_eval``) with ``--model hf_blockbatch`` registered, and NFE reported per task and per logged
+sample (see :mod:`hf_blockbatch.eval.lm_eval_model`).
 """
 
 from __future__ import annotations
@@ -26,13 +30,46 @@ import torch
 __all__ = ["main"]
 
 # an item of the arith suite's test split (never trained on) that the embedded tiny-llada answers
-DEFAULT_PROMPT = "Ken has 2 blocks. He gives 1 to Rosa. Then he doubles his blocks. How many blocks does Ken have now?"
+# right with both strategies at this command's defaults (a test checks it), as in the README's example
+DEFAULT_PROMPT = (
+    "A lamp costs 2 dollars and a toy costs 2 dollars. Sara buys 4 lamps and one toy. How many dollars does she spend?"
+)
 
 
 def _encode(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
     from hf_blockbatch.tasks.contract import apply_chat
 
     return tokenizer(apply_chat(prompt, tokenizer, chat), add_special_tokens=False, return_tensors="pt").input_ids
+
+
+def _prompt(text: str) -> str:
+    """A prompt with some text: an empty one would decode from the chat template alone (gibberish),
+    which the API and the demo refuse too."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the prompt is empty: give some text, e.g. --prompt 'What is 3 + 4?'")
+    return text
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a port number (1-65535), got {text!r}") from err
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1-65535, got {value}")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from err
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -145,14 +182,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-blockbatch", description=__doc__.split("\n\n")[0])
+    # the module docstring is reST; --help prints plain text
+    parser = argparse.ArgumentParser(prog="hf-blockbatch", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="answer one prompt with Fast-dLLM and BlockBatch side by side")
     gen.add_argument("--model", default="tiny-llada", help="tiny-llada, tiny-dream, a Hub id or a local folder")
-    gen.add_argument("--prompt", default=DEFAULT_PROMPT)
+    gen.add_argument("--prompt", type=_prompt, default=DEFAULT_PROMPT,
+                     help="the question (default: an arith test item; the tiny models answer the suites' kinds: "
+                     "arith word problems, small Python functions, list questions)")  # fmt: skip
     gen.add_argument("--max-new-tokens", type=_positive_int, default=96)
-    gen.add_argument("--threshold", type=float, default=0.9)
+    gen.add_argument("--threshold", type=_finite_float, default=0.9, help="confidence to commit a token, in (0, 1]")
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template (base models)")
     gen.set_defaults(func=cmd_generate)
@@ -201,22 +241,35 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default="tiny-llada", help="tiny-llada, tiny-dream, a Hub id or a local folder")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     demo.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
-    demo.add_argument("--port", type=int, default=None, help="port (default 7860 or the next free one)")
+    demo.add_argument("--port", type=port_number, default=None, help="port (default 7860 or the next free one)")
     demo.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     demo.add_argument("--concurrency", type=_positive_int, default=1, help="decodes at once (the model is shared)")
     demo.add_argument("--max-new-tokens", type=_positive_int, default=None, help="upper limit of the slider (256; 512 on GPU)")
     demo.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     demo.add_argument("--app", default=None, help="path of the app (default: demo/app.py of this checkout)")
     demo.set_defaults(func=cmd_demo)
+
+    sub.add_parser(
+        "lm-eval", add_help=False,
+        help="lm-evaluation-harness's own command line with --model hf_blockbatch registered (pip install -e '.[lmeval]')",
+    )  # fmt: skip
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"]:  # every further argument is the harness's, --help included
+        from hf_blockbatch.eval.lm_eval_model import main as lm_eval_main
+
+        lm_eval_main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, NotADirectoryError) as err:
+        # bad input: one line that says what to change (-v keeps the traceback in the log)
+        logging.getLogger(__name__).info("bad input", exc_info=True)
         print(f"error: {err}", file=sys.stderr)
         return 2
 

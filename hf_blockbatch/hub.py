@@ -7,15 +7,19 @@ formats, trained by ``hf_blockbatch.training``); real checkpoints load through t
 
 from __future__ import annotations
 
+import difflib
 import logging
+import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from transformers import AutoModel, AutoTokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TINY_LLADA", "TINY_DREAM", "load_model", "resolve_model_path"]
+__all__ = ["TINY_LLADA", "TINY_DREAM", "hub_unreachable", "load_model", "resolve_model_path"]
 
 _ASSETS = Path(__file__).resolve().parent / "assets"
 TINY_LLADA = str(_ASSETS / "tiny-llada")
@@ -35,6 +39,63 @@ def resolve_model_path(name_or_path: str) -> str:
     return path
 
 
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face Hub cannot be reached now, or ``None`` when it may be.
+
+    Why: without a network, ``from_pretrained`` / ``load_dataset`` of a name that is not cached
+    retry for 23-28 s before failing; one TCP connection to the endpoint (or ``HF_HUB_OFFLINE``)
+    answers in milliseconds. Behind a proxy the direct connection says nothing, so it is not tried.
+    """
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as err:
+        return f"{host}:{port} cannot be reached ({err.strerror or type(err).__name__})"
+    return None
+
+
+def _cached_on_this_machine(repo_id: str) -> bool:
+    """Whether the Hub cache holds ``repo_id``'s config (then it loads offline)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # an id the cache cannot even name (e.g. "a/b/c") is not cached
+        return False
+
+
+def _not_found(name: str, why: str) -> FileNotFoundError:
+    close = difflib.get_close_matches(name, list(_ALIASES), n=1, cutoff=0.75)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return FileNotFoundError(
+        f"Cannot load {name!r}: it is not an embedded model (tiny-llada, tiny-dream) nor a local folder, and {why}."
+        + hint
+    )
+
+
+def _check_device(device: str | torch.device | None) -> None:
+    """A device this PyTorch can use, or a one-line error (torch's own is a RuntimeError listing
+    every device type it knows)."""
+    if device is None:
+        return
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device={str(device)!r} is not a device PyTorch knows: use cpu, or cuda (cuda:0, ...).") from err
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if kind in available and not available[kind]:
+        raise ValueError(f"device={str(device)!r} but this PyTorch sees no {kind.upper()} device: use device='cpu'.")
+    if kind not in available and not getattr(getattr(torch, kind, None), "is_available", lambda: False)():
+        raise ValueError(f"device={str(device)!r} is not available in this PyTorch: use cpu, or cuda (cuda:0, ...).")
+
+
 def load_model(
     name_or_path: str = "tiny-llada",
     device: str | torch.device | None = None,
@@ -48,22 +109,53 @@ def load_model(
     ``device_map`` (e.g. ``"auto"``) is passed to ``from_pretrained`` so that accelerate spreads a
     model larger than one GPU over the visible GPUs; the model is then left where accelerate put
     it (``device`` is ignored), since moving a dispatched model would undo the placement.
+
+    A name that is neither embedded nor a folder is a Hub id: when the Hub cannot be reached it
+    loads from the local Hub cache, or fails at once (not after the Hub client's retries).
     """
     import hf_blockbatch  # noqa: F401  (registers the Auto classes)
 
     path = resolve_model_path(name_or_path)
-    if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={str(device)!r} but this PyTorch sees no CUDA GPU: use device='cpu'.")
+    _check_device(device)
+    local = Path(path).exists()
+    if not local:
+        if path.startswith((".", "/", "~")) or path.count("/") > 1:  # a path, not a Hub id
+            raise FileNotFoundError(f"Cannot load {name_or_path!r}: no such folder.")
+        why = hub_unreachable()
+        if why is not None:
+            if not _cached_on_this_machine(path):
+                raise _not_found(name_or_path, f"the Hub cannot be reached to look for it ({why})")
+            kwargs.setdefault("local_files_only", True)
     try:
         return _load(path, device, dtype, **kwargs)
     except OSError as err:
-        if Path(path).exists():
+        if local:
             raise
         reason = (str(err).splitlines() or [""])[0]
-        raise FileNotFoundError(
-            f"Cannot load {name_or_path!r}: it is not an embedded model (tiny-llada, tiny-dream) nor a local folder, "
-            f"and the Hub did not serve it ({type(err).__name__}: {reason})."
-        ) from err
+        raise _not_found(name_or_path, f"the Hub did not serve it ({type(err).__name__}: {reason})") from err
+    except Exception as err:
+        # a damaged weights file (truncated download, disk full) fails inside safetensors without its name
+        if type(err).__name__ == "SafetensorError" or "safetensors" in type(err).__module__:
+            files = _unreadable_safetensors(Path(path)) if local else []
+            raise ValueError(
+                f"Cannot read the weights of {name_or_path!r} ({', '.join(files) or 'its .safetensors files'}): "
+                f"{err}. The file is damaged or incomplete (an interrupted download or copy?): download it again."
+            ) from err
+        raise
+
+
+def _unreadable_safetensors(folder: Path) -> list[str]:
+    """The ``.safetensors`` files of ``folder`` whose header does not read (the damaged ones)."""
+    from safetensors import safe_open
+
+    bad = []
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception:
+            bad.append(str(file))
+    return bad
 
 
 def _load(path: str, device, dtype, **kwargs):
@@ -79,7 +171,8 @@ def _load(path: str, device, dtype, **kwargs):
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = AutoModel.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    hub = {k: kwargs[k] for k in ("local_files_only", "revision", "token", "cache_dir") if k in kwargs}
+    tokenizer = AutoTokenizer.from_pretrained(path, **hub)
     tokenizer.padding_side = "left"
     logger.info("loaded %s (%s) on %s/%s", path, type(model).__name__, device, dtype)
     return model, tokenizer

@@ -126,6 +126,58 @@ def test_embedded_checkpoint_fallback_says_so() -> None:
         assert "no weights" in loaded.notice and loaded.label != "tiny-llada"
 
 
+@pytest.mark.skipif(not (Path(hb.TINY_LLADA) / "model.safetensors").exists(), reason="embedded weights absent")
+def test_examples_are_answered_right_by_both_and_marked() -> None:
+    """The page's examples are suite questions the embedded tiny-llada answers right with both
+    strategies at the default settings, and each answer is marked by the suite's own scorer."""
+    loaded = app.load_for_demo("tiny-llada", device="cpu", warmup=False)
+    for prompt in app.example_prompts():
+        fast, block = app.compare_once(loaded, app.check_settings(prompt))
+        assert fast.verdict["correct"] and block.verdict["correct"], (prompt, fast.text, block.text)
+        assert '<span class="bb-verdict right">✓ right' in app.render_side(block, block.nfe)
+        assert fast.summary()["correct"] is True
+    wrong = app.suite_verdict(app.example_prompts()[0], "#### 12345")
+    assert wrong["correct"] is False and wrong["suite"] == "arith"
+    assert app.suite_verdict("What is 7 * 8?", "56") is None  # not a suite question: no mark
+
+
+def test_fast_dllm_baseline_is_chosen_by_the_visitor() -> None:
+    assert app.check_settings("hi").fast_config().early_stop is False
+    chosen = app.check_settings("hi", fast_block="8", fast_early_stop=True).fast_config()
+    assert chosen.early_stop is True and chosen.block_length == 8
+
+
+def _compare_fn(demo):
+    return next(f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "compare")
+
+
+def test_refused_input_shows_in_the_banner_and_logs_one_line(loaded, caplog) -> None:
+    """After a refused request the banner shows the error (not the previous run's numbers), the
+    log gets one line, and an API client gets a gr.Error that prints no traceback."""
+    demo = app.build_demo(loaded, examples=[PROMPT])
+    compare = _compare_fn(demo)
+    run = compare(PROMPT, 10**9, *SETTINGS[1:])
+    with caplog.at_level("INFO", logger="hf_blockbatch.demo"):
+        banner = next(run)[0]
+        with pytest.raises(gr.Error) as err:
+            next(run)
+    assert 'class="bb-banner error"' in banner and "Max new tokens" in banner
+    assert err.value.print_exception is False
+    lines = [r for r in caplog.records if r.name == "hf_blockbatch.demo"]
+    assert len(lines) == 1 and lines[0].getMessage().startswith("input refused: Max new tokens") and not lines[0].exc_info
+
+
+def test_answer_boxes_share_a_row() -> None:
+    """The two answers sit in one row of their own, so they line up whatever each replay's height."""
+    demo = app.build_demo(app.random_tiny_llada(hb.TINY_LLADA), examples=[PROMPT])
+    def labels(block) -> list[str]:  # the row's own fields (Gradio wraps them in a Form), not its columns'
+        return [label for c in getattr(block, "children", []) if not isinstance(c, gr.Column)
+                for label in ([c.label] if getattr(c, "label", None) else labels(c))]  # fmt: skip
+
+    rows = [sorted(labels(b)) for b in demo.blocks.values() if isinstance(b, gr.Row)]
+    assert ["BlockBatch answer", "Fast-dLLM answer"] in rows
+
+
 # ------------------------------------------------------------------------------- the running app
 
 
@@ -222,3 +274,33 @@ def test_browser_runs_one_comparison_and_screenshots(server, tmp_path) -> None:
     assert shown["lanes"] == 5  # the default block sizes 4, 8, 16, 32, 64
     assert shown["fast_chips"] > 0
     assert shot.stat().st_size > 10_000
+
+
+def test_browser_phone_width_shows_the_whole_prompt_and_answers_line_up(server) -> None:
+    """At phone width the prompt box shows the whole example prompt (no scrolling inside it); at
+    desktop width, after a comparison, the two answer boxes start at the same height."""
+    from demo import screenshot
+
+    if screenshot.find_chromium() is None:
+        pytest.skip(
+            "no chromium at /usr/bin/chromium (Debian: apt-get install -y chromium); the browser test needs it"
+        )
+    pytest.importorskip("playwright", reason="playwright is not installed (pip install -e '.[test]')")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=screenshot.find_chromium(), args=screenshot.CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 390, "height": 844})
+            page.goto(server)
+            box = page.get_by_label("Prompt")
+            box.wait_for()
+            assert box.evaluate("el => el.scrollHeight <= el.clientHeight + 2"), "the prompt is cut at phone width"
+            page.set_viewport_size({"width": 1440, "height": 1000})
+            page.get_by_text("instant", exact=True).click()
+            page.get_by_role("button", name="Decode both ▶").click()
+            page.wait_for_selector(".bb-banner .big", timeout=300_000)
+            tops = [page.get_by_label(name).bounding_box()["y"] for name in ("Fast-dLLM answer", "BlockBatch answer")]
+            assert abs(tops[0] - tops[1]) < 2, tops
+        finally:
+            browser.close()

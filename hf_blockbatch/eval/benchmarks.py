@@ -109,8 +109,22 @@ def find_data_file(filename: str) -> Path | None:
 def _read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     path = Path(path)
     opener: Callable[..., Any] = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    number = 0
     with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        try:
+            for line in f:
+                number += 1
+                if line.strip():
+                    rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{path}: line {number} is not JSON ({err.msg} at column {err.colno}); the file must be JSON Lines, "
+                "one JSON object per line."
+            ) from err
+        except (UnicodeDecodeError, OSError, EOFError) as err:  # gzip errors are OSErrors
+            raise ValueError(f"{path} is not readable JSON Lines ({err}).") from err
+    return rows
 
 
 @dataclass(frozen=True)
@@ -122,7 +136,13 @@ class _HubSource:
 
 
 def _load_from_hub(src: _HubSource, task: str) -> list[dict[str, Any]]:
-    """Rows of a Hub dataset split: via ``datasets`` if installed, else one file download."""
+    """Rows of a Hub dataset split: via ``datasets`` if installed, else one file download.
+    Without a network this fails at once (not after the Hub client's retries)."""
+    from hf_blockbatch.hub import hub_unreachable
+
+    why = hub_unreachable()
+    if why is not None:
+        raise DataNotFoundError(_how_to_get(task, src) + f"\n(the Hub cannot be reached: {why})")
     try:
         import datasets  # type: ignore[import-not-found]
     except ImportError:

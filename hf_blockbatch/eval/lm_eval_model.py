@@ -5,15 +5,25 @@ task definitions (prompts, few-shot selection, answer filters, metrics) are the 
 comparing accuracies with theirs. This adapter implements ``generate_until`` with vanilla,
 Fast-dLLM or BlockBatch decoding; the harness does everything else.
 
-Use (the harness only knows models whose module was imported, so start it through this module,
-which registers the class and then runs the harness's own command line)::
+Use: the harness only knows models whose module was imported, and lm-eval 0.4 discovers no
+plugins, so a bare ``lm_eval --model hf_blockbatch`` cannot find this class. ``hf-blockbatch
+lm-eval`` (or ``python -m hf_blockbatch.eval.lm_eval_model``) is the harness's own command line,
+same arguments, with the class registered::
 
-    python -m hf_blockbatch.eval.lm_eval_model run --model hf_blockbatch \\
+    hf-blockbatch lm-eval --model hf_blockbatch \\
         --model_args pretrained=GSAI-ML/LLaDA-8B-Instruct,method=blockbatch,gen_length=256 \\
-        --tasks gsm8k --num_fewshot 5 --batch_size 4 --apply_chat_template
+        --tasks gsm8k --num_fewshot 5 --batch_size 4 --apply_chat_template --log_samples --output_path out
 
-or from Python: ``import hf_blockbatch.eval.lm_eval_model`` then
-``lm_eval.simple_evaluate(model="hf_blockbatch", model_args=...)``.
+It adds what the harness cannot know: each task's NFE (mean, and the other statistics in
+``results["config"]["hf_blockbatch_tasks"]``) next to its metrics in the printed table and the
+results JSON, each logged sample's NFE and decoding stats (its ``hf_blockbatch`` field), and the
+device the model really ran on. From Python: ``import hf_blockbatch.eval.lm_eval_model as m``,
+``results = lm_eval.simple_evaluate(model="hf_blockbatch", model_args=...)``, then
+``m.annotate_results(results)``.
+
+A prompt longer than the model's context (minus the generation length) is cut from the left with
+a warning, as the harness's own ``hf`` model does, so one long few-shot prompt does not abort a
+run; ``model.generate`` itself refuses such a prompt.
 
 ``model_args``: ``pretrained`` (default ``tiny-llada``), ``method`` (``vanilla``, ``fast_dllm``,
 ``fast_dllm_early_stop``, ``blockbatch``), ``gen_length`` (default: the task's ``max_gen_toks``,
@@ -37,6 +47,7 @@ import logging
 import statistics
 import sys
 import time
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -46,7 +57,12 @@ from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HAVE_LM_EVAL", "HFBlockBatchLM", "main"]
+__all__ = ["HAVE_LM_EVAL", "HFBlockBatchLM", "annotate_results", "main"]
+
+#: (records, device) of each adapter created since the last :func:`annotate_results`: the harness
+#: drops its adapter before returning the results, so what annotating needs is kept here (small:
+#: a few numbers per request, never the model)
+_RUNS: list[tuple[list[dict[str, Any]], str]] = []
 
 #: the canvas length when neither ``gen_length`` nor the task's ``max_gen_toks`` sets one
 DEFAULT_GEN_LENGTH = 256
@@ -122,7 +138,8 @@ class HFBlockBatchLM(_LMBase):
                 if device is None or (str(device).startswith("cuda") and self._world_size > 1):
                     device = f"cuda:{shard.local_rank}" if torch.cuda.is_available() else "cpu"
                 elif str(device).startswith("cuda") and not torch.cuda.is_available():
-                    logger.warning("device=%s but CUDA is not available: running on the CPU", device)
+                    # the harness's default, not a request: said once, quietly (its own hf model does the same)
+                    logger.info("device=%s but CUDA is not available: running on the CPU", device)
                     device = "cpu"
                 self.model, self.tokenizer = load_model(pretrained, device=device, dtype=torch_dtype)
             self._name = pretrained
@@ -144,7 +161,11 @@ class HFBlockBatchLM(_LMBase):
         build_method_configs([method], self.gen_length or DEFAULT_GEN_LENGTH, self.overrides)
         #: NFE of every request decoded so far, in order
         self.nfe: list[int] = []
+        #: per request decoded so far: its task, document, NFE and decoding stats (for annotate_results)
+        self.records: list[dict[str, Any]] = []
         self.seconds = 0.0
+        self.truncated = 0
+        _RUNS.append((self.records, str(self._device)))
 
     # ------------------------------------------------------------------ harness API
 
@@ -182,23 +203,33 @@ class HFBlockBatchLM(_LMBase):
             while len(batch) < self.batch_size and i + len(batch) < len(order) \
                     and self._settings_key(args[order[i + len(batch)]][1]) == key:  # fmt: skip
                 batch.append(order[i + len(batch)])
-            texts = self._generate([args[j][0] for j in batch], args[batch[0]][1])
-            for j, text in zip(batch, texts):
+            texts, nfe, stats = self._generate([args[j][0] for j in batch], args[batch[0]][1])
+            for j, text, n, st in zip(batch, texts, nfe, stats):
                 out[j] = text
+                self.records.append({"task": getattr(requests[j], "task_name", None),
+                                     "doc_id": getattr(requests[j], "doc_id", None), "nfe": n, "stats": st})  # fmt: skip
                 if getattr(self, "cache_hook", None) is not None:
                     self.cache_hook.add_partial("generate_until", args[j], text)
             bar.update(len(batch))
             i += len(batch)
         bar.close()
-        if self.nfe:
-            logger.info("hf_blockbatch %s: %d requests, mean NFE %.1f, %.1f s decoding", self.method,
-                        len(self.nfe), statistics.fmean(self.nfe), self.seconds)  # fmt: skip
+        for task, summary in self.task_summaries().items():
+            logger.info("hf_blockbatch %s on %s: %d requests, mean NFE %.1f (min %d, max %d)", self.method, task,
+                        summary["requests"], summary["mean_nfe"], summary["min_nfe"], summary["max_nfe"])  # fmt: skip
         return [o if o is not None else "" for o in out]
 
+    def task_summaries(self) -> dict[str, dict[str, Any]]:
+        """Per task: see :func:`task_summaries`."""
+        return task_summaries(self.records)
+
     def get_model_info(self) -> dict[str, Any]:
-        info = {"hf_blockbatch_method": self.method, "hf_blockbatch_overrides": self.overrides}
+        info = {"hf_blockbatch_method": self.method, "hf_blockbatch_overrides": self.overrides,
+                "hf_blockbatch_device": str(self._device)}  # fmt: skip
         if self.nfe:
             info["hf_blockbatch_mean_nfe"] = statistics.fmean(self.nfe)
+            info["hf_blockbatch_tasks"] = self.task_summaries()
+        if self.truncated:
+            info["hf_blockbatch_truncated_prompts"] = self.truncated
         return info
 
     # ------------------------------------------------------------------ helpers
@@ -212,7 +243,28 @@ class HFBlockBatchLM(_LMBase):
         temperature = float(gen_kwargs.get("temperature", 0.0) or 0.0) if gen_kwargs.get("do_sample", True) else 0.0
         return self._gen_length(gen_kwargs), temperature
 
-    def _generate(self, contexts: list[str], gen_kwargs: dict[str, Any]) -> list[str]:
+    def _fit_context(self, ids: torch.Tensor, mask: torch.Tensor, gen_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cut prompts longer than the context minus ``gen_length`` from the left, with a warning, as
+        the harness's ``hf`` model does (the few-shot examples come first, the question last)."""
+        limit = getattr(self.model.config, "context_length", None)
+        if not limit or ids.shape[1] + gen_length <= limit:
+            return ids, mask
+        keep = limit - gen_length
+        if keep < 1:
+            raise ValueError(
+                f"gen_length {gen_length} leaves no room for a prompt in the model's context of {limit} positions: "
+                "lower gen_length (model_args) or the task's max_gen_toks."
+            )
+        lengths = mask.sum(1)
+        cut = int((lengths > keep).sum())
+        if cut:
+            self.truncated += cut
+            logger.warning("Left truncation applied: %d prompt(s) of up to %d tokens cut to their last %d so that "
+                           "%d new tokens fit the context of %d; some content is lost.", cut, int(lengths.max()), keep,
+                           gen_length, limit)  # fmt: skip
+        return ids[:, -keep:], mask[:, -keep:]
+
+    def _generate(self, contexts: list[str], gen_kwargs: dict[str, Any]) -> tuple[list[str], list[int], list[dict]]:
         gen_length, temperature = self._settings_key(gen_kwargs)
         cfg = build_method_configs([self.method], gen_length, self.overrides)[self.method]
         cfg.temperature = temperature
@@ -220,17 +272,20 @@ class HFBlockBatchLM(_LMBase):
         # a context rendered by a chat template already starts with BOS; a raw one gets it added
         add_special = not (bos and all(c.startswith(bos) for c in contexts))
         enc = self.tokenizer(contexts, add_special_tokens=add_special, return_tensors="pt", padding=True)
-        ids, mask = enc.input_ids.to(self._device), enc.attention_mask.to(self._device)
+        ids, mask = self._fit_context(enc.input_ids.to(self._device), enc.attention_mask.to(self._device), gen_length)
         t0 = time.perf_counter()
         with torch.inference_mode():
             result = self.model.generate(ids, mask, generation_config=cfg, return_dict_in_generate=True)
         self.seconds += time.perf_counter() - t0
-        self.nfe.extend(int(n) for n in result.nfe)
+        nfe = [int(n) for n in result.nfe]
+        self.nfe.extend(nfe)
+        # each request's stats without the trace (large, and off here anyway); "batch": requests decoded together
+        stats = [{**{k: v for k, v in st.items() if k != "trace"}, "batch": len(contexts)} for st in result.stats]
         texts = answer_texts(self.tokenizer, result.sequences[:, ids.shape[1] :], self._end_ids)
         until = gen_kwargs.get("until") or []
         if isinstance(until, str):
             until = [until]
-        return [_cut(t, until) for t in texts]
+        return [_cut(t, until) for t in texts], nfe, stats
 
     # ------------------------------------------------------------------ data parallel (accelerate)
 
@@ -264,15 +319,98 @@ def _cut(text: str, stops: list[str]) -> str:
     return text[:end]
 
 
+def task_summaries(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per task (as the harness names it): requests, NFE mean / median / min / max, decoding
+    seconds, and the winners' block sizes (BlockBatch)."""
+    by_task: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by_task[str(r["task"])].append(r)
+    out = {}
+    for task, rows in by_task.items():
+        nfe = [r["nfe"] for r in rows]
+        winners: dict[str, int] = defaultdict(int)
+        for r in rows:
+            if r["stats"].get("winner_block_size") is not None:
+                winners[str(r["stats"]["winner_block_size"])] += 1
+        out[task] = {"requests": len(rows), "mean_nfe": statistics.fmean(nfe), "median_nfe": statistics.median(nfe),
+                     "min_nfe": min(nfe), "max_nfe": max(nfe),
+                     "seconds": sum(float(r["stats"].get("seconds", 0.0)) / r["stats"].get("batch", 1) for r in rows),
+                     "winner_block_sizes": dict(winners)}  # fmt: skip
+    return out
+
+
+def annotate_results(results: dict[str, Any] | None, lm: HFBlockBatchLM | None = None) -> dict[str, Any] | None:
+    """Add to an lm-eval results dict what the harness cannot know about our decoding.
+
+    * ``results["results"][task]["mean_nfe,none"]``: the task's mean NFE (so the printed table and
+      the results JSON show it beside the task's metrics); the other statistics per task are in
+      ``results["config"]["hf_blockbatch_tasks"]``;
+    * each logged sample (``log_samples=True``): ``"hf_blockbatch": [{"nfe", "stats"}]``, one per
+      request of the document, in the order of its ``resps``;
+    * ``results["config"]["device"]``: where the model ran (the harness records what it passed).
+
+    ``lm``: the adapter that decoded (default: those created since the last call, as the harness
+    builds its own from ``model="hf_blockbatch"``).
+    """
+    runs = [(lm.records, str(lm._device))] if lm is not None else list(_RUNS)
+    if lm is None:
+        _RUNS.clear()
+    if results is None:
+        return None
+    records: dict[tuple[str, Any], list[dict[str, Any]]] = defaultdict(list)
+    for run_records, _ in runs:
+        for r in run_records:
+            records[(str(r["task"]), r["doc_id"])].append({"nfe": r["nfe"], "stats": r["stats"]})
+    tasks = task_summaries([r for run_records, _ in runs for r in run_records])
+    if not tasks:
+        return results
+    for task, summary in tasks.items():
+        if task in results.get("results", {}):
+            results["results"][task]["mean_nfe,none"] = summary["mean_nfe"]
+            results["results"][task]["mean_nfe_stderr,none"] = "N/A"
+    config = results.setdefault("config", {})
+    config["hf_blockbatch_tasks"] = tasks
+    if len({device for _, device in runs}) == 1:
+        config["device"] = runs[0][1]
+    for task, samples in (results.get("samples") or {}).items():
+        for sample in samples:
+            found = records.get((task, sample.get("doc_id")))
+            if found is not None:
+                sample["hf_blockbatch"] = found
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run lm-evaluation-harness's command line with ``hf_blockbatch`` registered."""
+    """Run lm-evaluation-harness's command line with ``hf_blockbatch`` registered, and every run's
+    results annotated by :func:`annotate_results` before the harness prints and saves them."""
     if not HAVE_LM_EVAL:
         raise SystemExit("lm-evaluation-harness is not installed: pip install 'hf-blockbatch[lmeval]'")
+    import lm_eval
     from lm_eval.__main__ import cli_evaluate
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
+    # The harness's command line looks simple_evaluate up on the package when it runs; wrapping it
+    # there (for this call only) is the one place between decoding and printing/saving the results.
+    # (older versions call it as lm_eval.evaluator.simple_evaluate: both names are wrapped)
+    import lm_eval.evaluator
+
+    original = lm_eval.evaluator.simple_evaluate
+    package_had = vars(lm_eval).get("simple_evaluate")
+
+    def simple_evaluate(*args: Any, **kwargs: Any) -> dict[str, Any] | None:
+        return annotate_results(original(*args, **kwargs))
+
+    lm_eval.simple_evaluate = lm_eval.evaluator.simple_evaluate = simple_evaluate
+    _RUNS.clear()
+    try:
+        cli_evaluate()
+    finally:
+        lm_eval.evaluator.simple_evaluate = original
+        if package_had is None:
+            del lm_eval.simple_evaluate  # the package resolves the name lazily again
+        else:
+            lm_eval.simple_evaluate = package_had
 
 
 if __name__ == "__main__":

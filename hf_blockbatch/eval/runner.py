@@ -191,7 +191,12 @@ def parse_overrides(
     """
     out: dict[str, dict[str, Any]] = {}
     if config_file is not None:
-        data = json.loads(Path(config_file).read_text(encoding="utf-8"))
+        if not Path(config_file).is_file():
+            raise FileNotFoundError(f"--configs {str(config_file)!r}: no such file.")
+        try:
+            data = json.loads(Path(config_file).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"--configs {str(config_file)!r} is not valid JSON: {err}.") from err
         if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
             raise ValueError(f"{config_file}: expected a JSON object of method -> {{field: value}}")
         for method, fields in data.items():
@@ -262,7 +267,7 @@ def build_method_configs(
         try:  # GenerationConfig validates in __init__ too
             cfg = make(name)
             cfg.validate()
-        except TypeError as err:  # an unknown option: our message says which, and what was meant
+        except (TypeError, ValueError) as err:  # our message names the field and what to change; add the method
             raise ValueError(f"{name}: {err}") from err
         if (cfg.num_return_sequences or 1) != 1:  # scoring reads one answer per item, in item order
             raise ValueError(

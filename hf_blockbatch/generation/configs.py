@@ -13,6 +13,8 @@ shorter last block is what a user would expect. With divisible sizes the behavio
 from __future__ import annotations
 
 import difflib
+import math
+from numbers import Real
 from typing import Any
 
 from transformers import GenerationConfig
@@ -73,10 +75,21 @@ def _is_neutral(name: str, value: Any) -> bool:
     return name in _NEUTRAL and value == _NEUTRAL[name]
 
 
+def _check_real(name: str, value: Any) -> float:
+    """``value`` as a finite float, or a ValueError naming the field: a string (``"high"``), a bool,
+    NaN or an infinity would otherwise pass or fail a range check by accident (NaN compares false
+    with everything, so ``temperature=nan`` passed ``< 0`` and crashed the sampler)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
+    return float(value)
+
+
 def _check_threshold(name: str, value: float | None, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if value is None or not (0.0 < float(value) <= 1.0):
+    if value is None or not (0.0 < _check_real(name, value) <= 1.0):
         raise ValueError(f"{name} must be in (0, 1], got {value!r}.")
 
 
@@ -105,9 +118,20 @@ def _check_rule(cfg: Any) -> None:
         names={"anchor_threshold": "threshold", "radius": "leap_radius"})  # fmt: skip
 
 
+def _check_positive_real(name: str, value: Any) -> None:
+    if not _check_real(name, value) > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}.")
+
+
 def _check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    """On/off fields take True or False only: ``"false"`` (a string from a JSON file or a form) is truthy."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r} ({type(value).__name__}).")
 
 
 class DiffusionGenerationConfig(GenerationConfig):
@@ -185,8 +209,9 @@ class DiffusionGenerationConfig(GenerationConfig):
         """
         self._check_options()
         _check_positive_int("max_new_tokens", self.max_new_tokens)
-        if self.temperature is None or float(self.temperature) < 0:
+        if self.temperature is None or _check_real("temperature", self.temperature) < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}.")
+        _check_bool("output_trace", self.output_trace)
         if self.remasking not in _REMASKING:
             raise ValueError(f"remasking must be one of {_REMASKING}, got {self.remasking!r}.")
         sampling = float(self.temperature) > 0
@@ -254,6 +279,11 @@ class VanillaDiffusionConfig(DiffusionGenerationConfig):
 
     def validate(self, **kwargs: Any) -> None:
         super().validate()
+        for name in ("steps", "block_length"):  # None takes the default; 0 must not (it did, silently)
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        for flag in ("logits_eos_inf", "confidence_eos_eot_inf"):
+            _check_bool(flag, getattr(self, flag))
         steps, block = self.resolved()
         _check_positive_int("steps", steps)
         _check_positive_int("block_length", block)
@@ -312,12 +342,14 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         if self.cache not in ("none", "prefix", "dual"):
             raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}.")
         _check_positive_int("block_length", self.block_length)
+        for flag in ("early_stop", "skip_completed_block_step"):
+            _check_bool(flag, getattr(self, flag))
         chosen = [n for n in _RULES if getattr(self, n) is not None]
         if len(chosen) != 1:
             raise ValueError(f"Give exactly one of threshold, factor or steps (got {chosen or 'none'}).")
         _check_threshold("threshold", self.threshold, allow_none=True)
-        if self.factor is not None and not float(self.factor) > 0:
-            raise ValueError(f"factor must be > 0, got {self.factor!r}.")
+        if self.factor is not None:
+            _check_positive_real("factor", self.factor)
         if self.steps is not None:
             _check_positive_int("steps", self.steps)
             num_blocks = -(-self.max_new_tokens // self.block_length)
@@ -360,7 +392,11 @@ class BlockBatchConfig(DiffusionGenerationConfig):
     )  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:
-        self.block_sizes = list(kwargs.pop("block_sizes", (4, 8, 16, 32, 64, 128)))
+        sizes = kwargs.pop("block_sizes", (4, 8, 16, 32, 64, 128))
+        # one size is one branch (``--set blockbatch.block_sizes=8``); anything else but a list is
+        # kept as given, for validate() to refuse with the field's name
+        self.block_sizes = [sizes] if isinstance(sizes, int) and not isinstance(sizes, bool) else \
+            list(sizes) if isinstance(sizes, (list, tuple)) else sizes  # fmt: skip
         self.threshold = kwargs.pop("threshold", 0.9 if "factor" not in kwargs else None)
         self.factor = kwargs.pop("factor", None)
         self.merge = kwargs.pop("merge", True)
@@ -381,25 +417,31 @@ class BlockBatchConfig(DiffusionGenerationConfig):
         _check_rule(self)
         if self.eos_confidence not in ("completion", "commit"):
             raise ValueError(f"eos_confidence must be 'completion' or 'commit', got {self.eos_confidence!r}.")
+        if not isinstance(self.block_sizes, list):
+            raise ValueError(
+                f"block_sizes must be a block size or a list of them, e.g. [4, 8, 16, 32, 64], got "
+                f"{self.block_sizes!r} ({type(self.block_sizes).__name__})."
+            )
         if not self.block_sizes:
             raise ValueError("block_sizes must name at least one block size, e.g. [4, 8, 16, 32, 64].")
-        for b in self.block_sizes:
-            _check_positive_int("every block size", b)
+        for i, b in enumerate(self.block_sizes):
+            _check_positive_int(f"block_sizes[{i}]", b)
         if len(set(self.block_sizes)) != len(self.block_sizes):
             raise ValueError(f"block_sizes must not repeat a size, got {self.block_sizes}.")
         if (self.threshold is None) == (self.factor is None):
             raise ValueError("Give exactly one of threshold or factor.")
         _check_threshold("threshold", self.threshold, allow_none=True)
-        if self.factor is not None and not float(self.factor) > 0:
-            raise ValueError(f"factor must be > 0, got {self.factor!r}.")
+        if self.factor is not None:
+            _check_positive_real("factor", self.factor)
         _check_threshold("merge_threshold", self.merge_threshold)
-        if not isinstance(self.sync_threshold, int) or self.sync_threshold < 0:
+        if not isinstance(self.sync_threshold, int) or isinstance(self.sync_threshold, bool) or self.sync_threshold < 0:
             raise ValueError(f"sync_threshold must be an integer >= 0, got {self.sync_threshold!r}.")
         if self.refresh not in ("periodic", "divergence", "off"):
             raise ValueError(f"refresh must be 'periodic', 'divergence' or 'off', got {self.refresh!r}.")
         _check_positive_int("refresh_interval", self.refresh_interval)
-        if not float(self.divergence_threshold) > 0:
-            raise ValueError(f"divergence_threshold must be > 0, got {self.divergence_threshold!r}.")
+        _check_positive_real("divergence_threshold", self.divergence_threshold)
+        for flag in ("merge", "sync", "early_stop", "skip_completed_block_step"):
+            _check_bool(flag, getattr(self, flag))
 
 
 _BY_STRATEGY = {c.strategy: c for c in (VanillaDiffusionConfig, FastDLLMConfig, BlockBatchConfig)}

@@ -12,8 +12,11 @@ on a model whose ``generate`` is transformers' own, load it as a Hub ``custom_ge
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
+import os
+import sys
 from typing import Any
 
 import torch
@@ -22,7 +25,7 @@ from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from hf_blockbatch.generation.configs import BlockBatchConfig, DiffusionGenerationConfig, config_from_dict
 from hf_blockbatch.generation.engine import run_plan
-from hf_blockbatch.generation.outputs import DiffusionGenerateOutput
+from hf_blockbatch.generation.outputs import DiffusionGenerateOutput, answer_lengths, end_token_ids
 from hf_blockbatch.generation.plans import plan_from_config
 
 logger = logging.getLogger(__name__)
@@ -109,6 +112,8 @@ def diffusion_generate(
     streamer=None,
     generator: torch.Generator | None = None,
     return_dict_in_generate: bool | None = None,
+    pad_after_end: bool = False,
+    tokenizer: Any = None,
     **kwargs: Any,
 ) -> torch.LongTensor | DiffusionGenerateOutput:
     """Decode with vanilla, Fast-dLLM or BlockBatch, chosen by the config's class.
@@ -120,6 +125,15 @@ def diffusion_generate(
         streamer: a transformers streamer (``put``/``end``); receives request 0's text as its
             agreed left-to-right prefix grows.
         generator: a ``torch.Generator`` for sampling (temperature > 0, random remasking).
+        pad_after_end: replace every token after each row's first end token (EOS or end of turn)
+            by the pad id, as transformers' autoregressive and DiffusionGemma ``generate`` return
+            them, so that ``tokenizer.batch_decode(..., skip_special_tokens=True)`` is the answer.
+            Off by default: the canvas after the end token is what the official codes return
+            (Fast-dLLM without early stop decodes it); :func:`hf_blockbatch.answer_texts` cuts
+            either way. transformers' ``pipeline`` gets it on, since it decodes the whole canvas.
+        tokenizer: only read for its end-of-turn tokens (:func:`hf_blockbatch.end_token_ids`), so that
+            the streamer and ``pad_after_end`` end where ``answer_texts`` does (a streamer's own
+            tokenizer is read too).
         kwargs: overrides of config fields, e.g. ``max_new_tokens=64``.
     Returns:
         prompt + new tokens ``[B * num_return_sequences, Lp + max_new_tokens]`` (each prompt's
@@ -131,6 +145,7 @@ def diffusion_generate(
     if input_ids.shape[1] == 0:
         raise ValueError("The prompt is empty: a masked-diffusion model needs at least one prompt token.")
     config = model.config
+    _check_token_ids(model, input_ids, attention_mask)
     mask_id, eos_ids, pad_id = _token_ids(cfg, config)
     check_context(config, input_ids.shape[1], cfg.max_new_tokens)
     device = model.device
@@ -147,9 +162,22 @@ def diffusion_generate(
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         input_ids, attention_mask = input_ids.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0)
-    plan = plan_from_config(cfg, eos_ids, _as_list(getattr(config, "eot_token_id", None)))
+    eot_ids = _as_list(getattr(config, "eot_token_id", None))
+    plan = plan_from_config(cfg, eos_ids, eot_ids)
     logger.debug("diffusion_generate: %s", plan)
+    # where an answer ends, as answer_texts(tokenizer, ..., end_token_ids(tokenizer, config)) cuts it:
+    # EOS, the config's end of turn, and the end-of-turn tokens of the tokenizer the caller decodes with
+    end_ids = set(eos_ids) | set(eot_ids)
+    for tok in (tokenizer, getattr(streamer, "tokenizer", None)):
+        if tok is not None and hasattr(tok, "get_vocab"):
+            end_ids.update(end_token_ids(tok, config))
+    end_ids = sorted(end_ids)
+    plan.end_ids = end_ids
     result = run_plan(model, input_ids, attention_mask, plan, mask_id, eos_ids, pad_id, generator, streamer)
+    if pad_after_end:
+        new = result.sequences[:, input_ids.shape[1] :]
+        after = torch.arange(new.shape[1], device=new.device) > answer_lengths(new, end_ids)[:, None]
+        result.sequences[:, input_ids.shape[1] :] = new.masked_fill(after, pad_id)
     return_dict = cfg.return_dict_in_generate if return_dict_in_generate is None else return_dict_in_generate
     if return_dict:
         return DiffusionGenerateOutput(sequences=result.sequences, nfe=result.nfe, stats=result.stats)
@@ -160,7 +188,7 @@ def diffusion_generate(
 # decoding steps and have no meaning for a masked canvas: refused when given, rather than ignored.
 _LEFT_TO_RIGHT_ONLY = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model",
                        "negative_prompt_ids", "negative_prompt_attention_mask", "assistant_tokenizer")  # fmt: skip
-_NOT_USED = ("synced_gpus", "tokenizer")  # distributed lockstep (each process decodes its own batch); stop strings
+_NOT_USED = ("synced_gpus",)  # distributed lockstep (each process decodes its own batch)
 
 
 def _asks_nothing(value: Any) -> bool:
@@ -207,23 +235,96 @@ def enable(model):
             "see hf_blockbatch.models.base."
         )
 
-    def generate(input_ids, attention_mask=None, **kwargs):
+    def generate(input_ids=None, attention_mask=None, **kwargs):
+        kwargs.update(_pipeline_options(kwargs))
         return diffusion_generate(model, input_ids, attention_mask, **kwargs)
 
     model.generate = generate
     return model
 
 
+def _pipeline_options(kwargs: dict[str, Any], depth: int = 2) -> dict[str, Any]:
+    """``pad_after_end`` and the pipeline's tokenizer when transformers' ``Pipeline`` is the caller.
+
+    Why: ``pipeline("text-generation")`` decodes every new token of ``sequences``; an
+    autoregressive ``generate`` pads after EOS, but a masked canvas holds text there (Fast-dLLM
+    without early stop decodes it), which the pipeline would return as part of the answer. The
+    pipeline passes nothing that says it is calling, so its frame (``self`` of the caller of
+    ``generate``) is read; an explicit ``pad_after_end`` or ``tokenizer`` wins.
+    """
+    try:
+        from transformers import Pipeline
+    except ImportError:  # pragma: no cover - transformers always exports it
+        return {}
+    try:
+        caller = sys._getframe(depth).f_locals.get("self")
+    except ValueError:  # called from the top of the stack: no pipeline
+        return {}
+    if not isinstance(caller, Pipeline):
+        return {}
+    return {"pad_after_end": kwargs.get("pad_after_end", True), "tokenizer": kwargs.get("tokenizer") or caller.tokenizer}
+
+
+def _check_token_ids(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """Token ids outside the embedding table would fail deep in the embedding (an IndexError on CPU,
+    a device-side assert on CUDA); padding positions are checked too, since they are embedded.
+    One host read per call, before any forward."""
+    try:
+        emb = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a contract model without the accessor
+        emb = None
+    size = getattr(emb, "num_embeddings", None) or getattr(model.config, "vocab_size", None)
+    if not size:
+        return
+    low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()
+    if low < 0 or high >= size:
+        bad = high if high >= size else low
+        raise ValueError(
+            f"input_ids holds token id {bad}, outside this model's vocabulary of {size} ids (0..{size - 1}): encode "
+            "the prompt with this model's tokenizer."
+        )
+
+
+def _generate_with_hub_arguments(model, input_ids, attention_mask, kwargs: dict[str, Any]):
+    """``generate(..., custom_generate=..., trust_remote_code=...)`` on our classes, with the meaning
+    transformers gives these arguments: ``custom_generate="<repo or folder>"`` loads that repo's
+    ``custom_generate/generate.py`` (only with ``trust_remote_code=True``, as transformers asks) and
+    runs it with ``model=`` and the other arguments (this repository's folder runs these same
+    strategies); ``trust_remote_code`` alone allows nothing more and is dropped."""
+    custom = kwargs.pop("custom_generate", None)
+    trust = kwargs.pop("trust_remote_code", None)
+    if custom is None:
+        return diffusion_generate(model, input_ids, attention_mask, **kwargs)
+    if not isinstance(custom, str):
+        raise ValueError(
+            f"custom_generate={custom!r}: a callable replaces transformers' left-to-right decoding loop, which "
+            f"{type(model).__name__} does not run. Pass a generation_config (VanillaDiffusionConfig, FastDLLMConfig, "
+            "BlockBatchConfig), or a Hub repo / folder holding custom_generate/generate.py."
+        )
+    from transformers import GenerationMixin
+
+    hub = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
+    function = GenerationMixin.load_custom_generate(model, custom, trust_remote_code=trust, **hub)
+    return function(model=model, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+_HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
+
+
 class BlockBatchGenerationMixin:
     """Gives a masked-diffusion model ``generate`` with the three strategies of this package."""
 
-    def generate(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **kwargs: Any):
+    def generate(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                 **kwargs: Any):  # fmt: skip
+        kwargs.update(_pipeline_options(kwargs))
+        if kwargs.get("custom_generate") is not None or "trust_remote_code" in kwargs:
+            return _generate_with_hub_arguments(self, input_ids, attention_mask, kwargs)
         return diffusion_generate(self, input_ids, attention_mask, **kwargs)
 
     def can_generate(self) -> bool:  # transformers asks before loading a generation config
         return True
 
-    _HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
+    _HUB_KWARGS = _HUB_KWARGS
 
     def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
                              **kwargs: Any) -> None:  # fmt: skip
@@ -231,7 +332,15 @@ class BlockBatchGenerationMixin:
         ``generation_config.json``. A strategy config saved with the model (``model.generation_config
         = BlockBatchConfig(...)``, then ``save_pretrained``) comes back as its own class, so a
         reloaded model decodes as it was saved; any other file stays a plain ``GenerationConfig``
-        (``generate`` then defaults to BlockBatch)."""
+        (``generate`` then defaults to BlockBatch). A ``custom_generate/`` folder in the checkpoint
+        becomes ``generate`` with ``trust_remote_code=True``, as on transformers' models."""
+        if pretrained_model_name_or_path is not None and kwargs.get("trust_remote_code"):
+            self._bind_checkpoint_generate(pretrained_model_name_or_path, kwargs)
+        elif pretrained_model_name_or_path is not None and os.path.isfile(
+            os.path.join(str(pretrained_model_name_or_path), "custom_generate", "generate.py")
+        ):  # a local checkpoint's folder: said, not silently skipped (a Hub repo would need a request to tell)
+            logger.warning("%s holds custom_generate/generate.py, which is not used: pass trust_remote_code=True to "
+                           "from_pretrained to make it this model's generate().", pretrained_model_name_or_path)  # fmt: skip
         if generation_config is not None:  # from_pretrained(..., generation_config=cfg)
             self.generation_config = generation_config
             return
@@ -252,3 +361,18 @@ class BlockBatchGenerationMixin:
                 logger.warning("Ignoring the strategy saved in %s (%s): generate() will use BlockBatch's defaults "
                                "unless given a generation_config.", path, err)  # fmt: skip
         self.generation_config = GenerationConfig.from_dict(data)
+
+    def _bind_checkpoint_generate(self, pretrained_model_name_or_path: str, kwargs: dict[str, Any]) -> None:
+        """As transformers' models do with ``trust_remote_code=True``: a checkpoint holding
+        ``custom_generate/generate.py`` gets that function as this instance's ``generate``. Without
+        ``trust_remote_code`` the folder is not run (as in transformers), and a log line says so."""
+        from transformers import GenerationMixin
+
+        hub = {k: kwargs[k] for k in self._HUB_KWARGS if kwargs.get(k) is not None}
+        try:
+            function = GenerationMixin.load_custom_generate(self, pretrained_model_name_or_path, trust_remote_code=True,
+                                                            **hub)  # fmt: skip
+        except OSError:  # no custom_generate/ folder
+            return
+        logger.info("%s: generate() is the checkpoint's custom_generate/generate.py", pretrained_model_name_or_path)
+        self.generate = functools.partial(function, model=self)

@@ -1,0 +1,316 @@
+"""The bad inputs of docs/bad_inputs.md, each as a function returning the one-line message it gets.
+
+tests/test_bad_inputs.py checks every row of that table against these, so the table stays true.
+Each function raises nothing: it returns the message (an exception's text, or the CLI's last
+stderr line), or fails if the input is accepted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import hf_blockbatch as hb
+
+CASES: dict[str, Callable[..., str]] = {}
+
+
+def case(name: str):
+    def register(fn):
+        CASES[name] = fn
+        return fn
+
+    return register
+
+
+def _message(fn: Callable[[], object], *types: type[BaseException]) -> str:
+    expected = types or (ValueError, TypeError, FileNotFoundError)
+    try:
+        fn()
+    except expected as err:
+        return str(err)
+    raise AssertionError("the bad input was accepted")
+
+
+def _generate(**options) -> str:
+    from conftest import make_tiny_llada
+
+    model = make_tiny_llada()
+    ids = options.pop("input_ids", torch.tensor([[5, 6, 7]]))
+    mask = options.pop("attention_mask", None)
+    return _message(lambda: model.generate(ids, mask, **options))
+
+
+def _cli(argv: list[str], capsys) -> str:
+    from hf_blockbatch.cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except SystemExit as exit_:  # argparse
+        rc = exit_.code
+    assert rc == 2, f"exit status {rc}"
+    err = capsys.readouterr().err.strip().splitlines()
+    return err[-1].split("error: ", 1)[1]
+
+
+# ------------------------------------------------------------------------ generate() and configs
+
+
+@case("temperature-nan")
+def _(**_):
+    return _generate(generation_config=hb.FastDLLMConfig(max_new_tokens=8, block_length=4), temperature=float("nan"))
+
+
+@case("temperature-inf")
+def _(**_):
+    return _generate(generation_config=hb.BlockBatchConfig(max_new_tokens=8, block_sizes=[4, 8]), temperature=float("inf"))
+
+
+@case("temperature-negative")
+def _(**_):
+    return _generate(temperature=-1.0, max_new_tokens=8)
+
+
+@case("threshold-string")
+def _(**_):
+    return _message(lambda: hb.FastDLLMConfig(threshold="high").validate())
+
+
+@case("threshold-range")
+def _(**_):
+    return _message(lambda: hb.BlockBatchConfig(threshold=1.5).validate())
+
+
+@case("factor-inf")
+def _(**_):
+    return _message(lambda: hb.FastDLLMConfig(factor=float("inf")).validate())
+
+
+@case("merge-threshold-nan")
+def _(**_):
+    return _message(lambda: hb.BlockBatchConfig(merge_threshold=float("nan")).validate())
+
+
+@case("divergence-threshold-inf")
+def _(**_):
+    return _message(lambda: hb.BlockBatchConfig(refresh="divergence", divergence_threshold=float("inf")).validate())
+
+
+@case("block-sizes-string")
+def _(**_):
+    return _message(lambda: hb.BlockBatchConfig(block_sizes="8").validate())
+
+
+@case("block-sizes-repeat")
+def _(**_):
+    return _message(lambda: hb.BlockBatchConfig(block_sizes=[4, 4]).validate())
+
+
+@case("block-size-zero")
+def _(**_):
+    return _message(lambda: hb.BlockBatchConfig(block_sizes=[4, 0]).validate())
+
+
+@case("merge-string")
+def _(**_):
+    return _message(lambda: hb.BlockBatchConfig(merge="false").validate())
+
+
+@case("vanilla-steps-zero")
+def _(**_):
+    return _message(lambda: hb.VanillaDiffusionConfig(max_new_tokens=8, steps=0).validate())
+
+
+@case("misspelt-option")
+def _(**_):
+    return _generate(block_size=32)
+
+
+@case("top-p")
+def _(**_):
+    return _generate(top_p=0.9)
+
+
+@case("token-id-too-large")
+def _(**_):
+    return _generate(input_ids=torch.tensor([[5, 6, 5000]]), max_new_tokens=8)
+
+
+@case("empty-prompt-tensor")
+def _(**_):
+    return _generate(input_ids=torch.zeros((1, 0), dtype=torch.long), max_new_tokens=8)
+
+
+@case("right-padding")
+def _(**_):
+    return _generate(input_ids=torch.tensor([[5, 6, 7]]), attention_mask=torch.tensor([[1, 1, 0]]), max_new_tokens=8)
+
+
+@case("prompt-longer-than-context")
+def _(**_):
+    return _generate(input_ids=torch.full((1, 250), 5), max_new_tokens=16)
+
+
+@case("custom-generate-callable")
+def _(**_):
+    return _generate(custom_generate=print, max_new_tokens=8)
+
+
+# ---------------------------------------------------------------------------------- load_model
+
+
+@case("model-typo-offline")
+def _(monkeypatch, **_):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return _message(lambda: hb.load_model("tiny-lada"))
+
+
+@case("model-missing-folder")
+def _(**_):
+    return _message(lambda: hb.load_model("./no-such-model"))
+
+
+@case("truncated-safetensors")
+def _(tmp_path, **_):
+    folder = tmp_path / "damaged"
+    shutil.copytree(hb.TINY_LLADA, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return _message(lambda: hb.load_model(str(folder)))
+
+
+@case("device-tpu")
+def _(**_):
+    return _message(lambda: hb.load_model("tiny-llada", device="tpu"))
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+
+@case("cli-empty-prompt")
+def _(capsys, **_):
+    return _cli(["generate", "--prompt", "  "], capsys)
+
+
+@case("cli-threshold-nan")
+def _(capsys, **_):
+    return _cli(["generate", "--threshold", "nan"], capsys)
+
+
+@case("cli-demo-port")
+def _(capsys, **_):
+    return _cli(["demo", "--port", "99999"], capsys)
+
+
+@case("cli-device-tpu")
+def _(capsys, **_):
+    return _cli(["generate", "--device", "tpu"], capsys)
+
+
+@case("bench-set-wrong-type")
+def _(capsys, **_):
+    return _cli(["bench", "--set", "blockbatch.threshold=high"], capsys)
+
+
+@case("bench-configs-wrong-type")
+def _(capsys, tmp_path, **_):
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps({"blockbatch": {"threshold": "high"}}))
+    return _cli(["bench", "--configs", str(path)], capsys)
+
+
+@case("bench-configs-invalid-json")
+def _(capsys, tmp_path, **_):
+    path = tmp_path / "configs.json"
+    path.write_text("{blockbatch: 1}")
+    return _cli(["bench", "--configs", str(path)], capsys)
+
+
+@case("bench-data-invalid-json")
+def _(capsys, tmp_path, **_):
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text('{"question": "1 + 1?", "answer": "#### 2"}\nnot json\n')
+    return _cli(["bench", "--task", "gsm8k", "--data", f"gsm8k={path}", "--limit", "1", "--no-progress", "--no-plots",
+                 "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
+
+
+@case("bench-max-new-tokens")
+def _(capsys, **_):
+    return _cli(["bench", "--set", "blockbatch.max_new_tokens=8"], capsys)
+
+
+# --------------------------------------------------------------------------------- lm-eval adapter
+
+
+@case("lm-eval-method")
+def _(**_):
+    from conftest import make_tiny_llada
+
+    from hf_blockbatch.eval.lm_eval_model import HFBlockBatchLM
+
+    return _message(lambda: HFBlockBatchLM(pretrained=make_tiny_llada(), tokenizer=_tokenizer(), method="greedy"))
+
+
+@case("lm-eval-loglikelihood")
+def _(**_):
+    from conftest import make_tiny_llada
+
+    from hf_blockbatch.eval.lm_eval_model import HFBlockBatchLM
+
+    lm = HFBlockBatchLM(pretrained=make_tiny_llada(), tokenizer=_tokenizer(), method="fast_dllm")
+    return _message(lambda: lm.loglikelihood([]), NotImplementedError)
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(Path(hb.TINY_LLADA)))
+
+
+# ---------------------------------------------------------------------------------------- demo
+
+
+def _demo_app():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from demo import app
+
+    return app
+
+
+@case("demo-empty-prompt")
+def _(**_):
+    app = _demo_app()
+    return _message(lambda: app.check_settings("   "), app.InputError)
+
+
+@case("demo-long-prompt")
+def _(**_):
+    app = _demo_app()
+    return _message(lambda: app.check_settings("x" * 5000), app.InputError)
+
+
+@case("demo-cli-port")
+def _(capsys, **_):
+    app = _demo_app()
+    capsys.readouterr()
+    with contextlib.suppress(SystemExit):  # argparse exits
+        app.main(["--port", "99999"])
+    return capsys.readouterr().err.strip().splitlines()[-1].split("error: ", 1)[1]
+
+
+@case("demo-cli-model")
+def _(capsys, **_):
+    app = _demo_app()
+    capsys.readouterr()
+    assert app.main(["--model", "./no-such-model"]) == 2
+    return capsys.readouterr().err.strip().splitlines()[-1].split("error: ", 1)[1]

@@ -1,0 +1,322 @@
+"""What a new user hit (issue 17): the streamer and the pipeline past the answer's end, a single
+block size, Hub retries without a network, custom_generate on our classes, the README's example
+prompt, ``--help``, and lm-eval as researchers call it (the bad inputs' messages are in
+tests/test_bad_inputs.py, which checks docs/bad_inputs.md)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hf_blockbatch.eval.base import apply_chat
+from transformers import TextStreamer
+
+import hf_blockbatch as hb
+from hf_blockbatch.generation.outputs import answer_lengths
+from hf_blockbatch.tasks import get_suite
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_WEIGHTS = (Path(hb.TINY_DREAM) / "model.safetensors").exists() and (Path(hb.TINY_LLADA) / "model.safetensors").exists()
+needs_weights = pytest.mark.skipif(not HAVE_WEIGHTS, reason="the embedded checkpoints' weights are absent")
+
+
+class _Collect(TextStreamer):
+    """A TextStreamer that keeps the streamed answer instead of printing it."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.text = ""
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        self.text += text
+
+
+@functools.lru_cache(maxsize=2)
+def _load(name: str):
+    return hb.load_model(name, device="cpu")
+
+
+def _ids(tok, question: str) -> torch.Tensor:
+    return tok(apply_chat(question, tok, True), add_special_tokens=False, return_tensors="pt").input_ids
+
+
+# Fast-dLLM without early stop decodes the canvas past the end token: on this tiny-llada item (the
+# CLI's default prompt) it writes ", so 2 * 2 = 12.\n#### 12" right after the end of turn (found by
+# decoding the suites' first 20 items; most put EOS, where the stream stopped before, right after it).
+PAST_THE_END = ("tiny-llada", "arith", 16)
+# items decoded by the streamer test: that one, vanilla's on tiny-dream (arith 15), and plain ones
+STREAM_ITEMS = (("arith", 16), ("arith", 15), ("arith", 1), ("lists", 0))
+
+
+@needs_weights
+def test_the_case_decodes_text_after_the_end_token():
+    """The premise of the two tests below: text follows the end token in the canvas."""
+    name, suite, index = PAST_THE_END
+    model, tok = _load(name)
+    ids = _ids(tok, get_suite(suite).items("test", index + 1)[index].question)
+    new = model.generate(ids, generation_config=hb.FastDLLMConfig(max_new_tokens=64, block_length=32))[:, ids.shape[1] :]
+    n = int(answer_lengths(new, hb.end_token_ids(tok, model.config))[0])
+    assert n < 60 and tok.decode(new[0, n:], skip_special_tokens=True).strip()
+
+
+@needs_weights
+@pytest.mark.parametrize("name", ["tiny-llada", "tiny-dream"])
+@pytest.mark.parametrize("cfg", [hb.FastDLLMConfig(max_new_tokens=64, block_length=32),
+                                 hb.VanillaDiffusionConfig(max_new_tokens=64, steps=64, block_length=32),
+                                 hb.BlockBatchConfig(max_new_tokens=64, block_sizes=[4, 8, 16, 32, 64])],
+                         ids=lambda c: c.strategy)  # fmt: skip
+def test_streamed_text_is_the_answer(name, cfg):
+    """The streamer stops where answer_texts does (EOS or end of turn), on every strategy."""
+    model, tok = _load(name)
+    for suite, index in STREAM_ITEMS:
+        for item in get_suite(suite).items("test", index + 1)[index:]:
+            ids = _ids(tok, item.question)
+            streamer = _Collect(tok)
+            out = model.generate(ids, generation_config=cfg, streamer=streamer)
+            answer = hb.answer_texts(tok, out[:, ids.shape[1] :], hb.end_token_ids(tok, model.config))[0]
+            assert streamer.text == answer, (suite, item.id)
+
+
+@needs_weights
+def test_pipeline_returns_the_answer():
+    """transformers' text-generation pipeline returns answer_texts' text, not the canvas past the end."""
+    from transformers import pipeline
+
+    name, suite, index = PAST_THE_END
+    model, tok = _load(name)
+    pipe = pipeline("text-generation", model=model, tokenizer=tok)
+    cfg = hb.FastDLLMConfig(max_new_tokens=64, block_length=32)
+    for item in get_suite(suite).items("test", index + 2)[index - 1 :]:
+        chat = apply_chat(item.question, tok, True)
+        ids = tok(chat, add_special_tokens=False, return_tensors="pt").input_ids
+        answer = hb.answer_texts(tok, model.generate(ids, generation_config=cfg)[:, ids.shape[1] :],
+                                 hb.end_token_ids(tok, model.config))[0]  # fmt: skip
+        got = pipe(chat, generation_config=cfg, return_full_text=False, add_special_tokens=False)[0]["generated_text"]
+        assert got == answer, item.id
+
+
+@needs_weights
+def test_pad_after_end_pads_like_transformers():
+    """pad_after_end=True: every token after a row's first end token is the pad id (the end token
+    and what precedes it unchanged), so batch_decode(..., skip_special_tokens=True) is the answer;
+    off by default (the canvas as the official codes return it)."""
+    name, suite, index = PAST_THE_END
+    model, tok = _load(name)
+    ids = _ids(tok, get_suite(suite).items("test", index + 1)[index].question)
+    cfg = hb.FastDLLMConfig(max_new_tokens=64, block_length=32)
+    raw = model.generate(ids, generation_config=cfg)[0, ids.shape[1] :]
+    padded = model.generate(ids, generation_config=cfg, pad_after_end=True)[0, ids.shape[1] :]
+    end_ids = hb.end_token_ids(tok, model.config)
+    n = int(answer_lengths(raw[None], end_ids)[0])
+    assert n < 63 and torch.equal(padded[: n + 1], raw[: n + 1])
+    assert bool((padded[n + 1 :] == model.config.pad_token_id).all()) and not bool((raw[n + 1 :] == model.config.pad_token_id).all())
+    assert tok.decode(padded, skip_special_tokens=True) == hb.answer_texts(tok, raw[None], end_ids)[0]
+
+
+def test_a_single_block_size_is_one_branch(tmp_path):
+    from hf_blockbatch.eval.runner import build_method_configs, parse_overrides
+
+    for overrides in (parse_overrides(["blockbatch.block_sizes=8"]),
+                      parse_overrides([], _json(tmp_path, {"blockbatch": {"block_sizes": 8}}))):  # fmt: skip
+        cfg = build_method_configs(["blockbatch"], 32, overrides)["blockbatch"]
+        assert cfg.block_sizes == [8]
+    with pytest.raises(ValueError, match=r"^blockbatch: block_sizes must be a block size or a list"):
+        build_method_configs(["blockbatch"], 32, parse_overrides([], _json(tmp_path, {"blockbatch": {"block_sizes": "x"}})))
+
+
+def _json(tmp_path: Path, data) -> str:
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_hub_fails_at_once(monkeypatch):
+    """A name that is neither embedded nor a folder, with the Hub unreachable (a closed port here),
+    fails in well under a second with the clear message, before any Hub request; so does a
+    benchmark with no local data."""
+    from huggingface_hub import constants
+
+    from hf_blockbatch.eval.benchmarks import DataNotFoundError, get_benchmark
+    from hf_blockbatch.hub import hub_unreachable
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    for key in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(key, raising=False)
+    assert "cannot be reached" in hub_unreachable()
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match=r"the Hub cannot be reached to look for it .* Did you mean 'tiny-dream'\?"):
+        hb.load_model("tiny-drem")
+    monkeypatch.setattr("hf_blockbatch.eval.benchmarks.find_data_file", lambda name: None)
+    with pytest.raises(DataNotFoundError, match="the Hub cannot be reached"):
+        get_benchmark("gsm8k").items("test", 1)
+    assert time.perf_counter() - start < 2.0
+
+
+def test_help_is_plain_text():
+    from hf_blockbatch.cli import build_parser
+
+    parser = build_parser()
+    texts = [parser.format_help()] + [p.format_help() for p in parser._subparsers._group_actions[0].choices.values()]
+    assert not any("``" in t for t in texts)
+
+
+@needs_weights
+def test_the_readme_example_prompt_is_one_the_tiny_models_answer():
+    """The README's example prompt is a test question of a suite, and both strategies of the
+    README's example answer it right on the embedded tiny-llada (by the suite's own scorer)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    prompt = re.search(r'^prompt = "([^"]+)"', readme, re.M).group(1)
+    found = [(get_suite(s), it) for s in ("arith", "code", "lists") for it in get_suite(s).items("test") if it.question == prompt]
+    assert found, "the README's prompt is not a suite question"
+    task, item = found[0]
+    model, tok = _load("tiny-llada")
+    ids = _ids(tok, prompt)
+    for cfg in (hb.BlockBatchConfig(max_new_tokens=64), hb.FastDLLMConfig(max_new_tokens=64, block_length=32, threshold=0.9),
+                hb.VanillaDiffusionConfig(max_new_tokens=64, steps=64, block_length=32)):
+        text = hb.answer_texts(tok, model.generate(ids, generation_config=cfg)[:, ids.shape[1] :],
+                               hb.end_token_ids(tok, model.config))[0]  # fmt: skip
+        assert task.score(item, text).correct, (cfg.strategy, text)
+
+
+@needs_weights
+def test_the_cli_default_prompt_is_answered_right_by_both(capsys):
+    """``hf-blockbatch generate`` with no options (the README's first command) shows two right answers."""
+    from hf_blockbatch.cli import DEFAULT_PROMPT, main
+
+    item = next(it for it in get_suite("arith").items("test") if it.question == DEFAULT_PROMPT)
+    assert main(["generate", "--device", "cpu"]) == 0
+    answers = re.findall(r"^── [^\n]*\n(.*?)\n   NFE", capsys.readouterr().out, re.M | re.S)
+    assert len(answers) == 2 and all(get_suite("arith").score(item, a).correct for a in answers), answers
+
+
+# --------------------------------------------------------------------------------- custom_generate
+
+
+def test_custom_generate_on_our_class(tiny_llada):
+    """model.generate(ids, custom_generate=<repo>, trust_remote_code=True, generation_config=...) on
+    our own class: transformers' meaning (the repo's custom_generate/generate.py runs, here this
+    checkout's, which runs the same strategies); without trust_remote_code, transformers refuses."""
+    ids = torch.tensor([[5, 6, 7, 8]])
+    cfg = hb.BlockBatchConfig(max_new_tokens=16, block_sizes=[4, 8])
+    ours = tiny_llada.generate(ids, generation_config=cfg, return_dict_in_generate=True)
+    hub = tiny_llada.generate(ids, custom_generate=str(ROOT), trust_remote_code=True, generation_config=cfg,
+                              return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(ours.sequences, hub.sequences) and torch.equal(ours.nfe, hub.nfe)
+    plain = tiny_llada.generate(ids, trust_remote_code=True, generation_config=cfg)  # allows nothing more: dropped
+    assert torch.equal(plain, ours.sequences)
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        tiny_llada.generate(ids, custom_generate=str(ROOT), generation_config=cfg)
+
+
+def test_a_checkpoint_custom_generate_folder_is_used_or_said_unused(tiny_llada, tmp_path, caplog):
+    folder = tmp_path / "ckpt"
+    tiny_llada.save_pretrained(folder)
+    shutil.copytree(ROOT / "custom_generate", folder / "custom_generate")
+    bound = hb.LLaDAModelLM.from_pretrained(folder, trust_remote_code=True)
+    assert isinstance(bound.generate, functools.partial)  # the folder's generate, as transformers binds it
+    ids = torch.tensor([[5, 6, 7, 8]])
+    cfg = hb.FastDLLMConfig(max_new_tokens=8, block_length=4)
+    assert torch.equal(bound.generate(ids, generation_config=cfg), tiny_llada.generate(ids, generation_config=cfg))
+    with caplog.at_level("WARNING"):
+        unbound = hb.LLaDAModelLM.from_pretrained(folder)
+    assert not isinstance(unbound.generate, functools.partial)
+    assert "custom_generate/generate.py, which is not used: pass trust_remote_code=True" in caplog.text
+
+
+# --------------------------------------------------------------------------------------- lm-eval
+
+
+class _Request:
+    """What the harness hands generate_until: ``.args``, and the task and document it came from."""
+
+    def __init__(self, context: str, gen_kwargs: dict, task: str, doc_id: int) -> None:
+        self.args, self.task_name, self.doc_id = (context, gen_kwargs), task, doc_id
+
+
+def _adapter(**kwargs):
+    from conftest import make_tiny_llada
+    from transformers import AutoTokenizer
+
+    from hf_blockbatch.eval.lm_eval_model import HFBlockBatchLM
+
+    tok = AutoTokenizer.from_pretrained(hb.TINY_LLADA)
+    model = make_tiny_llada(vocab_size=len(tok), embedding_size=len(tok), max_sequence_length=128,
+                            mask_token_id=tok.convert_tokens_to_ids("<|mdm_mask|>") if "<|mdm_mask|>" in tok.get_vocab()
+                            else 2, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)  # fmt: skip
+    return HFBlockBatchLM(pretrained=model, tokenizer=tok, **kwargs)
+
+
+def test_lm_eval_long_prompt_is_cut_from_the_left_with_a_warning(caplog):
+    """As lm-eval's hf model: a prompt longer than the context minus the generation length keeps
+    its last tokens (the question), with a warning; a generation length alone over the context fails."""
+    lm = _adapter(method="fast_dllm", block_length=8)
+    kwargs = {"until": ["\n"], "max_gen_toks": 16, "do_sample": False}
+    long = "word " * 300 + "Question: 1 + 2\nAnswer:"
+    with caplog.at_level("WARNING"):
+        out = lm.generate_until([_Request(long, kwargs, "t", 0), _Request("Question: 1 + 2\nAnswer:", kwargs, "t", 1)])
+    assert len(out) == 2 and lm.truncated == 1 and "Left truncation applied: 1 prompt(s)" in caplog.text
+    with pytest.raises(ValueError, match="leaves no room for a prompt"):
+        lm.generate_until([_Request("hi", {**kwargs, "max_gen_toks": 200}, "t", 0)])
+
+
+def test_lm_eval_reports_nfe_per_task_and_per_sample():
+    from hf_blockbatch.eval.lm_eval_model import annotate_results
+
+    lm = _adapter(method="blockbatch", block_sizes="4|8")
+    kwargs = {"until": ["\n"], "max_gen_toks": 8, "do_sample": False}
+    lm.generate_until([_Request("1 + 2 =", kwargs, "a", 0), _Request("3 + 4 =", kwargs, "a", 1),
+                       _Request("5 + 6 =", {**kwargs, "max_gen_toks": 16}, "b", 0)])  # fmt: skip
+    results = {"results": {"a": {"exact_match,none": 0.0}, "b": {"exact_match,none": 1.0}},
+               "config": {"device": "cuda:0"},
+               "samples": {"a": [{"doc_id": 0}, {"doc_id": 1}], "b": [{"doc_id": 0}]}}  # fmt: skip
+    annotate_results(results, lm)
+    nfe = {(r["task"], r["doc_id"]): r["nfe"] for r in lm.records}
+    assert results["results"]["a"]["mean_nfe,none"] == (nfe[("a", 0)] + nfe[("a", 1)]) / 2
+    assert results["results"]["b"]["mean_nfe,none"] == nfe[("b", 0)]
+    assert results["samples"]["a"][1]["hf_blockbatch"][0]["nfe"] == nfe[("a", 1)]
+    assert "winner_block_size" in results["samples"]["b"][0]["hf_blockbatch"][0]["stats"]
+    assert results["config"]["device"] == "cpu" and results["config"]["hf_blockbatch_tasks"]["a"]["requests"] == 2
+
+
+def test_hf_blockbatch_lm_eval_is_the_harness_cli(tmp_path, capsys, monkeypatch):
+    """``hf-blockbatch lm-eval`` takes the harness's own arguments, ``--model hf_blockbatch`` works,
+    and the printed table, the results JSON and every logged sample carry NFE; the device recorded
+    is the one the model ran on (no cuda:0 on a CPU)."""
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("datasets")
+    from hf_blockbatch.cli import main
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"q": f"{a} + {b}", "a": str(a + b)}) + "\n" for a, b in ((1, 2), (3, 4))))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "bb_cli_sum.yaml").write_text(
+        "task: bb_cli_sum\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: generate_until\n"
+        'doc_to_text: "Question: {{q}}\\nAnswer:"\ndoc_to_target: "{{a}}"\n'
+        'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 8\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+    )
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr("sys.argv", ["hf-blockbatch"])
+    assert main(["lm-eval", "--model", "hf_blockbatch", "--model_args", "pretrained=tiny-llada,method=fast_dllm,block_length=8",
+                 "--tasks", "bb_cli_sum", "--include_path", str(tmp_path / "tasks"), "--log_samples",
+                 "--output_path", str(tmp_path / "out")]) == 0  # fmt: skip
+    assert re.search(r"\|\s*mean_nfe\s*\|", capsys.readouterr().out)
+    results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
+    assert results["results"]["bb_cli_sum"]["mean_nfe,none"] > 0 and results["config"]["device"] == "cpu"
+    samples = [json.loads(line) for line in next((tmp_path / "out").rglob("samples_*.jsonl")).read_text().splitlines()]
+    assert len(samples) == 2 and all(s["hf_blockbatch"][0]["nfe"] > 0 for s in samples)
