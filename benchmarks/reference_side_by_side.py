@@ -132,6 +132,13 @@ def _worker(job_path: str, out_path: str) -> None:
 
 
 # ======================================================================================== main
+def _answer(tokens: list[int], prompt_len: int, end_ids: set[int]) -> list[int]:
+    """The generated tokens up to the first end id (EOS or end of turn): what a scorer reads."""
+    gen = tokens[prompt_len:]
+    ends = [i for i, t in enumerate(gen) if t in end_ids]
+    return gen[: ends[0]] if ends else gen
+
+
 def _items(family: str, suites: list[str], limit: int) -> tuple[str, list[dict], object, object]:
     import torch
 
@@ -218,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             theirs = json.loads(out.read_text())
     theirs = {r["key"]: r for r in theirs}
 
+    end_ids = {
+        i for i in (model.config.eos_token_id, getattr(model.config, "eot_token_id", None)) if i is not None
+    }
     eos_dtype = torch.float32 if args.eos_softmax == "float32" else torch.bfloat16
     rows = []
     for item in items:
@@ -231,9 +241,13 @@ def main(argv: list[str] | None = None) -> int:
             sync_threshold=settings["sync_threshold"], refresh_interval=settings["refresh_interval"],
             eos_softmax_dtype=eos_dtype, stats=stats,
         )  # fmt: skip
+        same_answer = _answer(tokens, len(item["prompt_ids"]), end_ids) == _answer(
+            ref["tokens"], len(item["prompt_ids"]), end_ids
+        )
         first_diff = next((i for i, (a, b) in enumerate(zip(tokens, ref["tokens"])) if a != b), None)
         rows.append({
             "key": item["key"], "suite": item["suite"], "same_tokens": tokens == ref["tokens"],
+            "same_answer": same_answer,
             "same_nfe": nfe_authors == ref["nfe_authors"], "nfe_authors_theirs": ref["nfe_authors"],
             "nfe_authors_restated": nfe_authors, "nfe_ours_restated": nfe_ours, "first_diff": first_diff,
             "winner_theirs": ref["stats"].get("final_block_size"), "winner_restated": stats["winner_block"],
@@ -248,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         summary[suite] = {
             "items": len(sel),
             "identical_tokens_pct": 100.0 * sum(r["same_tokens"] for r in sel) / len(sel),
+            "identical_answer_pct": 100.0 * sum(r["same_answer"] for r in sel) / len(sel),
             "identical_nfe_pct": 100.0 * sum(r["same_nfe"] for r in sel) / len(sel),
             "mean_nfe_authors_theirs": sum(r["nfe_authors_theirs"] for r in sel) / len(sel),
             "mean_nfe_authors_restated": sum(r["nfe_authors_restated"] for r in sel) / len(sel),
@@ -255,10 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         }
     print(f"{args.family}, gen_length {args.gen_length}, block sizes {settings['block_sizes']}, "
           f"attention {'float32' if args.float32 else 'bf16'}, EOS softmax {args.eos_softmax}")  # fmt: skip
-    print(f"{'suite':8} {'items':>5} {'same tokens':>12} {'same NFE':>9} {'NFE theirs':>11} {'NFE restated':>13} "
-          f"{'NFE all fwd':>12}")  # fmt: skip
+    print(f"{'suite':8} {'items':>5} {'same tokens':>12} {'same answer':>12} {'same NFE':>9} {'NFE theirs':>11} "
+          f"{'NFE restated':>13} {'NFE all fwd':>12}")  # fmt: skip
     for suite, s in summary.items():
-        print(f"{suite:8} {s['items']:5d} {s['identical_tokens_pct']:11.1f}% {s['identical_nfe_pct']:8.1f}% "
+        print(f"{suite:8} {s['items']:5d} {s['identical_tokens_pct']:11.1f}% {s['identical_answer_pct']:11.1f}% "
+              f"{s['identical_nfe_pct']:8.1f}% "
               f"{s['mean_nfe_authors_theirs']:11.2f} {s['mean_nfe_authors_restated']:13.2f} "
               f"{s['mean_nfe_ours_restated']:12.2f}")  # fmt: skip
     for r in rows:

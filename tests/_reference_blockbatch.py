@@ -117,7 +117,9 @@ def reference_blockbatch(
     canvas[:, :Lp] = torch.tensor(prompt)
     cache = model.new_cache(N, L)
     branches = [_Branch(row=i, size=b, start=Lp, end=Lp + b) for i, b in enumerate(sizes)]
-    counts = dict(forwards=0, block_steps=0, refreshes=0, syncs=0, query_tokens=0)
+    counts = dict(
+        forwards=0, block_steps=0, skipped_steps=0, refreshes=0, syncs=0, query_tokens=0, mask_commits=0
+    )
 
     # ---------------------------------------------------------------- small pieces
     def has_mask(row: int, start: int, end: int) -> bool:
@@ -140,7 +142,8 @@ def reference_blockbatch(
         chosen = [p for p in masked if confidence[p] >= threshold or p == best]
         for p in chosen:
             canvas[br.row, p] = proposal[p]
-        br.decoded += len(chosen)
+        br.decoded += len(chosen)  # a committed mask token counts too (the position stays masked)
+        counts["mask_commits"] += sum(proposal[p] == mask_id for p in chosen)
 
     def set_map(br: _Branch, start: int, logits: torch.Tensor) -> None:
         """The map of positions ``start ..`` becomes the float32 softmax of ``logits``."""
@@ -257,6 +260,7 @@ def reference_blockbatch(
     def block_step() -> None:
         stepping = [b for b in branches if not b.done and has_mask(b.row, b.start, b.end)]
         if not stepping:
+            counts["skipped_steps"] += 1
             return  # no forward at all (and nothing counted)
         out = model.forward_windows(canvas, torch.tensor([b.start for b in stepping]),
                                     torch.tensor([b.end for b in stepping]), cache,
