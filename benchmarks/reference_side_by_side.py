@@ -175,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--items", type=int, default=20, help="first N test items of each suite")
     p.add_argument("--gen-length", type=int, default=64)
     p.add_argument("--block-sizes", type=int, nargs="+", default=DEFAULTS["block_sizes"])
+    p.add_argument("--threshold", type=float, default=DEFAULTS["threshold"], help="the threshold rule's tau")
+    p.add_argument("--merge-threshold", type=float, default=DEFAULTS["merge_threshold"])
+    p.add_argument("--sync-threshold", type=int, default=DEFAULTS["sync_threshold"])
+    p.add_argument("--refresh-interval", type=int, default=DEFAULTS["refresh_interval"])
     p.add_argument(
         "--no-float32",
         dest="float32",
@@ -205,7 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "tests"))
     from _reference_blockbatch import reference_blockbatch
 
-    settings = dict(DEFAULTS, block_sizes=sorted(args.block_sizes), gen_length=args.gen_length)
+    if not 0.0 < args.threshold <= 1.0 or not 0.0 <= args.merge_threshold <= 1.0:
+        p.error("--threshold must lie in (0, 1] and --merge-threshold in [0, 1]")
+    if args.sync_threshold < 0 or args.refresh_interval <= 0:
+        p.error("--sync-threshold must be >= 0 and --refresh-interval > 0")
+    settings = dict(
+        block_sizes=sorted(args.block_sizes), gen_length=args.gen_length, threshold=args.threshold,
+        merge_threshold=args.merge_threshold, sync_threshold=args.sync_threshold,
+        refresh_interval=args.refresh_interval,
+    )  # fmt: skip
     checkpoint, items, model, tokenizer = _items(args.family, args.suites, args.items)
 
     if args.reference_results is not None:
@@ -268,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             "mean_nfe_authors_restated": sum(r["nfe_authors_restated"] for r in sel) / len(sel),
             "mean_nfe_ours_restated": sum(r["nfe_ours_restated"] for r in sel) / len(sel),
         }
-    print(f"{args.family}, gen_length {args.gen_length}, block sizes {settings['block_sizes']}, "
+    print(f"{args.family}, gen_length {args.gen_length}, block sizes {settings['block_sizes']}, threshold "
+          f"{args.threshold}, merge {args.merge_threshold}, sync {args.sync_threshold}, refresh {args.refresh_interval}, "
           f"attention {'float32' if args.float32 else 'bf16'}, EOS softmax {args.eos_softmax}")  # fmt: skip
     print(f"{'suite':8} {'items':>5} {'same tokens':>12} {'same answer':>12} {'same NFE':>9} {'NFE theirs':>11} "
           f"{'NFE restated':>13} {'NFE all fwd':>12}")  # fmt: skip

@@ -158,3 +158,40 @@ def test_bad_block_sizes_fail_before_any_forward():
     with pytest.raises(ValueError, match="divide gen_length"):
         reference_blockbatch(model, [5, 6, 7], 24, block_sizes=())
     assert not calls
+
+
+def _side_by_side_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "reference_side_by_side.py"
+    spec = importlib.util.spec_from_file_location("_reference_side_by_side", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_side_by_side_scores_what_it_is_given(tmp_path):
+    """The comparison half of benchmarks/reference_side_by_side.py (the authors' half needs their
+    code): fed results equal to the restatement on one item and altered on the other, it reports
+    exactly that."""
+    import json
+
+    sbs = _side_by_side_module()
+    _, items, model, _ = sbs._items("llada", ["lists"], 2)
+    fake = []
+    for k, item in enumerate(items):
+        tokens, _, nfe_authors = reference_blockbatch(model, item["prompt_ids"], 32, block_sizes=(4, 8, 32))
+        if k == 1:
+            tokens = tokens[:-1] + [tokens[-1] + 1]
+        fake.append({"key": item["key"], "tokens": tokens, "nfe_authors": nfe_authors + k, "stats": {}})
+    results, out = tmp_path / "theirs.json", tmp_path / "out.json"
+    results.write_text(json.dumps(fake))
+    argv = ["--reference-results", str(results), "--suites", "lists", "--items", "2", "--gen-length", "32",
+            "--block-sizes", "4", "8", "32", "--out", str(out)]  # fmt: skip
+    assert sbs.main(argv) == 0
+    summary = json.loads(out.read_text())["summary"]["all"]
+    assert summary["items"] == 2
+    assert summary["identical_tokens_pct"] == summary["identical_nfe_pct"] == 50.0
+    with pytest.raises(SystemExit):
+        sbs.main(["--reference-results", str(results), "--gen-length", "32", "--block-sizes", "5"])
