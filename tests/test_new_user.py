@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_blockbatch.eval.base import apply_chat
 from transformers import TextStreamer
 
 import hf_blockbatch as hb
 from hf_blockbatch.generation.outputs import answer_lengths
 from hf_blockbatch.tasks import get_suite
+from hf_blockbatch.tasks.contract import apply_chat
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_WEIGHTS = (Path(hb.TINY_DREAM) / "model.safetensors").exists() and (Path(hb.TINY_LLADA) / "model.safetensors").exists()
