@@ -20,7 +20,7 @@ from hf_blockbatch.generation.configs import (
     FastDLLMConfig,
     VanillaDiffusionConfig,
 )
-from hf_blockbatch.generation.policies import Advance, BranchPolicy, Merge, Sync
+from hf_blockbatch.generation.policies import Advance, BranchPolicy, Merge, Prune, Sync
 from hf_blockbatch.generation.refresh import Off, make_refresh
 from hf_blockbatch.generation.rules import TransferRule, make_rule
 from hf_blockbatch.generation.stop import StopRule
@@ -97,11 +97,13 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
         after_full = bool(cfg.skip_completed_block_step)
         policies: list[BranchPolicy] = [Advance(after_full=after_full)]
         if n > 1 and cfg.merge:
-            policies.append(Merge(float(cfg.merge_threshold)))
+            policies.append(Merge(float(cfg.merge_threshold), int(cfg.merge_agreement)))
             if not cfg.sync:  # else the sync's advance moves the windows past the merged tokens too
                 policies.append(Advance(always=True))
         if n > 1 and cfg.sync:
             policies.append(Sync(int(cfg.sync_threshold)))
+            if cfg.prune_after_syncs is not None:  # reads the sync's synced_now: right after it
+                policies.append(Prune(int(cfg.prune_after_syncs)))
         return DecodePlan(
             **common, block_sizes=list(cfg.block_sizes), cache="dual", rule=_rule(cfg, None), policies=policies,
             refresh=make_refresh(cfg.refresh, int(cfg.refresh_interval), float(cfg.divergence_threshold), cached=True),

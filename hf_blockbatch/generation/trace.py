@@ -164,7 +164,8 @@ class Recorder:
         self.nfe_block[req] = self.block_steps
         cols = {"request": state.request, "branch": state.branch, "block": state.block, "decoded": state.decoded(),
                 "block_forwards": state.block_forwards, "block_queries": state.block_queries,
-                "length": state.attention_mask.sum(-1), **{k: getattr(state, k) for k in _COUNTS}}  # fmt: skip
+                "length": state.attention_mask.sum(-1), "pruned": state.pruned.long(),
+                **{k: getattr(state, k) for k in _COUNTS}}  # fmt: skip
         host = dict(zip(cols, torch.stack(list(cols.values())).tolist()))
         if self.eos_rank is not None:  # what ranked the EOS hitters (stop.pick_winners)
             eos_hit, eos_prob = state.eos_hit.tolist(), state.eos_prob.tolist()
@@ -176,7 +177,8 @@ class Recorder:
         keys = (*_COUNTS, "decoded")
         for r_i, w, e in zip(req.tolist(), ending.winners.tolist(), ending.by_eos.tolist()):
             rows = rows_of[r_i]
-            branches = [{"block_size": host["block"][i], **{k: host[k][i] for k in keys}} for i in rows]
+            branches = [{"block_size": host["block"][i], **{k: host[k][i] for k in keys},
+                         "pruned": bool(host["pruned"][i])} for i in rows]  # fmt: skip
             if self.eos_rank is not None:
                 for b, i in zip(branches, rows):
                     b["eos_hit"], b["eos_probability"] = eos_hit[i], eos_prob[i] if eos_hit[i] else None
@@ -193,6 +195,7 @@ class Recorder:
                 "query_tokens": _query_tokens(host, rows),
                 "syncs": sum(b["syncs"] for b in branches),
                 "merged": sum(b["merged"] for b in branches),
+                "pruned": sum(b["pruned"] for b in branches),
                 "branches": branches,
             }
             if self.tracing:
