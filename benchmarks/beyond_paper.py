@@ -87,6 +87,17 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bb_16_64_a1": {**_BB, "block_sizes": [16, 64], "merge_agreement": 1},
     "bb_16_64_roff_a1": {**_BB, "block_sizes": [16, 64], "refresh": "off", "merge_agreement": 1},
     "bb_8_32_96_p1_a1": {**_BB, "block_sizes": [8, 32, 96], "prune_after_syncs": 1, "merge_agreement": 1},
+    # EOS hitters ranked by block size (eos_prefer_widest)
+    "bb_default_w": {**_BB, "eos_prefer_widest": True},
+    "bb_16_64_w": {**_BB, "block_sizes": [16, 64], "eos_prefer_widest": True},
+    "bb_16_64_nomerge_w": {**_BB, "block_sizes": [16, 64], "merge": False, "eos_prefer_widest": True},
+    "bb_16_64_a1_w": {**_BB, "block_sizes": [16, 64], "merge_agreement": 1, "eos_prefer_widest": True},
+    "bb_default_p1_a1_w": {**_BB, "prune_after_syncs": 1, "merge_agreement": 1, "eos_prefer_widest": True},
+    "bb_default_roff_p1_a1_w": {**_BB, "refresh": "off", "prune_after_syncs": 1, "merge_agreement": 1,
+                                "eos_prefer_widest": True},
+    "bb_8_32_96_p1_a1_w": {**_BB, "block_sizes": [8, 32, 96], "prune_after_syncs": 1, "merge_agreement": 1,
+                           "eos_prefer_widest": True},
+    "bb_32_96_a1_w": {**_BB, "block_sizes": [32, 96], "merge_agreement": 1, "eos_prefer_widest": True},
 }
 
 

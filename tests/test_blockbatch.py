@@ -150,7 +150,9 @@ beyond = beyond.filter(lambda c: len(c["block_sizes"]) >= 2)
     seed=st.integers(0, 2**16),
 )
 def test_blockbatch_invariants_with_prune_and_merge_guard(cfg, prune, agreement, kind, prompt, seed):
-    stats = _check_invariants({**cfg, "prune_after_syncs": prune, "merge_agreement": agreement}, kind, prompt, seed)
+    widest = cfg["early_stop"] and seed % 2 == 0
+    cfg = {**cfg, "prune_after_syncs": prune, "merge_agreement": agreement, "eos_prefer_widest": widest}
+    stats = _check_invariants(cfg, kind, prompt, seed)
     _SEEN["pruned"] += stats["pruned"] > 0
     _SEEN["guarded_merges"] += agreement > 0 and stats["merged"] > 0
 
@@ -400,6 +402,23 @@ def test_eos_winner_is_the_most_confident_hitter(family):
             "eos_probability"
         )
     assert several > 0 and differ
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eos_prefer_widest_gives_the_widest_hitter(family):
+    """``eos_prefer_widest``: a request stopped by EOS is won by its hitting branch of the largest
+    block; on these prompts that differs from the most confident hitter at least once."""
+    cfg = BlockBatchConfig(max_new_tokens=32, block_sizes=[2, 4, 8, 16], threshold=0.3, eos_prefer_widest=True)
+    several = 0
+    for prompt in _EOS_PROMPTS:
+        stats = _gen(_model(f"{family}-eos"), prompt, cfg).stats[0]
+        if stats["stopped_by"] != "eos":
+            continue
+        hitters = [b["block_size"] for b in stats["branches"] if b["eos_hit"]]
+        assert stats["winner_block_size"] == max(hitters)
+        assert all(b["eos_probability"] is None for b in stats["branches"])  # nothing was ranked by it
+        several += len(hitters) > 1
+    assert several > 0
 
 
 def test_commit_probabilities_cover_exactly_the_decoded_positions(monkeypatch):

@@ -99,7 +99,7 @@ PADDED_CONFIGS = [
     ),
     BlockBatchConfig(
         max_new_tokens=G, block_sizes=[2, 4, 8], threshold=0.47, sync_threshold=2, refresh_interval=8,
-        prune_after_syncs=1, merge_agreement=1, merge_threshold=0.3,
+        prune_after_syncs=1, merge_agreement=1, merge_threshold=0.3, eos_prefer_widest=True,
     ),
 ]
 
@@ -238,6 +238,8 @@ BAD = [
     (lambda: BlockBatchConfig(merge_agreement=1.0), {}, ValueError, "merge_agreement must be an integer >= 0"),
     (lambda: BlockBatchConfig(merge_agreement=1, merge=False), {}, ValueError, "it needs merge=True"),
     (lambda: BlockBatchConfig(), {"prune_after_sync": 2}, TypeError, "Did you mean 'prune_after_syncs'"),
+    (lambda: BlockBatchConfig(eos_prefer_widest=1), {}, ValueError, "eos_prefer_widest must be True or False"),
+    (lambda: BlockBatchConfig(eos_prefer_widest=True, early_stop=False), {}, ValueError, "it needs early_stop=True"),
 ]
 
 

@@ -298,7 +298,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
 
 
 # ---- BlockBatch options beyond the paper (issue 16): one compact block, each off by default
-_BEYOND_DEFAULTS: dict[str, Any] = {"prune_after_syncs": None, "merge_agreement": 0}
+_BEYOND_DEFAULTS: dict[str, Any] = {"prune_after_syncs": None, "merge_agreement": 0, "eos_prefer_widest": False}
 _BEYOND = tuple(_BEYOND_DEFAULTS)
 
 
@@ -315,6 +315,10 @@ def _check_beyond(cfg: Any) -> None:
         raise ValueError(f"merge_agreement must be an integer >= 0 (positions either side), got {r!r}.")
     if r and not cfg.merge:
         raise ValueError("merge_agreement guards merges: it needs merge=True (or set merge_agreement=0).")
+    if not isinstance(cfg.eos_prefer_widest, bool):
+        raise ValueError(f"eos_prefer_widest must be True or False, got {cfg.eos_prefer_widest!r}.")
+    if cfg.eos_prefer_widest and not cfg.early_stop:
+        raise ValueError("eos_prefer_widest ranks the branches that hit EOS: it needs early_stop=True.")
 
 
 class BlockBatchConfig(DiffusionGenerationConfig):
@@ -351,6 +355,12 @@ class BlockBatchConfig(DiffusionGenerationConfig):
             destination hold the same (token, or both masked) within this many positions either
             side (``policies/merge.py``), so that a merge cannot splice two answer forms. ``0``
             (default): no such guard, the paper's merge. Needs ``merge``.
+        eos_prefer_widest: when several branches hit EOS in the same step, the one with the largest
+            block wins, instead of the one most confident in its EOS (``eos_confidence``). Why: the
+            hitters' EOS probabilities are often within 1e-6 of 1 and of each other, so that ranking
+            is a coin toss; the widest window chose its answer tokens with current keys and values
+            for the whole answer, a narrow one against a cache stale beyond its window. ``False``
+            (default): the paper's ranking. Needs ``early_stop``.
     """
 
     strategy = "blockbatch"

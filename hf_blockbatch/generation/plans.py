@@ -65,6 +65,11 @@ def _rule(cfg, steps_per_block: int | None) -> TransferRule:
     return make_rule("quota", steps_per_block=steps_per_block)
 
 
+def _eos_rank(cfg: BlockBatchConfig) -> str:
+    """What ranks a request's EOS hitters (``stop.StopRule``)."""
+    return "widest" if cfg.eos_prefer_widest else cfg.eos_confidence
+
+
 def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids: list[int]) -> DecodePlan:
     common = dict(
         strategy=cfg.strategy,
@@ -107,7 +112,7 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
         return DecodePlan(
             **common, block_sizes=list(cfg.block_sizes), cache="dual", rule=_rule(cfg, None), policies=policies,
             refresh=make_refresh(cfg.refresh, int(cfg.refresh_interval), float(cfg.divergence_threshold), cached=True),
-            stop=StopRule(bool(cfg.early_stop), cfg.eos_confidence if cfg.early_stop and n > 1 else None),
+            stop=StopRule(bool(cfg.early_stop), _eos_rank(cfg) if cfg.early_stop and n > 1 else None),
             advance_after_full=after_full, map_k=map_size(float(cfg.merge_threshold)) if cfg.merge else 0,
         )  # fmt: skip
     raise TypeError(f"Unsupported generation config {type(cfg).__name__}; use one of hf_blockbatch's configs.")

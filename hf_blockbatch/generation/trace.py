@@ -181,7 +181,8 @@ class Recorder:
                          "pruned": bool(host["pruned"][i])} for i in rows]  # fmt: skip
             if self.eos_rank is not None:
                 for b, i in zip(branches, rows):
-                    b["eos_hit"], b["eos_probability"] = eos_hit[i], eos_prob[i] if eos_hit[i] else None
+                    ranked = eos_hit[i] and self.eos_rank != "widest"  # "widest" reads no probability
+                    b["eos_hit"], b["eos_probability"] = eos_hit[i], eos_prob[i] if ranked else None
             self.stats[r_i] = {
                 "strategy": self.strategy,
                 "winner_block_size": host["block"][w],
