@@ -98,11 +98,28 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bb_8_32_96_p1_a1_w": {**_BB, "block_sizes": [8, 32, 96], "prune_after_syncs": 1, "merge_agreement": 1,
                            "eos_prefer_widest": True},
     "bb_32_96_a1_w": {**_BB, "block_sizes": [32, 96], "merge_agreement": 1, "eos_prefer_widest": True},
+    "bb_default_roff_p1_a2_w": {**_BB, "refresh": "off", "prune_after_syncs": 1, "merge_agreement": 2,
+                                "eos_prefer_widest": True},
+    "bb_default_roff_p1_a3_w": {**_BB, "refresh": "off", "prune_after_syncs": 1, "merge_agreement": 3,
+                                "eos_prefer_widest": True},
+    "bb_default_p1_a2_w": {**_BB, "prune_after_syncs": 1, "merge_agreement": 2, "eos_prefer_widest": True},
+    "bb_default_a2_w": {**_BB, "merge_agreement": 2, "eos_prefer_widest": True},
+    "bb_4to64_a2_w": {**_BB, "block_sizes": [4, 8, 16, 32, 64], "merge_agreement": 2, "eos_prefer_widest": True},
+    "bb_4_16_64_a2_w": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True},
+    "bb_4_64_a2_w": {**_BB, "block_sizes": [4, 64], "merge_agreement": 2, "eos_prefer_widest": True},
+    "bb_8_64_a2_w": {**_BB, "block_sizes": [8, 64], "merge_agreement": 2, "eos_prefer_widest": True},
+    "bb_16_64_a2_w": {**_BB, "block_sizes": [16, 64], "merge_agreement": 2, "eos_prefer_widest": True},
+    "bb_32_96_a2_w": {**_BB, "block_sizes": [32, 96], "merge_agreement": 2, "eos_prefer_widest": True},
 }
 
 
-def _key(model: str, suite: str, limit: int, gen_length: int, cfg: dict[str, Any]) -> str:
-    blob = json.dumps({"model": model, "suite": suite, "limit": limit, "gen": gen_length, "cfg": cfg}, sort_keys=True)
+def _key(model: str, suite: str, limit: int, gen_length: int, cfg: dict[str, Any], batch_size: int) -> str:
+    """The cache key of a result; the batch size changes only the timing, and keys a result
+    only when it is not the default 16 (so that timing runs at batch 1 / 32 sit beside it)."""
+    what = {"model": model, "suite": suite, "limit": limit, "gen": gen_length, "cfg": cfg}
+    if batch_size != 16:
+        what["batch_size"] = batch_size
+    blob = json.dumps(what, sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
@@ -174,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="benchmarks/results/beyond_paper")
     p.add_argument("--fresh", action="store_true", help="ignore cached results")
+    p.add_argument("--tag", default="", help="suffix of the output files' names")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -205,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in names:
             cfg = configs[name]
             full["configs"][name] = cfg
-            path = out_dir / "cache" / f"{mname}_{suite}_{_key(args.model, suite, args.limit, gen_length, cfg)}.json"
+            path = out_dir / "cache" / f"{mname}_{suite}_{_key(args.model, suite, args.limit, gen_length, cfg, args.batch_size)}.json"
             if path.exists() and not args.fresh:
                 res = json.loads(path.read_text())
             else:
@@ -217,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                                            "nfe_items": [r["nfe"] for r in res["items"]]}  # fmt: skip
             logger.info("%s %-22s acc %5.1f  nfe %6.2f  qt %6.0f  %5.0f ms/item", suite, name, s["acc"], s["nfe"],
                         s["qt"], s["ms_item"])  # fmt: skip
-    stem = out_dir / f"{mname}_{args.limit}"
+    stem = out_dir / (f"{mname}_{args.limit}" + (f"_b{args.batch_size}" if args.batch_size != 16 else "") + args.tag)
     stem.with_suffix(".json").write_text(json.dumps(full, indent=1) + "\n")
     stem.with_suffix(".md").write_text(render(args.model, args.limit, table, args.baseline))
     print(render(args.model, args.limit, table, args.baseline))
