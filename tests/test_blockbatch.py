@@ -555,3 +555,16 @@ def test_the_mask_token_is_never_proposed():
     for cfg in (BlockBatchConfig(max_new_tokens=16, block_sizes=[4, 8]), FastDLLMConfig(max_new_tokens=16, block_length=4)):
         out = m.generate(x, generation_config=cfg)
         assert not (out[0, 6:] == MASK_ID).any()
+
+
+def test_a_pruned_copy_never_wins_a_tie():
+    """A sync can copy a completed canvas into a row that is then pruned: at completion it ties
+    with its leader on decoded tokens, and the live leader wins, whatever the branch order."""
+    from hf_blockbatch.generation.stop import pick_winners
+
+    state = _random_state(0, B=1, N=3, G=6, k=1)
+    state.canvas[:, state.gen_start :] = 1  # every row complete, the same canvas
+    state.pruned[0] = True  # the lowest branch, which a plain tie-break would pick
+    state.advance()
+    winner, by_eos = pick_winners(state, torch.tensor([True]), early_stop=False)
+    assert int(winner[0]) == 1 and not bool(by_eos[0])

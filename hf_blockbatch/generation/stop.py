@@ -5,8 +5,9 @@ With early stop on, the first such hit ends the request and, among the request's
 the one most confident in its EOS wins (``eos_rank`` says which probability ranks them:
 ``"completion"``, the forward that completed the block, or ``"commit"``, the one that committed
 the EOS; ``None`` for a request of one row, which has nothing to rank; ``"widest"``: no
-probability, the hitter with the largest block wins, see ``BlockBatchConfig.eos_prefer_widest``). Otherwise a request ends
-when every row is done, and the row with the most decoded tokens (lowest branch on ties) wins.
+probability, the hitter with the largest block wins, see ``BlockBatchConfig.eos_prefer_widest``).
+Otherwise a request ends when every row is done, and the row with the most decoded tokens (lowest
+branch on ties) wins; a pruned row (``policies.prune``) never wins.
 
 A finished request's rows are *retired* at once (done: no forward or policy touches them again)
 and physically dropped from the state and the cache only once at least half of the rows are
@@ -82,7 +83,9 @@ def pick_winners(state: DecodeState, finished: torch.Tensor, early_stop: bool,
     decoded tokens, then the lowest branch.
     """
     R, B = state.num_rows, finished.shape[0]
-    decoded = state.per_request(state.decoded())
+    # a pruned row is a copy of a leader that went on: it may tie with it (a sync that copied a
+    # completed canvas), never beat it
+    decoded = state.per_request(state.decoded().masked_fill(state.pruned, -1))
     if early_stop:  # strictly by EOS probability first: a decoded count only breaks exact ties
         rank = state.block.double() if widest else state.eos_prob.double()
         p = state.per_request(torch.where(state.eos_hit, rank, -1.0))

@@ -2,9 +2,10 @@
 
 A plan holds an ordered list of policies; after every commit the engine applies them in order
 (:meth:`BranchPolicy.apply`). Fast-dLLM and vanilla have one, :class:`Advance`; BlockBatch adds
-:class:`Merge` and :class:`Sync` (and optionally :class:`Prune`). A policy returns whether it may have moved a window (a moved
-window can make a row done, hit EOS or become due for a refresh; while none moved, the engine
-keeps its step layout). A new policy is a new small file exposing a class with ``apply``.
+:class:`Merge` and :class:`Sync` (and optionally :class:`Prune`). A policy returns whether it may
+have moved a window (a moved window can make a row done, hit EOS or become due for a refresh;
+while none moved, the engine keeps its step layout). A new policy is a new small file exposing a
+class with ``apply``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ have. Pruning it retires the row for the rest of the request (``DecodeState.prun
   only into rows that are not done), and it is never synced;
 * it is never a leader (``sync.leaders`` skips pruned rows) and never wins: a row is pruned right
   after a sync made it a copy of its leader, so its EOS hit (if any) is the leader's own and is
-  cleared, and at completion it still holds masks while the winner has none.
+  cleared, and ``stop.pick_winners`` ranks it below every live row (it may tie with its leader
+  when the sync copied a completed canvas).
 
 The leader itself is never pruned (it was not synced), so every request keeps a live row and
 ends as before. Everything is per request (a row's own sync count), so a padded batch decodes
