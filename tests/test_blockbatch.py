@@ -90,8 +90,37 @@ configs = st.fixed_dictionaries(
         "temperature": st.sampled_from([0.0, 1.0]),
         # LocalLeap inside the branches: relaxed threshold as a fraction of the anchor threshold, radius
         "localleap": st.sampled_from([None, (0.7, 1), (0.5, 3)]),
+        # beyond the paper (issue 16); dropped below where the config has no part to apply them to
+        "prune_after_syncs": st.sampled_from([None, 1, 2]),
+        "merge_agreement": st.sampled_from([0, 1, 2]),
     }
 )
+
+
+def _applicable(cfg: dict) -> dict:
+    """The options as a user could give them: pruning needs syncs between branches, the merge
+    guard needs merges."""
+    cfg = dict(cfg)
+    if not cfg["sync"] or len(cfg["block_sizes"]) < 2:
+        cfg["prune_after_syncs"] = None
+    if not cfg["merge"]:
+        cfg["merge_agreement"] = 0
+    return cfg
+
+
+def _pruned_at(trace: list, after_syncs: int | None, n_branches: int) -> list[int | None]:
+    """Per branch, the step at which Prune retired it: its ``after_syncs``-th sync after a block
+    step (the initial forward's sync, at step 1, does not count)."""
+    from hf_blockbatch.generation.trace import SyncEvent
+
+    out: list[int | None] = [None] * n_branches
+    counts = [0] * n_branches
+    for ev in trace:
+        if isinstance(ev, SyncEvent) and ev.step > 1 and after_syncs is not None and out[ev.branch] is None:
+            counts[ev.branch] += 1
+            if counts[ev.branch] >= after_syncs:
+                out[ev.branch] = ev.step
+    return out
 
 
 # derandomized (the same examples every run) and without shrinking: a failure prints its example
@@ -104,6 +133,43 @@ configs = st.fixed_dictionaries(
     seed=st.integers(0, 2**16),
 )
 def test_blockbatch_invariants(cfg, kind, prompt, seed):
+    _check_invariants(_applicable(cfg), kind, prompt, seed)
+
+
+# the same invariants where the issue-16 options act: several branches that sync often and merge
+beyond = configs.map(lambda c: {**c, "sync": True, "merge": True, "sync_threshold": c["sync_threshold"] % 3})
+beyond = beyond.filter(lambda c: len(c["block_sizes"]) >= 2)
+
+
+@settings(max_examples=24, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
+@given(
+    cfg=beyond,
+    prune=st.sampled_from([1, 2]),
+    agreement=st.sampled_from([0, 1, 2]),
+    kind=st.sampled_from(["llada-peaked", "dream-peaked", "llada-eos", "dream-eos"]),
+    prompt=st.lists(st.integers(0, 91), min_size=5, max_size=10),
+    seed=st.integers(0, 2**16),
+)
+def test_blockbatch_invariants_with_prune_and_merge_guard(cfg, prune, agreement, kind, prompt, seed):
+    widest = cfg["early_stop"] and seed % 2 == 0
+    cfg = {**cfg, "prune_after_syncs": prune, "merge_agreement": agreement, "eos_prefer_widest": widest}
+    stats = _check_invariants(cfg, kind, prompt, seed)
+    _SEEN["pruned"] += stats["pruned"] > 0
+    _SEEN["guarded_merges"] += agreement > 0 and stats["merged"] > 0
+
+
+_SEEN = {"pruned": 0, "guarded_merges": 0}
+
+
+def test_the_prune_and_guard_examples_exercise_them():
+    """The examples above do prune and do merge under the guard (else they would prove little)."""
+    if not _SEEN["pruned"]:  # run alone: replay the examples
+        test_blockbatch_invariants_with_prune_and_merge_guard()
+    assert _SEEN["pruned"] >= 3 and _SEEN["guarded_merges"] >= 3, _SEEN
+
+
+def _check_invariants(cfg: dict, kind: str, prompt: list[int], seed: int) -> dict:
     model = _model(kind)
     G = 16
     n = len(cfg["block_sizes"])
@@ -142,6 +208,18 @@ def test_blockbatch_invariants(cfg, kind, prompt, seed):
         assert win == set(range(G))
     else:
         assert set(range(first_eos + 1)) <= win
+    # a pruned branch is touched by nothing after the step that pruned it (no commit, so no query;
+    # no merge in or sync), is never a leader, never wins, and the stats say which were pruned
+    pruned_at = _pruned_at(stats["trace"], cfg["prune_after_syncs"], n)
+    assert [b["pruned"] for b in stats["branches"]] == [s is not None for s in pruned_at]
+    assert stats["pruned"] == sum(s is not None for s in pruned_at)
+    assert pruned_at[stats["winner_branch"]] is None
+    for ev in stats["trace"]:
+        if pruned_at[ev.branch] is not None:
+            assert ev.step <= pruned_at[ev.branch], f"branch {ev.branch} pruned at {pruned_at[ev.branch]}: {ev}"
+        if getattr(ev, "leader", None) is not None:
+            assert pruned_at[ev.leader] is None or ev.step <= pruned_at[ev.leader]
+    return stats
 
 
 def test_merge_and_sync_happen_and_help():
@@ -158,6 +236,26 @@ def test_merge_and_sync_happen_and_help():
     assert MASK_ID not in out.sequences[0].tolist()
     alone = _gen(model, prompt, FastDLLMConfig(max_new_tokens=32, block_length=2, threshold=0.47))
     assert int(out.nfe[0]) < int(alone.nfe[0])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prune_stops_the_branches_it_retires(family):
+    """On the config above (syncs do happen), pruning after one sync retires branches, which then
+    cost no query tokens: fewer query tokens than without pruning, no pruned branch wins, and the
+    output is complete."""
+    model = _model(f"{family}-peaked")
+    prompt = [5, 3, 8, 1, 9, 2]
+    kw = dict(max_new_tokens=32, block_sizes=[2, 4, 8, 16], threshold=0.47, sync_threshold=2, merge_threshold=0.3,
+              refresh_interval=8, early_stop=False)  # fmt: skip
+    full = _gen(model, prompt, BlockBatchConfig(**kw)).stats[0]
+    out = _gen(model, prompt, BlockBatchConfig(**kw, prune_after_syncs=1))
+    st = out.stats[0]
+    assert st["pruned"] > 0 and full["pruned"] == 0
+    assert st["query_tokens"] < full["query_tokens"]
+    assert not st["branches"][st["winner_branch"]]["pruned"]
+    assert st["stopped_by"] == "complete" and MASK_ID not in out.sequences[0].tolist()
+    pruned = [b for b in st["branches"] if b["pruned"]]
+    assert all(b["decoded"] < 32 for b in pruned)  # retired with masks left: never decoded on
 
 
 # ----------------------------------------------------------------------------- 4. merge and sync, exactly
@@ -193,10 +291,12 @@ def _random_state(seed: int, B: int, N: int, G: int, k: int):
     return state
 
 
-def _plain_merge(state, threshold: float, N: int) -> torch.Tensor:
+def _plain_merge(state, threshold: float, N: int, agreement: int = 0) -> torch.Tensor:
     """docs/algorithm.md, "BlockBatch — Merge", with loops: destinations take, on pre-merge canvases, from compatible
     active sources behind them (smaller window end; equal ends: higher row), at masked positions
-    inside some such source's window, the source token the destination's map rates highest."""
+    inside some such source's window, the source token the destination's map rates highest.
+    ``agreement`` r: a source offers its token at p only if it holds what the destination holds at
+    every p ± 1..r inside the generated region."""
     c, gs, M = state.canvas.tolist(), state.gen_start, state.mask_id
     out = [row[:] for row in c]
     ws, we, done = state.win_start.tolist(), state.win_end.tolist(), state.done.tolist()
@@ -216,6 +316,9 @@ def _plain_merge(state, threshold: float, N: int) -> torch.Tensor:
             for s in srcs:
                 if c[s][p] == M:
                     continue
+                near = [q for q in range(p - agreement, p + agreement + 1) if q != p and gs <= q < L]
+                if any(c[s][q] != c[d][q] for q in near):
+                    continue
                 prob = sum(float(state.prob_p[d, p - gs, j]) for j in range(k) if int(state.prob_ids[d, p - gs, j]) == c[s][p])
                 if prob > best:
                     best, token = prob, c[s][p]
@@ -224,17 +327,18 @@ def _plain_merge(state, threshold: float, N: int) -> torch.Tensor:
     return torch.tensor(out)
 
 
+@pytest.mark.parametrize("agreement", [0, 1, 2])
 @pytest.mark.parametrize("threshold", [0.5, 0.3, 0.2])
 @pytest.mark.parametrize("seed", range(12))
-def test_merge_equals_a_plain_loop_implementation(seed, threshold):
+def test_merge_equals_a_plain_loop_implementation(seed, threshold, agreement):
     from hf_blockbatch.generation.policies.merge import merge
 
     N = 3 + seed % 4
     k = max(1, -(-10 // int(threshold * 10)) - 1)  # ceil(1 / t) - 1, as the engine keeps
     state = _random_state(seed, B=2, N=N, G=14, k=k)
-    expect = _plain_merge(state, threshold, N)
+    expect = _plain_merge(state, threshold, N, agreement)
     before = state.canvas.clone()
-    taken = merge(state, threshold)
+    taken = merge(state, threshold, agreement)
     assert torch.equal(state.canvas, expect)
     assert torch.equal(taken, (state.canvas != before)[:, state.gen_start :])
     assert state.merged.tolist() == taken.sum(-1).tolist()
@@ -245,6 +349,32 @@ def test_merge_reference_states_do_merge():
     taken = sum(int((_plain_merge(s, 0.5, 3 + i % 4) != s.canvas).sum())
                 for i, s in enumerate(_random_state(i, 2, 3 + i % 4, 14, 1) for i in range(12)))  # fmt: skip
     assert taken >= 12
+    # the neighbourhood guard takes fewer, but still some (else its equivalence test proves little)
+    guarded = sum(int((_plain_merge(s, 0.5, 3 + i % 4, 1) != s.canvas).sum())
+                  for i, s in enumerate(_random_state(i, 2, 3 + i % 4, 14, 1) for i in range(12)))  # fmt: skip
+    assert 0 < guarded < taken
+
+
+def test_merge_never_writes_into_a_pruned_row():
+    """A pruned row keeps its masks but is done: the merge pass takes nothing into it and offers
+    nothing from it; the other rows merge as if it were absent."""
+    from hf_blockbatch.generation.policies.merge import merge
+
+    for seed in range(12):
+        state = _random_state(seed, B=2, N=4, G=14, k=1)
+        has_mask = (state.canvas[:, state.gen_start :] == state.mask_id).any(-1)
+        victim = int(has_mask.nonzero()[0])
+        twin = _random_state(seed, B=2, N=4, G=14, k=1)
+        state.pruned[victim] = True
+        state.advance()
+        # the others merge as beside a retired row (done, its masks filled: never a source)
+        twin.retire(torch.arange(8) == victim, 7)
+        before = state.canvas.clone()
+        merge(state, 0.5)
+        merge(twin, 0.5)
+        assert torch.equal(state.canvas[victim], before[victim])
+        others = torch.arange(8) != victim
+        assert torch.equal(state.canvas[others], twin.canvas[others])
 
 
 # ----------------------------------------------------------------------------- 5. which EOS hitter wins
@@ -278,6 +408,23 @@ def test_eos_winner_is_the_most_confident_hitter(family):
             "eos_probability"
         )
     assert several > 0 and differ
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eos_prefer_widest_gives_the_widest_hitter(family):
+    """``eos_prefer_widest``: a request stopped by EOS is won by its hitting branch of the largest
+    block; on these prompts that differs from the most confident hitter at least once."""
+    cfg = BlockBatchConfig(max_new_tokens=32, block_sizes=[2, 4, 8, 16], threshold=0.3, eos_prefer_widest=True)
+    several = 0
+    for prompt in _EOS_PROMPTS:
+        stats = _gen(_model(f"{family}-eos"), prompt, cfg).stats[0]
+        if stats["stopped_by"] != "eos":
+            continue
+        hitters = [b["block_size"] for b in stats["branches"] if b["eos_hit"]]
+        assert stats["winner_block_size"] == max(hitters)
+        assert all(b["eos_probability"] is None for b in stats["branches"])  # nothing was ranked by it
+        several += len(hitters) > 1
+    assert several > 0
 
 
 def test_commit_probabilities_cover_exactly_the_decoded_positions(monkeypatch):
@@ -414,3 +561,16 @@ def test_the_mask_token_is_never_proposed():
     for cfg in (BlockBatchConfig(max_new_tokens=16, block_sizes=[4, 8]), FastDLLMConfig(max_new_tokens=16, block_length=4)):
         out = m.generate(x, generation_config=cfg)
         assert not (out[0, 6:] == MASK_ID).any()
+
+
+def test_a_pruned_copy_never_wins_a_tie():
+    """A sync can copy a completed canvas into a row that is then pruned: at completion it ties
+    with its leader on decoded tokens, and the live leader wins, whatever the branch order."""
+    from hf_blockbatch.generation.stop import pick_winners
+
+    state = _random_state(0, B=1, N=3, G=6, k=1)
+    state.canvas[:, state.gen_start :] = 1  # every row complete, the same canvas
+    state.pruned[0] = True  # the lowest branch, which a plain tie-break would pick
+    state.advance()
+    winner, by_eos = pick_winners(state, torch.tensor([True]), early_stop=False)
+    assert int(winner[0]) == 1 and not bool(by_eos[0])

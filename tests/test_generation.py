@@ -97,6 +97,10 @@ PADDED_CONFIGS = [
     BlockBatchConfig(
         max_new_tokens=G, block_sizes=[2, 4, 8], threshold=0.47, sync_threshold=2, refresh_interval=8
     ),
+    BlockBatchConfig(
+        max_new_tokens=G, block_sizes=[2, 4, 8], threshold=0.47, sync_threshold=2, refresh_interval=8,
+        prune_after_syncs=1, merge_agreement=1, merge_threshold=0.3, eos_prefer_widest=True,
+    ),
 ]
 
 
@@ -112,6 +116,8 @@ def test_padded_batch_equals_alone(model, cfg):
         assert batch.sequences[i, width - len(p) :].tolist() == alone.sequences[0].tolist()
         assert batch.sequences[i, : width - len(p)].tolist() == [EOS_ID] * (width - len(p))
         assert int(batch.nfe[i]) == int(alone.nfe[0])
+        assert batch.stats[i]["query_tokens"] == alone.stats[0]["query_tokens"]
+        assert batch.stats[i].get("pruned") == alone.stats[0].get("pruned")
 
 
 # ----------------------------------------------------------------------------- 6. early stop
@@ -222,6 +228,18 @@ BAD = [
     (lambda: FastDLLMConfig(temperature=0.5), {"do_sample": False}, ValueError, "set temperature=0, or do_sample=True"),
     (lambda: BlockBatchConfig(num_return_sequences=2), {}, ValueError, "greedy decoding would return identical copies"),
     (lambda: BlockBatchConfig(temperature=0.5, num_return_sequences=0), {}, ValueError, "num_return_sequences must be"),
+    # beyond the paper (issue 16)
+    (lambda: BlockBatchConfig(prune_after_syncs=0), {}, ValueError, "prune_after_syncs must be a positive integer"),
+    (lambda: BlockBatchConfig(prune_after_syncs=1.5), {}, ValueError, "prune_after_syncs must be a positive integer"),
+    (lambda: BlockBatchConfig(prune_after_syncs=True), {}, ValueError, "prune_after_syncs must be a positive integer"),
+    (lambda: BlockBatchConfig(prune_after_syncs=2, sync=False), {}, ValueError, "it needs sync=True"),
+    (lambda: BlockBatchConfig(prune_after_syncs=2, block_sizes=[8]), {}, ValueError, "at least two block_sizes"),
+    (lambda: BlockBatchConfig(merge_agreement=-1), {}, ValueError, "merge_agreement must be an integer >= 0"),
+    (lambda: BlockBatchConfig(merge_agreement=1.0), {}, ValueError, "merge_agreement must be an integer >= 0"),
+    (lambda: BlockBatchConfig(merge_agreement=1, merge=False), {}, ValueError, "it needs merge=True"),
+    (lambda: BlockBatchConfig(), {"prune_after_sync": 2}, TypeError, "Did you mean 'prune_after_syncs'"),
+    (lambda: BlockBatchConfig(eos_prefer_widest=1), {}, ValueError, "eos_prefer_widest must be True or False"),
+    (lambda: BlockBatchConfig(eos_prefer_widest=True, early_stop=False), {}, ValueError, "it needs early_stop=True"),
 ]
 
 

@@ -44,14 +44,16 @@ def test_prefix_and_vanilla_query_tokens_counted_by_hand():
     assert int(out.nfe[0]) == 4 and out.stats[0]["query_tokens"] == 4 * 12
 
 
+@pytest.mark.parametrize("prune", [None, 1])
 @pytest.mark.parametrize("family", ["llada", "dream"])
-def test_blockbatch_query_tokens_equal_the_trace(family):
+def test_blockbatch_query_tokens_equal_the_trace(family, prune):
     """Every row of a block step commits at least one token, so it leaves one commit event: the
     request's query tokens are the windows of its block events, a whole canvas per refresh event,
-    and one whole canvas for the initial forward its branches share."""
+    and one whole canvas for the initial forward its branches share. A pruned branch leaves no
+    event and adds no query token once pruned."""
     model = peaked(family)
     cfg = hb.BlockBatchConfig(max_new_tokens=24, block_sizes=[2, 4, 8], threshold=0.47, sync_threshold=2,
-                              refresh_interval=4, output_trace=True)  # fmt: skip
+                              refresh_interval=4, output_trace=True, prune_after_syncs=prune)  # fmt: skip
     prompts = [[5, 3, 8, 1, 9, 2], [7, 7, 1]]
     out = _run(model, prompts, cfg)
     for p, st in zip(prompts, out.stats):

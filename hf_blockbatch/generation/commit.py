@@ -108,7 +108,7 @@ def mark_eos_hits(state: DecodeState, span: Span, proposal: Proposal, new: torch
     W = positions.shape[1]
 
     def eos_prob_at(local: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        if eos_rank is None:
+        if eos_rank in (None, "widest"):  # no probability ranks the hitters
             return torch.zeros(local.shape, dtype=torch.float64, device=local.device)
         if eos_rank == "commit":
             return state.commit_prob[rows[local], positions[local, slot] - state.gen_start]

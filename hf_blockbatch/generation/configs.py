@@ -357,6 +357,30 @@ class FastDLLMConfig(DiffusionGenerationConfig):
                 raise ValueError(f"steps ({self.steps}) must be a multiple of the number of blocks ({num_blocks}).")
 
 
+# ---- BlockBatch options beyond the paper (issue 16): one compact block, each off by default
+_BEYOND_DEFAULTS: dict[str, Any] = {"prune_after_syncs": None, "merge_agreement": 0, "eos_prefer_widest": False}
+_BEYOND = tuple(_BEYOND_DEFAULTS)
+
+
+def _check_beyond(cfg: Any) -> None:
+    """The issue-16 options: types, ranges, and the parts they need."""
+    k = cfg.prune_after_syncs
+    if k is not None:
+        _check_positive_int("prune_after_syncs", k)
+        if not cfg.sync or len(cfg.block_sizes) < 2:
+            raise ValueError("prune_after_syncs prunes branches that were synced: it needs sync=True and at least two "
+                             "block_sizes (or set prune_after_syncs=None).")  # fmt: skip
+    r = cfg.merge_agreement
+    if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+        raise ValueError(f"merge_agreement must be an integer >= 0 (positions either side), got {r!r}.")
+    if r and not cfg.merge:
+        raise ValueError("merge_agreement guards merges: it needs merge=True (or set merge_agreement=0).")
+    if not isinstance(cfg.eos_prefer_widest, bool):
+        raise ValueError(f"eos_prefer_widest must be True or False, got {cfg.eos_prefer_widest!r}.")
+    if cfg.eos_prefer_widest and not cfg.early_stop:
+        raise ValueError("eos_prefer_widest ranks the branches that hit EOS: it needs early_stop=True.")
+
+
 class BlockBatchConfig(DiffusionGenerationConfig):
     """BlockBatch: one branch per block size, decoded together in one packed forward per step.
 
@@ -382,6 +406,21 @@ class BlockBatchConfig(DiffusionGenerationConfig):
             wrong, and wrong on 52 where it was right (``benchmarks/RESULTS.md`` §6).
         skip_completed_block_step: as in :class:`FastDLLMConfig` (the reference BlockBatch code also
             runs the extra forward on a block that a full forward completed; default ``False``).
+
+    Beyond the paper (issue 16; off by default, measured in ``benchmarks/beyond_paper.py``):
+        prune_after_syncs: retire a branch for the rest of its request once it has been synced
+            this many times (``policies/prune.py``): it is never queried, refreshed, merged, synced
+            or a leader again, so its query tokens stop. ``None`` (default): never. Needs ``sync``.
+        merge_agreement: a merge takes a source's token at a position only where source and
+            destination hold the same (token, or both masked) within this many positions either
+            side (``policies/merge.py``), so that a merge cannot splice two answer forms. ``0``
+            (default): no such guard, the paper's merge. Needs ``merge``.
+        eos_prefer_widest: when several branches hit EOS in the same step, the one with the largest
+            block wins, instead of the one most confident in its EOS (``eos_confidence``). Why: the
+            hitters' EOS probabilities are often within 1e-6 of 1 and of each other, so that ranking
+            is a coin toss; the widest window chose its answer tokens with current keys and values
+            for the whole answer, a narrow one against a cache stale beyond its window. ``False``
+            (default): the paper's ranking. Needs ``early_stop``.
     """
 
     strategy = "blockbatch"
@@ -389,7 +428,7 @@ class BlockBatchConfig(DiffusionGenerationConfig):
         "block_sizes", "threshold", "factor", "merge", "merge_threshold", "sync", "sync_threshold", "refresh",
         "refresh_interval", "divergence_threshold", "early_stop", "eos_confidence", "skip_completed_block_step",
         "rule", "relaxed_threshold", "leap_radius",
-    )  # fmt: skip
+    ) + _BEYOND  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:
         sizes = kwargs.pop("block_sizes", (4, 8, 16, 32, 64, 128))
@@ -410,11 +449,14 @@ class BlockBatchConfig(DiffusionGenerationConfig):
         self.eos_confidence = kwargs.pop("eos_confidence", "completion")
         self.skip_completed_block_step = kwargs.pop("skip_completed_block_step", False)
         _pop_rule_options(self, kwargs)
+        for name, default in _BEYOND_DEFAULTS.items():
+            setattr(self, name, kwargs.pop(name, default))
         super().__init__(**kwargs)
 
     def validate(self, **kwargs: Any) -> None:
         super().validate()
         _check_rule(self)
+        _check_beyond(self)
         if self.eos_confidence not in ("completion", "commit"):
             raise ValueError(f"eos_confidence must be 'completion' or 'commit', got {self.eos_confidence!r}.")
         if not isinstance(self.block_sizes, list):

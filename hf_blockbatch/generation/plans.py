@@ -20,7 +20,7 @@ from hf_blockbatch.generation.configs import (
     FastDLLMConfig,
     VanillaDiffusionConfig,
 )
-from hf_blockbatch.generation.policies import Advance, BranchPolicy, Merge, Sync
+from hf_blockbatch.generation.policies import Advance, BranchPolicy, Merge, Prune, Sync
 from hf_blockbatch.generation.refresh import Off, make_refresh
 from hf_blockbatch.generation.rules import TransferRule, make_rule
 from hf_blockbatch.generation.stop import StopRule
@@ -73,6 +73,11 @@ def _rule(cfg, steps_per_block: int | None) -> TransferRule:
     return make_rule("quota", steps_per_block=steps_per_block)
 
 
+def _eos_rank(cfg: BlockBatchConfig) -> str:
+    """What ranks a request's EOS hitters (``stop.StopRule``)."""
+    return "widest" if cfg.eos_prefer_widest else cfg.eos_confidence
+
+
 def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids: list[int]) -> DecodePlan:
     common = dict(
         strategy=cfg.strategy,
@@ -105,15 +110,17 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
         after_full = bool(cfg.skip_completed_block_step)
         policies: list[BranchPolicy] = [Advance(after_full=after_full)]
         if n > 1 and cfg.merge:
-            policies.append(Merge(float(cfg.merge_threshold)))
+            policies.append(Merge(float(cfg.merge_threshold), int(cfg.merge_agreement)))
             if not cfg.sync:  # else the sync's advance moves the windows past the merged tokens too
                 policies.append(Advance(always=True))
         if n > 1 and cfg.sync:
             policies.append(Sync(int(cfg.sync_threshold)))
+            if cfg.prune_after_syncs is not None:  # reads the sync's synced_now: right after it
+                policies.append(Prune(int(cfg.prune_after_syncs)))
         return DecodePlan(
             **common, block_sizes=list(cfg.block_sizes), cache="dual", rule=_rule(cfg, None), policies=policies,
             refresh=make_refresh(cfg.refresh, int(cfg.refresh_interval), float(cfg.divergence_threshold), cached=True),
-            stop=StopRule(bool(cfg.early_stop), cfg.eos_confidence if cfg.early_stop and n > 1 else None),
+            stop=StopRule(bool(cfg.early_stop), _eos_rank(cfg) if cfg.early_stop and n > 1 else None),
             advance_after_full=after_full, map_k=map_size(float(cfg.merge_threshold)) if cfg.merge else 0,
         )  # fmt: skip
     raise TypeError(f"Unsupported generation config {type(cfg).__name__}; use one of hf_blockbatch's configs.")

@@ -58,6 +58,10 @@ class DecodeState:
     block_queries: torch.Tensor = field(default=None)  # [R] positions this row fed through them
     synced_now: torch.Tensor | None = None  # [R] bool: synced in this step (no refresh right after a sync)
     retired: torch.Tensor = field(default=None)  # [R] bool: the row's request has finished
+    # [R] bool: retired early by the Prune policy (policies/prune.py): done from then on, its masks
+    # kept; never queried, refreshed, merged, synced or a leader again
+    pruned: torch.Tensor = field(default=None)
+    step_syncs: torch.Tensor = field(default=None)  # [R] syncs after block steps (Prune counts them)
     # [R, G] float64: each decoded position's probability when it was committed or merged (kept only
     # for ``eos_confidence="commit"``, which ranks EOS hitters by it)
     commit_prob: torch.Tensor | None = None
@@ -65,10 +69,10 @@ class DecodeState:
     def __post_init__(self) -> None:
         R, dev, G = self.canvas.shape[0], self.canvas.device, self.canvas.shape[1] - self.gen_start
         for name in ("win_start", "win_end", "since_refresh", "steps_in_block", "masked_at_block_start", "committed",
-                     "merged", "copied", "syncs", "refreshes", "block_forwards", "block_queries"):  # fmt: skip
+                     "merged", "copied", "syncs", "refreshes", "block_forwards", "block_queries", "step_syncs"):  # fmt: skip
             if getattr(self, name) is None:
                 setattr(self, name, _zeros(R, dev))
-        for name in ("done", "eos_hit", "retired"):
+        for name in ("done", "eos_hit", "retired", "pruned"):
             if getattr(self, name) is None:
                 setattr(self, name, _zeros(R, dev, torch.bool))
         if self.eos_prob is None:
@@ -123,7 +127,7 @@ class DecodeState:
 
     def advance(self) -> None:
         """Move every row's window to the block (of its own size) holding its first mask; rows
-        with no mask left (or retired) are done."""
+        with no mask left (or retired, or pruned) are done."""
         gs, L = self.gen_start, self.length
         masks = self.canvas[:, gs:] == self.mask_id
         has_mask = masks.any(-1)
@@ -138,7 +142,7 @@ class DecodeState:
             self.masked_at_block_start = torch.where(moved, self.window_mask_count(start, end), self.masked_at_block_start)
             self.steps_in_block = self.steps_in_block.masked_fill(moved, 0)
         self.win_start, self.win_end = start, (start + self.block).clamp_max(L)
-        self.done = ~has_mask  # a retired row has no mask left (see retire)
+        self.done = ~has_mask | self.pruned  # a retired row has no mask left (see retire)
 
     def retire(self, rows: torch.Tensor, fill_id: int) -> None:
         """Mark the [R] bool ``rows`` (whole finished requests) retired: done from now on. Their

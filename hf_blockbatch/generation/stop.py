@@ -4,8 +4,10 @@ A row *hits EOS* when its current window is fully decoded and holds an end-of-se
 With early stop on, the first such hit ends the request and, among the request's hitting rows,
 the one most confident in its EOS wins (``eos_rank`` says which probability ranks them:
 ``"completion"``, the forward that completed the block, or ``"commit"``, the one that committed
-the EOS; ``None`` for a request of one row, which has nothing to rank). Otherwise a request ends
-when every row is done, and the row with the most decoded tokens (lowest branch on ties) wins.
+the EOS; ``None`` for a request of one row, which has nothing to rank; ``"widest"``: no
+probability, the hitter with the largest block wins, see ``BlockBatchConfig.eos_prefer_widest``).
+Otherwise a request ends when every row is done, and the row with the most decoded tokens (lowest
+branch on ties) wins; a pruned row (``policies.prune``) never wins.
 
 A finished request's rows are *retired* at once (done: no forward or policy touches them again)
 and physically dropped from the state and the cache only once at least half of the rows are
@@ -74,16 +76,21 @@ def finished_requests(state: DecodeState, num_requests: int, early_stop: bool) -
     return finished.index_put_((state.request[first],), ends)
 
 
-def pick_winners(state: DecodeState, finished: torch.Tensor, early_stop: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def pick_winners(state: DecodeState, finished: torch.Tensor, early_stop: bool,
+                 widest: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """For the rows of finished requests: the winning row index per request and whether it won by EOS.
 
     Returns ``(winner_row [B], by_eos [B])``; entries of unfinished requests are meaningless.
-    EOS hitters first (by EOS probability), then the most decoded tokens, then the lowest branch.
+    EOS hitters first (by EOS probability, or by block size when ``widest``), then the most
+    decoded tokens, then the lowest branch.
     """
     R, B = state.num_rows, finished.shape[0]
-    decoded = state.per_request(state.decoded())
+    # a pruned row is a copy of a leader that went on: it may tie with it (a sync that copied a
+    # completed canvas), never beat it
+    decoded = state.per_request(state.decoded().masked_fill(state.pruned, -1))
     if early_stop:  # strictly by EOS probability first: a decoded count only breaks exact ties
-        p = state.per_request(torch.where(state.eos_hit, state.eos_prob.double(), -1.0))
+        rank = state.block.double() if widest else state.eos_prob.double()
+        p = state.per_request(torch.where(state.eos_hit, rank, -1.0))
         decoded = torch.where(p == p.amax(-1, keepdim=True), decoded, -1)
     first = state.first_rows()
     best = decoded.argmax(-1) + first  # argmax: the first maximum, the lowest branch
@@ -116,7 +123,7 @@ class Ending:
 @dataclass(frozen=True)
 class StopRule:
     early_stop: bool = False
-    eos_rank: str | None = None  # "completion" | "commit" | None (see the module docstring)
+    eos_rank: str | None = None  # "completion" | "commit" | "widest" | None (see the module docstring)
 
     def ending(self, state: DecodeState, num_requests: int, pad_id: int) -> Ending | None:
         """The requests that end now, or None (one host sync while none can)."""
@@ -130,7 +137,7 @@ class StopRule:
         finished = finished_requests(state, num_requests, self.early_stop)
         if not bool(finished.any()):
             return None
-        winner, by_eos = pick_winners(state, finished, self.early_stop)
+        winner, by_eos = pick_winners(state, finished, self.early_stop, widest=self.eos_rank == "widest")
         req = finished.nonzero().squeeze(1)
         rows, eos_req = winner[req], by_eos[req]
         out = state.canvas[rows]

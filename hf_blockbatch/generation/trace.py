@@ -164,6 +164,7 @@ class Recorder:
         req = ending.requests
         self.nfe_block[req] = self.block_steps
         cols = {"request": state.request, "branch": state.branch, "block": state.block, "decoded": state.decoded(),
+                "pruned": state.pruned.long(),
                 **{k: getattr(state, k) for k in _COUNTS}}  # fmt: skip
         host = dict(zip(cols, torch.stack(list(cols.values())).tolist()))
         if self.eos_rank is not None:  # what ranked the EOS hitters (stop.pick_winners)
@@ -176,10 +177,12 @@ class Recorder:
         keys = (*_COUNTS, "decoded")
         for r_i, w, e in zip(req.tolist(), ending.winners.tolist(), ending.by_eos.tolist()):
             rows = rows_of[r_i]
-            branches = [{"block_size": host["block"][i], **{k: host[k][i] for k in keys}} for i in rows]
+            branches = [{"block_size": host["block"][i], **{k: host[k][i] for k in keys},
+                         "pruned": bool(host["pruned"][i])} for i in rows]  # fmt: skip
             if self.eos_rank is not None:
                 for b, i in zip(branches, rows):
-                    b["eos_hit"], b["eos_probability"] = eos_hit[i], eos_prob[i] if eos_hit[i] else None
+                    ranked = eos_hit[i] and self.eos_rank != "widest"  # "widest" reads no probability
+                    b["eos_hit"], b["eos_probability"] = eos_hit[i], eos_prob[i] if ranked else None
             self.stats[r_i] = {
                 "strategy": self.strategy,
                 "winner_block_size": host["block"][w],
@@ -190,6 +193,7 @@ class Recorder:
                 "nfe_refresh": int(self.nfe_refresh[r_i]),
                 "syncs": sum(b["syncs"] for b in branches),
                 "merged": sum(b["merged"] for b in branches),
+                "pruned": sum(b["pruned"] for b in branches),
                 "branches": branches,
             }
             if self.tracing:

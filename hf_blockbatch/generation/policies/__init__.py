@@ -2,9 +2,10 @@
 
 A plan holds an ordered list of policies; after every commit the engine applies them in order
 (:meth:`BranchPolicy.apply`). Fast-dLLM and vanilla have one, :class:`Advance`; BlockBatch adds
-:class:`Merge` and :class:`Sync`. A policy returns whether it may have moved a window (a moved
-window can make a row done, hit EOS or become due for a refresh; while none moved, the engine
-keeps its step layout). A new policy is a new small file exposing a class with ``apply``.
+:class:`Merge` and :class:`Sync` (and optionally :class:`Prune`). A policy returns whether it may
+have moved a window (a moved window can make a row done, hit EOS or become due for a refresh;
+while none moved, the engine keeps its step layout). A new policy is a new small file exposing a
+class with ``apply``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from hf_blockbatch.generation.state import DecodeState
     from hf_blockbatch.generation.trace import Recorder
 
-__all__ = ["Advance", "BranchPolicy", "Merge", "StepContext", "Sync"]
+__all__ = ["Advance", "BranchPolicy", "Merge", "Prune", "StepContext", "Sync"]
 
 
 @dataclass
@@ -38,4 +39,5 @@ class BranchPolicy(Protocol):
 
 from hf_blockbatch.generation.policies.advance import Advance  # noqa: E402
 from hf_blockbatch.generation.policies.merge import Merge  # noqa: E402
+from hf_blockbatch.generation.policies.prune import Prune  # noqa: E402
 from hf_blockbatch.generation.policies.sync import Sync  # noqa: E402

@@ -33,16 +33,40 @@ __all__ = ["Merge", "merge"]
 
 @dataclass(frozen=True)
 class Merge:
+    """``agreement`` r > 0: a source offers its token at p only where source and destination hold
+    the same at every position p ± 1 … p ± r (the same token, or both masked); see :func:`merge`."""
+
     threshold: float = 0.5
+    agreement: int = 0
 
     def apply(self, ctx: StepContext) -> bool:
-        taken = merge(ctx.state, self.threshold)
+        taken = merge(ctx.state, self.threshold, self.agreement)
         ctx.recorder.positions(ctx.state, taken, "merge")
         return True
 
 
-def merge(state: DecodeState, merge_threshold: float) -> torch.Tensor:
+def neighbourhood_agrees(gen: torch.Tensor, radius: int) -> torch.Tensor:
+    """``[B, dst, src, G]`` bool: rows ``dst`` and ``src`` hold the same (token, or mask) at every
+    position within ``radius`` of each position, the position itself excluded (positions beyond
+    the generated region agree)."""
+    same = gen[:, :, None, :] == gen[:, None, :, :]  # [B, N, N, G]
+    ok = torch.ones_like(same)
+    for d in range(1, radius + 1):  # a loop over offsets (r is 1 or 2), never over positions
+        ok[..., d:] &= same[..., :-d]
+        ok[..., :-d] &= same[..., d:]
+    return ok
+
+
+def merge(state: DecodeState, merge_threshold: float, agreement: int = 0) -> torch.Tensor:
     """Apply one merge pass in place; returns the [R, G] bool of merged positions.
+
+    ``agreement`` r > 0 guards against splicing two answer forms: a source's token at p was
+    chosen in the source's context, the destination's own commits next to p in its context; where
+    one of them decoded a neighbour the other left masked (or they differ there, which
+    compatibility already forbids for positions decoded in both), neither chose p knowing the
+    other's neighbour, and the pair can read as two forms cut together (``return x +  x``). With
+    the neighbourhood in the same state in both rows, the token at p was chosen in the context
+    the destination has.
 
     Every comparison is within a request, ``[B, N, N, G]`` over the state's request-major layout:
     linear in the batch, not quadratic in rows.
@@ -70,8 +94,10 @@ def merge(state: DecodeState, merge_threshold: float) -> torch.Tensor:
     both = fdec @ fdec.transpose(1, 2)
     tagged = torch.where(decoded, gen, -1 - idx[:, None])
     agree = (tagged[:, :, None] == tagged[:, None]).sum(-1)
-    # done destinations have no masked position left, so only sources need to be active
-    sources = behind & (agree == both) & ~state.done.view(B, 1, N)
+    # sources are active rows; destinations too (a done row has no mask left, except a pruned
+    # one, which keeps its masks and must take nothing)
+    done = state.done.view(B, N)
+    sources = behind & (agree == both) & ~done[:, None, :] & ~done[:, :, None]
 
     pos = torch.arange(gs, gs + G, device=gen.device)
     in_window = (pos >= state.win_start[:, None]) & (pos < state.win_end[:, None])  # [R, G]
@@ -80,7 +106,8 @@ def merge(state: DecodeState, merge_threshold: float) -> torch.Tensor:
     k = state.prob_p.shape[-1]
     top_ids = state.prob_ids.view(B, N, G, k)
     wanted = (state.prob_p.view(B, N, G, k) > merge_threshold) & (top_ids != mask_id)  # a source token is never the mask
-    offered = ((gen[:, None, :, :, None] == top_ids[:, :, None]) & sources[..., None, None]).any(2)  # [b, dst, G, k]
+    usable = sources[..., None] if agreement <= 0 else sources[..., None] & neighbourhood_agrees(gen, agreement)
+    offered = ((gen[:, None, :, :, None] == top_ids[:, :, None]) & usable[..., None]).any(2)  # [b, dst, G, k]
     ok = wanted & offered & (scanned & ~decoded)[..., None]
     if k == 1:
         take, token = ok[..., 0], top_ids[..., 0]

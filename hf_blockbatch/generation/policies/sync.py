@@ -36,10 +36,16 @@ class Sync:
         return True
 
 
+def _decoded_counts(state: DecodeState) -> torch.Tensor:
+    """``[B, N]`` decoded tokens per row; a pruned row (``policies.prune``) counts -1, so it is
+    never a leader."""
+    return state.per_request(state.decoded().masked_fill(state.pruned, -1))
+
+
 def leaders(state: DecodeState) -> torch.Tensor:
     """[R] the leader row of each row's request: an argmax over the ``[B, N]`` decoded counts,
     which returns the first maximum, the lowest branch on ties."""
-    per_request = state.per_request(state.decoded())
+    per_request = _decoded_counts(state)
     return (per_request.argmax(-1) + state.first_rows()).repeat_interleave(state.branches)
 
 
@@ -51,7 +57,7 @@ def sync_to_leader(state: DecodeState, cache: BranchCache | None, sync_threshold
     so it is never synced, only followed.
     """
     branches = state.branches
-    decoded = state.per_request(state.decoded())
+    decoded = _decoded_counts(state)
     best, leader = decoded.max(-1, keepdim=True)
     lag = best - decoded  # [B, N]; the leader's own lag is 0, never above a threshold >= 0
     synced = ((lag > sync_threshold) & ~state.done.view_as(lag)).view(-1)

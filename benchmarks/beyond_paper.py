@@ -1,0 +1,245 @@
+"""BlockBatch beyond the paper: candidate configs against a *tuned* Fast-dLLM, on training items.
+
+Why this harness (issue 16): the bench compares methods on the 500-item test splits, which is
+where defaults are *reported*; they must be *chosen* elsewhere, or they are fitted to the items
+they are judged on. This script decodes items drawn from each suite's training generator
+(``task.items("train", limit=N)``, never a test question) with named candidate configs, and puts
+each next to Fast-dLLM dual cache with early stop at blocks 32 / 64 / 96 on the same items:
+accuracy, mean NFE, mean query tokens per request (positions fed through the model, padding
+excluded: ``stats["query_tokens"]``) and wall time per item.
+
+Prompts, answer cuts and scoring are the bench's own (``eval.runner``: ``_encode``,
+``answer_texts`` with ``end_token_ids``, ``_score_all``), so a number here means what it means in
+``benchmarks/RESULTS.md``. Padded batches give the same tokens as batch 1 (a decoding-core
+invariant), so ``--batch-size`` changes only the timing.
+
+    PYTHONPATH=$PWD python benchmarks/beyond_paper.py --model tiny-llada --suites arith code lists \
+        --limit 120 --configs fd_es_b32 fd_es_b64 fd_es_b96 bb_default bb_16_64
+
+Every (model, suite, limit, config) result is cached under ``<out>/cache/`` by the config's
+content, so adding a candidate decodes only that candidate (``--fresh`` re-decodes). Writes
+``<out>/<model>_<limit>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_blockbatch.eval.runner import _encode, _score_all, load_task
+from hf_blockbatch.generation.configs import config_from_dict
+from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
+
+logger = logging.getLogger("beyond_paper")
+
+_FD = {"strategy": "fast_dllm", "cache": "dual", "threshold": 0.9, "early_stop": True}
+_BB = {"strategy": "blockbatch"}
+
+#: named candidates; ``max_new_tokens`` comes from each suite's default generation length
+CONFIGS: dict[str, dict[str, Any]] = {
+    # tuned baselines: Fast-dLLM dual, τ 0.9, early stop, at three block sizes (and skipping the
+    # official extra forward on a block its block-start forward completed, for fairness)
+    "fd_es_b32": {**_FD, "block_length": 32},
+    "fd_es_b64": {**_FD, "block_length": 64},
+    "fd_es_b96": {**_FD, "block_length": 96},
+    "fd_es_b64_skip": {**_FD, "block_length": 64, "skip_completed_block_step": True},
+    "fd_es_b32_skip": {**_FD, "block_length": 32, "skip_completed_block_step": True},
+    "fd_es_b96_skip": {**_FD, "block_length": 96, "skip_completed_block_step": True},
+    # BlockBatch today
+    "bb_default": {**_BB},
+    "bb_default_skip": {**_BB, "skip_completed_block_step": True},
+    # smaller branch sets
+    "bb_16_64": {**_BB, "block_sizes": [16, 64]},
+    "bb_32_64": {**_BB, "block_sizes": [32, 64]},
+    "bb_8_32_96": {**_BB, "block_sizes": [8, 32, 96]},
+    "bb_16_64_skip": {**_BB, "block_sizes": [16, 64], "skip_completed_block_step": True},
+    "bb_32_64_skip": {**_BB, "block_sizes": [32, 64], "skip_completed_block_step": True},
+    "bb_16_64_nomerge": {**_BB, "block_sizes": [16, 64], "merge": False},
+    "bb_16_64_r64": {**_BB, "block_sizes": [16, 64], "refresh_interval": 64},
+    "bb_default_nomerge": {**_BB, "merge": False},
+    "bb_default_m09": {**_BB, "merge_threshold": 0.9},
+    "bb_default_roff": {**_BB, "refresh": "off"},
+    "bb_16_64_roff": {**_BB, "block_sizes": [16, 64], "refresh": "off"},
+    "bb_8_64": {**_BB, "block_sizes": [8, 64]},
+    "bb_32_96": {**_BB, "block_sizes": [32, 96]},
+    "bb_16_32_64": {**_BB, "block_sizes": [16, 32, 64]},
+    "bb_16_64_s4": {**_BB, "block_sizes": [16, 64], "sync_threshold": 4},
+    "bb_16_64_s16": {**_BB, "block_sizes": [16, 64], "sync_threshold": 16},
+    # the same threshold change given to Fast-dLLM, so a gain from τ alone is not credited to branches
+    "fd_es_b64_t08": {**_FD, "block_length": 64, "threshold": 0.8},
+    "bb_16_64_t08": {**_BB, "block_sizes": [16, 64], "threshold": 0.8},
+    # Prune (policies/prune.py) and the merge's neighbourhood guard (merge_agreement)
+    "bb_default_p1": {**_BB, "prune_after_syncs": 1},
+    "bb_default_p2": {**_BB, "prune_after_syncs": 2},
+    "bb_default_a1": {**_BB, "merge_agreement": 1},
+    "bb_default_p1_a1": {**_BB, "prune_after_syncs": 1, "merge_agreement": 1},
+    "bb_default_roff_p1_a1": {**_BB, "refresh": "off", "prune_after_syncs": 1, "merge_agreement": 1},
+    "bb_default_roff_p1_a1_m03": {**_BB, "refresh": "off", "prune_after_syncs": 1, "merge_agreement": 1,
+                                  "merge_threshold": 0.3},
+    "bb_16_64_a1": {**_BB, "block_sizes": [16, 64], "merge_agreement": 1},
+    "bb_16_64_roff_a1": {**_BB, "block_sizes": [16, 64], "refresh": "off", "merge_agreement": 1},
+    "bb_8_32_96_p1_a1": {**_BB, "block_sizes": [8, 32, 96], "prune_after_syncs": 1, "merge_agreement": 1},
+    # EOS hitters ranked by block size (eos_prefer_widest)
+    "bb_default_w": {**_BB, "eos_prefer_widest": True},
+    "bb_16_64_w": {**_BB, "block_sizes": [16, 64], "eos_prefer_widest": True},
+    "bb_16_64_nomerge_w": {**_BB, "block_sizes": [16, 64], "merge": False, "eos_prefer_widest": True},
+    "bb_16_64_a1_w": {**_BB, "block_sizes": [16, 64], "merge_agreement": 1, "eos_prefer_widest": True},
+    "bb_default_p1_a1_w": {**_BB, "prune_after_syncs": 1, "merge_agreement": 1, "eos_prefer_widest": True},
+    "bb_default_roff_p1_a1_w": {**_BB, "refresh": "off", "prune_after_syncs": 1, "merge_agreement": 1,
+                                "eos_prefer_widest": True},
+    "bb_8_32_96_p1_a1_w": {**_BB, "block_sizes": [8, 32, 96], "prune_after_syncs": 1, "merge_agreement": 1,
+                           "eos_prefer_widest": True},
+    "bb_32_96_a1_w": {**_BB, "block_sizes": [32, 96], "merge_agreement": 1, "eos_prefer_widest": True},
+    "bb_default_roff_p1_a2_w": {**_BB, "refresh": "off", "prune_after_syncs": 1, "merge_agreement": 2,
+                                "eos_prefer_widest": True},
+    "bb_default_roff_p1_a3_w": {**_BB, "refresh": "off", "prune_after_syncs": 1, "merge_agreement": 3,
+                                "eos_prefer_widest": True},
+    "bb_default_p1_a2_w": {**_BB, "prune_after_syncs": 1, "merge_agreement": 2, "eos_prefer_widest": True},
+    "bb_default_a2_w": {**_BB, "merge_agreement": 2, "eos_prefer_widest": True},
+    "bb_4to64_a2_w": {**_BB, "block_sizes": [4, 8, 16, 32, 64], "merge_agreement": 2, "eos_prefer_widest": True},
+    "bb_4_16_64_a2_w": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True},
+    "bb_4_64_a2_w": {**_BB, "block_sizes": [4, 64], "merge_agreement": 2, "eos_prefer_widest": True},
+    "bb_8_64_a2_w": {**_BB, "block_sizes": [8, 64], "merge_agreement": 2, "eos_prefer_widest": True},
+    "bb_16_64_a2_w": {**_BB, "block_sizes": [16, 64], "merge_agreement": 2, "eos_prefer_widest": True},
+    "bb_32_96_a2_w": {**_BB, "block_sizes": [32, 96], "merge_agreement": 2, "eos_prefer_widest": True},
+}
+
+
+def _key(model: str, suite: str, limit: int, gen_length: int, cfg: dict[str, Any], batch_size: int) -> str:
+    """The cache key of a result; the batch size changes only the timing, and keys a result
+    only when it is not the default 16 (so that timing runs at batch 1 / 32 sit beside it)."""
+    what = {"model": model, "suite": suite, "limit": limit, "gen": gen_length, "cfg": cfg}
+    if batch_size != 16:
+        what["batch_size"] = batch_size
+    blob = json.dumps(what, sort_keys=True)
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def decode(model: Any, tokenizer: Any, suite: str, items: list, prompts: list[str], gen_length: int,
+           cfg_dict: dict[str, Any], batch_size: int) -> dict[str, Any]:  # fmt: skip
+    """Decode every item with one config; per-item correctness, NFE and query tokens, and the wall time."""
+    task = load_task(suite)
+    cfg = config_from_dict({"max_new_tokens": gen_length, **cfg_dict})
+    cfg.validate()
+    end_ids = end_token_ids(tokenizer, model.config)
+    per_item: list[dict[str, Any]] = []
+    seconds = 0.0
+    for b0 in range(0, len(items), batch_size):
+        idx = list(range(b0, min(b0 + batch_size, len(items))))
+        ids, mask = _encode(tokenizer, [prompts[i] for i in idx], torch.device("cpu"))
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, mask, generation_config=cfg, return_dict_in_generate=True)
+        seconds += time.perf_counter() - t0
+        texts = answer_texts(tokenizer, out.sequences[:, ids.shape[1] :], end_ids)
+        scores = _score_all(task, [items[i] for i in idx], texts)
+        for j, (i, s) in enumerate(zip(idx, scores)):
+            st = out.stats[j]
+            per_item.append({"index": i, "correct": bool(s.correct), "nfe": int(out.nfe[j]),
+                             "query_tokens": int(st["query_tokens"]), "syncs": int(st.get("syncs", 0)),
+                             "merged": int(st.get("merged", 0)), "text": texts[j]})  # fmt: skip
+    return {"items": per_item, "seconds": seconds, "batch_size": batch_size}
+
+
+def summarise(res: dict[str, Any]) -> dict[str, float]:
+    it = res["items"]
+    n = len(it)
+    return {"n": n, "acc": 100.0 * sum(r["correct"] for r in it) / n,
+            "nfe": statistics.fmean(r["nfe"] for r in it), "qt": statistics.fmean(r["query_tokens"] for r in it),
+            "ms_item": 1000.0 * res["seconds"] / n, "syncs": statistics.fmean(r["syncs"] for r in it),
+            "merged": statistics.fmean(r["merged"] for r in it)}  # fmt: skip
+
+
+def render(model: str, limit: int, table: dict[str, dict[str, dict[str, float]]], baseline: str) -> str:
+    lines = [f"# beyond_paper: {model}, {limit} training items per suite", "",
+             f"Ratios and Δacc against `{baseline}` (Fast-dLLM dual, τ 0.9, early stop) on the same items. "
+             "Latency is wall time per item at the run's batch size (noisy on shared CPUs; NFE and query "
+             "tokens are exact).", ""]  # fmt: skip
+    for suite, rows in table.items():
+        base = rows.get(baseline)
+        lines += [f"## {suite}", "", "| config | acc % | Δacc | NFE | NFE × | query tok | qt × | ms/item | t × | syncs | merged |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for name, s in rows.items():
+            def r(k: str, s: dict = s, base: dict | None = base) -> str:
+                return f"{s[k] / base[k]:.2f}" if base else "-"
+
+            d = f"{s['acc'] - base['acc']:+.1f}" if base else "-"
+            lines.append(f"| {name} | {s['acc']:.1f} | {d} | {s['nfe']:.2f} | {r('nfe')} | {s['qt']:.0f} | {r('qt')} | "
+                         f"{s['ms_item']:.0f} | {r('ms_item')} | {s['syncs']:.2f} | {s['merged']:.1f} |")  # fmt: skip
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-llada")
+    p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
+    p.add_argument("--limit", type=int, default=120, help="training items per suite")
+    p.add_argument("--configs", nargs="+", default=["fd_es_b32", "fd_es_b64", "fd_es_b96", "bb_default"],
+                   help=f"named configs ({', '.join(CONFIGS)}) or entries of --config-file")
+    p.add_argument("--config-file", help='JSON {"name": {"strategy": ..., option: value}} of extra candidates')
+    p.add_argument("--baseline", default="fd_es_b64")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="benchmarks/results/beyond_paper")
+    p.add_argument("--fresh", action="store_true", help="ignore cached results")
+    p.add_argument("--tag", default="", help="suffix of the output files' names")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(args.threads)
+    configs = dict(CONFIGS)
+    if args.config_file:
+        configs.update(json.loads(Path(args.config_file).read_text(encoding="utf-8")))
+    unknown = [c for c in args.configs if c not in configs]
+    if unknown:
+        p.error(f"unknown config(s) {unknown}; known: {', '.join(configs)}")
+    names = list(dict.fromkeys([args.baseline, *args.configs]))
+    if args.baseline not in configs:
+        p.error(f"unknown baseline {args.baseline!r}")
+
+    from hf_blockbatch.hub import load_model
+
+    model, tokenizer = load_model(args.model, device="cpu", dtype=torch.float32)
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    out_dir = Path(args.out)
+    (out_dir / "cache").mkdir(parents=True, exist_ok=True)
+    mname = Path(args.model).name
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    full: dict[str, Any] = {"model": args.model, "limit": args.limit, "baseline": args.baseline, "configs": {}, "suites": {}}
+    for suite in args.suites:
+        task = load_task(suite)
+        items = task.items("train", limit=args.limit)
+        prompts = [task.prompt(it, tokenizer, chat=chat) for it in items]
+        gen_length = int(task.default_gen_length)
+        table[suite], full["suites"][suite] = {}, {}
+        for name in names:
+            cfg = configs[name]
+            full["configs"][name] = cfg
+            path = out_dir / "cache" / f"{mname}_{suite}_{_key(args.model, suite, args.limit, gen_length, cfg, args.batch_size)}.json"
+            if path.exists() and not args.fresh:
+                res = json.loads(path.read_text())
+            else:
+                res = decode(model, tokenizer, suite, items, prompts, gen_length, cfg, args.batch_size)
+                path.write_text(json.dumps({"config": cfg, **res}))
+            s = summarise(res)
+            table[suite][name] = s
+            full["suites"][suite][name] = {**s, "correct": [r["correct"] for r in res["items"]],
+                                           "nfe_items": [r["nfe"] for r in res["items"]]}  # fmt: skip
+            logger.info("%s %-22s acc %5.1f  nfe %6.2f  qt %6.0f  %5.0f ms/item", suite, name, s["acc"], s["nfe"],
+                        s["qt"], s["ms_item"])  # fmt: skip
+    stem = out_dir / (f"{mname}_{args.limit}" + (f"_b{args.batch_size}" if args.batch_size != 16 else "") + args.tag)
+    stem.with_suffix(".json").write_text(json.dumps(full, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(render(args.model, args.limit, table, args.baseline))
+    print(render(args.model, args.limit, table, args.baseline))
+
+
+if __name__ == "__main__":
+    main()
