@@ -74,14 +74,16 @@ def finished_requests(state: DecodeState, num_requests: int, early_stop: bool) -
     return finished.index_put_((state.request[first],), ends)
 
 
-def pick_winners(state: DecodeState, finished: torch.Tensor, early_stop: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def pick_winners(state: DecodeState, finished: torch.Tensor, early_stop: bool,
+                 ties: str = "decoded") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """For the rows of finished requests: the winning row index per request and whether it won by EOS.
 
     Returns ``(winner_row [B], by_eos [B])``; entries of unfinished requests are meaningless.
-    EOS hitters first (by EOS probability), then the most decoded tokens, then the lowest branch.
+    EOS hitters first (by EOS probability), then (``ties="decoded"``) the most decoded tokens, then
+    the lowest branch (``ties="branch"``: the lowest branch at once, as the authors).
     """
     R, B = state.num_rows, finished.shape[0]
-    decoded = state.per_request(state.decoded())
+    decoded = state.per_request(state.decoded() if ties == "decoded" else torch.zeros_like(state.committed))
     if early_stop:  # strictly by EOS probability first: a decoded count only breaks exact ties
         p = state.per_request(torch.where(state.eos_hit, state.eos_prob.double(), -1.0))
         decoded = torch.where(p == p.amax(-1, keepdim=True), decoded, -1)
@@ -117,6 +119,13 @@ class Ending:
 class StopRule:
     early_stop: bool = False
     eos_rank: str | None = None  # "completion" | "commit" | None (see the module docstring)
+    # the authors' variant: EOS hits are detected only after these phases' commits, and checked
+    # right after the block step, before the policies (``before_policies``); the EOS probability
+    # is a softmax in ``eos_dtype``; EOS-probability ties go to the lowest branch (``ties``)
+    eos_phases: tuple[str, ...] = ("init", "block", "refresh")
+    before_policies: bool = False
+    eos_dtype: torch.dtype = torch.float32
+    ties: str = "decoded"
 
     def ending(self, state: DecodeState, num_requests: int, pad_id: int) -> Ending | None:
         """The requests that end now, or None (one host sync while none can)."""
@@ -130,7 +139,7 @@ class StopRule:
         finished = finished_requests(state, num_requests, self.early_stop)
         if not bool(finished.any()):
             return None
-        winner, by_eos = pick_winners(state, finished, self.early_stop)
+        winner, by_eos = pick_winners(state, finished, self.early_stop, self.ties)
         req = finished.nonzero().squeeze(1)
         rows, eos_req = winner[req], by_eos[req]
         out = state.canvas[rows]
