@@ -109,6 +109,16 @@ def _vanilla(gen_length: int, fast_base: dict[str, Any], own: dict[str, Any]) ->
     return VanillaDiffusionConfig(**{"max_new_tokens": gen_length, "steps": steps, "block_length": block, **own})
 
 
+#: the authors' harness block sizes; their code asserts that each divides the generation length
+REFERENCE_BLOCK_SIZES: tuple[int, ...] = (4, 8, 16, 32, 64)
+
+
+def _reference_sizes(gen_length: int) -> list[int]:
+    """The authors' block sizes that divide ``gen_length`` (all of them if none does, for the
+    config to refuse with its one-line error)."""
+    return [b for b in REFERENCE_BLOCK_SIZES if gen_length % b == 0] or list(REFERENCE_BLOCK_SIZES)
+
+
 #: every built-in method, in table order (``fast_dllm``: the paper's baseline, dual, block 32, τ 0.9)
 METHODS: dict[str, Method] = {
     "vanilla": Method("Vanilla", _vanilla),
@@ -127,6 +137,11 @@ METHODS: dict[str, Method] = {
         True,
     ),
     "blockbatch": Method("BlockBatch", lambda g, fast, own: BlockBatchConfig(**{"max_new_tokens": g, **own})),
+    # the authors' bulk BlockBatch step for step, at their harness's block sizes (those dividing g)
+    "blockbatch_reference": Method(
+        "BlockBatch (reference)", lambda g, fast, own: BlockBatchConfig(**{
+            "max_new_tokens": g, "variant": "reference", "block_sizes": _reference_sizes(g), **own}),
+    ),
     # LocalLeap's rule inside every BlockBatch branch
     "blockbatch_localleap": Method(
         "BlockBatch + LocalLeap", lambda g, fast, own: BlockBatchConfig(**{"max_new_tokens": g, "rule": "localleap", **own}),

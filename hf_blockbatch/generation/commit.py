@@ -101,7 +101,8 @@ def completed_windows(span: Span, n_select: torch.Tensor) -> tuple[bool, torch.T
 
 
 def mark_eos_hits(state: DecodeState, span: Span, proposal: Proposal, new: torch.Tensor, packed: torch.Tensor,
-                  eos_ids: torch.Tensor, eos_rank: str | None, complete: torch.Tensor | None) -> None:  # fmt: skip
+                  eos_ids: torch.Tensor, eos_rank: str | None, complete: torch.Tensor | None,
+                  eos_dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
     """Record the rows whose window is now fully decoded and holds EOS, with the probability that
     ranks them (see ``stop.StopRule``)."""
     rows, positions = span.rows, span.positions
@@ -116,6 +117,6 @@ def mark_eos_hits(state: DecodeState, span: Span, proposal: Proposal, new: torch
             row = span.keep.reshape(-1).cumsum(0)[local * W + slot] - 1
         else:
             row = proposal.slot_index[local, slot]
-        return eos_probability(packed[row], eos_ids)
+        return eos_probability(packed[row], eos_ids, eos_dtype)
 
     mark_eos(state, rows, new, span.in_win, eos_prob_at, eos_ids, complete)

@@ -406,6 +406,9 @@ class BlockBatchConfig(DiffusionGenerationConfig):
             wrong, and wrong on 52 where it was right (``benchmarks/RESULTS.md`` §6).
         skip_completed_block_step: as in :class:`FastDLLMConfig` (the reference BlockBatch code also
             runs the extra forward on a block that a full forward completed; default ``False``).
+        variant: ``"ours"`` (default) or ``"reference"``: the authors' bulk LLaDA decoder step for
+            step (their refresh, sync, merge order and EOS rule; see docs/algorithm.md, "Where the
+            authors' code differs"). It supports only the options their code has.
 
     Beyond the paper (issue 16; off by default, measured in ``benchmarks/beyond_paper.py``):
         prune_after_syncs: retire a branch for the rest of its request once it has been synced
@@ -427,10 +430,11 @@ class BlockBatchConfig(DiffusionGenerationConfig):
     _ours = DiffusionGenerationConfig._ours + (
         "block_sizes", "threshold", "factor", "merge", "merge_threshold", "sync", "sync_threshold", "refresh",
         "refresh_interval", "divergence_threshold", "early_stop", "eos_confidence", "skip_completed_block_step",
-        "rule", "relaxed_threshold", "leap_radius",
+        "rule", "relaxed_threshold", "leap_radius", "variant",
     ) + _BEYOND  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:
+        self.variant = kwargs.pop("variant", "ours")
         sizes = kwargs.pop("block_sizes", (4, 8, 16, 32, 64, 128))
         # one size is one branch (``--set blockbatch.block_sizes=8``); anything else but a list is
         # kept as given, for validate() to refuse with the field's name
@@ -484,6 +488,33 @@ class BlockBatchConfig(DiffusionGenerationConfig):
         _check_positive_real("divergence_threshold", self.divergence_threshold)
         for flag in ("merge", "sync", "early_stop", "skip_completed_block_step"):
             _check_bool(flag, getattr(self, flag))
+        if self.variant not in ("ours", "reference"):
+            raise ValueError(f"variant must be 'ours' or 'reference' (the authors' bulk BlockBatch), got {self.variant!r}.")
+        if self.variant == "reference":
+            _check_reference(self)
+
+
+def _check_reference(cfg: BlockBatchConfig) -> None:
+    """``variant="reference"`` reproduces the authors' bulk LLaDA decoder, which has none of these
+    options: refuse them rather than decode something that is neither theirs nor ours."""
+    unsupported = [
+        (cfg.factor is not None, "factor (their rule is the threshold rule)"),
+        (cfg.rule is not None, f"rule={cfg.rule!r} (their rule is the threshold rule)"),
+        (cfg.refresh == "divergence", "refresh='divergence' (their bulk decoder refreshes periodically)"),
+        (bool(cfg.skip_completed_block_step), "skip_completed_block_step (their order is built in)"),
+        (float(cfg.temperature or 0.0) > 0, "temperature > 0 (their decoder is greedy)"),
+        (cfg.remasking != "low_confidence", f"remasking={cfg.remasking!r} (theirs is 'low_confidence')"),
+        (not cfg.early_stop, "early_stop=False (their decoder always stops at EOS)"),
+        (cfg.eos_confidence != "completion", "eos_confidence='commit' (they rank by the completing forward)"),
+        *((getattr(cfg, k) != v, f"{k}={getattr(cfg, k)!r} (an option beyond the paper)") for k, v in _BEYOND_DEFAULTS.items()),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            raise ValueError(f"variant='reference' does not support {what}: remove it, or use variant='ours'.")
+    bad_sizes = [b for b in cfg.block_sizes if cfg.max_new_tokens % b]
+    if bad_sizes:
+        raise ValueError(f"variant='reference' needs every block size to divide max_new_tokens "
+                         f"({cfg.max_new_tokens}), as the authors' code asserts; {bad_sizes} do not.")  # fmt: skip
 
 
 _BY_STRATEGY = {c.strategy: c for c in (VanillaDiffusionConfig, FastDLLMConfig, BlockBatchConfig)}

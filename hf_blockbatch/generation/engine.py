@@ -58,7 +58,7 @@ class Run:
         )  # fmt: skip
         self.L, self.N = self.state.length, self.state.branches
         self.cache = None if plan.cache == "none" else model.new_cache(self.state.num_rows, self.L, self.state.attention_mask)
-        masked_only = plan.temperature == 0 and plan.remasking == "low_confidence"
+        masked_only = plan.temperature == 0 and plan.remasking == "low_confidence" and not plan.read_all_slots
         self.fwd = Forwards(model, self.state, self.cache, plan.cache, pad_id, self.eos_ids, masked_only,
                             eos_slot=plan.stop.eos_rank == "completion")  # fmt: skip
         self.recorder = Recorder(self.B, device, self.gs, plan.strategy, plan.output_trace, plan.stop.eos_rank,
@@ -87,8 +87,8 @@ class Run:
         proposal = propose(s, span, self._sample(packed), slot_index, self.fwd.slots, self.lowconf is not None)
         select, new, n_select = write_commits(s, span, proposal, plan.rule)
         completed, complete = completed_windows(span, n_select)
-        if plan.stop.early_stop and completed:  # a hit needs a fully decoded window
-            mark_eos_hits(s, span, proposal, new, packed, self.eos_ids, plan.stop.eos_rank, complete)
+        if plan.stop.early_stop and completed and phase in plan.stop.eos_phases:  # a hit needs a fully decoded window
+            mark_eos_hits(s, span, proposal, new, packed, self.eos_ids, plan.stop.eos_rank, complete, plan.stop.eos_dtype)
         self.recorder.commit(s, span.rows, span.positions, select, phase)
         return completed
 
@@ -191,6 +191,17 @@ class Run:
         self.fwd.flush(self.state)
         self.recorder.fill_counts(self.state)
 
+    def step_rows(self) -> tuple[torch.Tensor, bool]:
+        """The rows of the next block step: every active row, or (``plan.step_complete_windows``
+        off, the authors' order) only those whose window still holds a mask; and whether an active
+        row was left out (its complete window is to be advanced after the step)."""
+        s = self.state
+        active = ~s.done
+        if self.plan.step_complete_windows:
+            return active.nonzero().squeeze(1), False
+        stepping = active & (s.window_mask_count(s.win_start, s.win_end) > 0)
+        return stepping.nonzero().squeeze(1), bool((active & ~stepping).any())
+
     # ------------------------------------------------------------------ loop
     def run(self) -> DecodeResult:
         t0 = time.perf_counter()
@@ -199,14 +210,19 @@ class Run:
         finished, _ = self.settle(moved=True)
         self.recorder.stream(self.state, self.sequences)
         guard = 4 * self.plan.max_new_tokens + 16
-        rows = None
+        rows, left_out = None, False
         while not finished:
             guard -= 1
             if guard < 0:
                 raise RuntimeError("Decoding made no progress; this is a bug in hf-blockbatch, please report it.")
             if rows is None:
-                rows = (~self.state.done).nonzero().squeeze(1)
-            moved = self.apply_policies(full=False, completed=self.block_step(rows)) if rows.numel() else True
+                rows, left_out = self.step_rows()
+            completed = (self.block_step(rows) if rows.numel() else True) or left_out
+            if self.plan.stop.before_policies and completed:  # the authors check EOS before anything else
+                if self.finish():
+                    break
+                rows = self._windows = None
+            moved = self.apply_policies(full=False, completed=completed)
             # While no window moves, no row becomes done or hits EOS (that needs a completed window),
             # so no request can finish and the active rows and their windows stay as they are.
             finished, moved = self.settle(moved)

@@ -26,7 +26,7 @@ from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 from hf_blockbatch.generation.configs import BlockBatchConfig, DiffusionGenerationConfig, config_from_dict
 from hf_blockbatch.generation.engine import run_plan
 from hf_blockbatch.generation.outputs import DiffusionGenerateOutput, answer_lengths, end_token_ids
-from hf_blockbatch.generation.plans import plan_from_config
+from hf_blockbatch.generation.plans import check_model, plan_from_config
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +164,7 @@ def diffusion_generate(
         input_ids, attention_mask = input_ids.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0)
     eot_ids = _as_list(getattr(config, "eot_token_id", None))
     plan = plan_from_config(cfg, eos_ids, eot_ids)
+    check_model(plan, model)
     logger.debug("diffusion_generate: %s", plan)
     # where an answer ends, as answer_texts(tokenizer, ..., end_token_ids(tokenizer, config)) cuts it:
     # EOS, the config's end of turn, and the end-of-turn tokens of the tokenizer the caller decodes with

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from hf_blockbatch.generation.configs import (
     BlockBatchConfig,
     DiffusionGenerationConfig,
@@ -25,7 +27,7 @@ from hf_blockbatch.generation.refresh import Off, make_refresh
 from hf_blockbatch.generation.rules import TransferRule, make_rule
 from hf_blockbatch.generation.stop import StopRule
 
-__all__ = ["DecodePlan", "map_size", "plan_from_config"]
+__all__ = ["DecodePlan", "check_model", "map_size", "plan_from_config"]
 
 
 @dataclass
@@ -48,6 +50,20 @@ class DecodePlan:
     low_confidence_ids: list[int] = field(default_factory=list)
     end_ids: list[int] = field(default_factory=list)  # where a streamed answer ends
     output_trace: bool = False
+    # the authors' BlockBatch (``_reference_plan``): a block step skips rows whose window holds no
+    # mask (none: no forward); every read slot updates the probability map, decoded ones too
+    step_complete_windows: bool = True
+    read_all_slots: bool = False
+    unshifted_only: bool = False  # the plan restates an algorithm defined only for unshifted models
+
+
+def check_model(plan: DecodePlan, model) -> None:
+    """Refuse, before any forward, a plan the model cannot run as intended."""
+    if plan.unshifted_only and model.logit_shift:
+        raise ValueError(
+            "variant='reference' reproduces the authors' LLaDA decoder; their Dream decoder is another algorithm "
+            "(docs/reference_variant.md): use variant='ours' with a shifted model such as Dream."
+        )
 
 
 def map_size(merge_threshold: float) -> int:
@@ -105,6 +121,8 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
             refresh=make_refresh("periodic", cfg.block_length, 0.0, cached=cfg.cache != "none"),
             stop=StopRule(early_stop=bool(cfg.early_stop)),
         )  # fmt: skip
+    if isinstance(cfg, BlockBatchConfig) and cfg.variant == "reference":
+        return _reference_plan(cfg, common)
     if isinstance(cfg, BlockBatchConfig):
         n = len(cfg.block_sizes)
         after_full = bool(cfg.skip_completed_block_step)
@@ -124,3 +142,29 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
             advance_after_full=after_full, map_k=map_size(float(cfg.merge_threshold)) if cfg.merge else 0,
         )  # fmt: skip
     raise TypeError(f"Unsupported generation config {type(cfg).__name__}; use one of hf_blockbatch's configs.")
+
+
+def _reference_plan(cfg: BlockBatchConfig, common: dict) -> DecodePlan:
+    """The authors' bulk BlockBatch (docs/reference_variant.md) from the same parts as ours, with
+    their options: block sizes sorted (branch 0 = the smallest block, which wins ties); advance
+    before the merge after the initial forward too, and after the merge the windows it completed;
+    a sync measured in the rule's commits that copies canvas and K/V only; their refresh; EOS
+    detected only after block steps and checked before the policies, in bfloat16, ties to the
+    smallest block. Their probability map reads a probability <= 0.1 as 0, so a merge takes only
+    tokens above ``max(merge_threshold, 0.1)``."""
+    sizes = sorted(int(b) for b in cfg.block_sizes)
+    n = len(sizes)
+    policies: list[BranchPolicy] = [Advance(after_full=True)]
+    merge_threshold = max(float(cfg.merge_threshold), 0.1)
+    if n > 1 and cfg.merge:
+        policies += [Merge(merge_threshold), Advance(always=True)]
+    if n > 1 and cfg.sync:
+        policies.append(Sync(int(cfg.sync_threshold), count="rule", copy_map=False))
+    stop = StopRule(True, "completion" if n > 1 else None, eos_phases=("block",), before_policies=True,
+                    eos_dtype=torch.bfloat16, ties="branch")  # fmt: skip
+    refresh = make_refresh("reference" if cfg.refresh == "periodic" else "off", int(cfg.refresh_interval), 0.0, True)
+    return DecodePlan(
+        **common, block_sizes=sizes, cache="dual", rule=_rule(cfg, None), policies=policies, refresh=refresh,
+        stop=stop, advance_after_full=True, map_k=map_size(merge_threshold) if n > 1 and cfg.merge else 0,
+        step_complete_windows=False, read_all_slots=True, unshifted_only=True,
+    )  # fmt: skip

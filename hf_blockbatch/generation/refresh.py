@@ -10,6 +10,7 @@ exactly when its window enters a new block.
 * :class:`Divergence`: also due when the row's last-layer keys over the generated region drift
   from the mean of its request's rows by more than ``threshold`` (relative; the authors' optional
   trigger). It can fire without any window moving, so the engine asks it every step;
+* :class:`ReferenceRefresh`: the authors' (``BlockBatchConfig(variant="reference")``);
 * :class:`Off`: never.
 
 A row synced this step is never refreshed in the same step (the sync already gave it the
@@ -32,7 +33,7 @@ from hf_blockbatch.generation.state import DecodeState
 if TYPE_CHECKING:
     from hf_blockbatch.generation.engine import Run
 
-__all__ = ["Divergence", "Off", "Periodic", "make_refresh"]
+__all__ = ["Divergence", "Off", "Periodic", "ReferenceRefresh", "make_refresh"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,30 @@ class Divergence(Periodic):
 
 
 @dataclass(frozen=True)
+class ReferenceRefresh:
+    """The authors' refresh: a row is due once its window moves since its last full forward times
+    its block size reach ``interval`` (a jump over several blocks is one move; a sync neither
+    counts nor resets); once any active row of a request is due, *every* active row of that
+    request is refreshed, synced ones included, in one full forward. No advance follows: a window
+    the refresh completed is skipped by the next block step (``DecodePlan.step_complete_windows``)."""
+
+    interval: int = 32
+    every_step: ClassVar[bool] = False
+
+    def due(self, state: DecodeState, cache: BranchCache) -> torch.Tensor:
+        due = (state.moves * state.block >= self.interval) & ~state.done
+        return state.per_request(due).any(-1).repeat_interleave(state.branches) & ~state.done
+
+    def refresh(self, run: Run) -> bool:
+        rows = self.due(run.state, run.cache).nonzero().squeeze(1)
+        if not rows.numel():
+            return False
+        run.full_step(rows, "refresh")
+        run.state.moves[rows] = 0
+        return True
+
+
+@dataclass(frozen=True)
 class Off:
     every_step: ClassVar[bool] = False
 
@@ -96,4 +121,6 @@ def make_refresh(policy: str, interval: int, divergence_threshold: float, cached
         return Off()
     if policy == "divergence":
         return Divergence(interval, divergence_threshold)
+    if policy == "reference":
+        return ReferenceRefresh(interval)
     return Periodic(interval)

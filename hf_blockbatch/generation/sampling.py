@@ -26,8 +26,11 @@ class Sampled:
     top_ids: torch.Tensor | None = None  # [T, k] long
 
 
-def eos_probability(logits: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
-    """``[n]`` total probability of the end-of-sequence ids under ``logits`` ``[n, V]``."""
+def eos_probability(logits: torch.Tensor, eos_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[n]`` total probability of the end-of-sequence ids under ``logits`` ``[n, V]``; ``dtype``
+    other than float32: a softmax in that precision (the authors' winner rule uses bfloat16)."""
+    if dtype != torch.float32:
+        return logits.to(dtype).softmax(-1).index_select(-1, eos_ids).float().sum(-1)
     return torch.log_softmax(logits.float(), dim=-1).index_select(-1, eos_ids).exp().sum(-1)
 
 

@@ -56,6 +56,8 @@ class DecodeState:
     refreshes: torch.Tensor = field(default=None)  # [R] full forwards that refreshed this row
     block_forwards: torch.Tensor = field(default=None)  # [R] block steps that carried this row
     block_queries: torch.Tensor = field(default=None)  # [R] positions this row fed through them
+    moves: torch.Tensor = field(default=None)  # [R] window moves since the last full forward (a jump is one)
+    count_offset: torch.Tensor = field(default=None)  # [R] a sync's correction to ``committed`` (see Sync.count)
     synced_now: torch.Tensor | None = None  # [R] bool: synced in this step (no refresh right after a sync)
     retired: torch.Tensor = field(default=None)  # [R] bool: the row's request has finished
     # [R] bool: retired early by the Prune policy (policies/prune.py): done from then on, its masks
@@ -69,7 +71,8 @@ class DecodeState:
     def __post_init__(self) -> None:
         R, dev, G = self.canvas.shape[0], self.canvas.device, self.canvas.shape[1] - self.gen_start
         for name in ("win_start", "win_end", "since_refresh", "steps_in_block", "masked_at_block_start", "committed",
-                     "merged", "copied", "syncs", "refreshes", "block_forwards", "block_queries", "step_syncs"):  # fmt: skip
+                     "merged", "copied", "syncs", "refreshes", "block_forwards", "block_queries", "step_syncs", "moves",
+                     "count_offset"):  # fmt: skip
             if getattr(self, name) is None:
                 setattr(self, name, _zeros(R, dev))
         for name in ("done", "eos_hit", "retired", "pruned"):
@@ -99,6 +102,7 @@ class DecodeState:
         state.win_start.fill_(Lp - 1)  # so the first advance counts as a move and sets the quota
         state.advance()
         state.since_refresh.zero_()
+        state.moves.zero_()
         return state
 
     @property
@@ -136,6 +140,7 @@ class DecodeState:
         # Windows only move right: commits and merges only fill masks, and a retired row has none.
         # A sync may move a row's window back to the leader's; the sync restores the copied age.
         self.since_refresh += start - self.win_start
+        self.moves += (start != self.win_start) & has_mask
         if self.quota:
             end = (start + self.block).clamp_max(L)
             moved = start != self.win_start

@@ -77,17 +77,19 @@ def finished_requests(state: DecodeState, num_requests: int, early_stop: bool) -
 
 
 def pick_winners(state: DecodeState, finished: torch.Tensor, early_stop: bool,
-                 widest: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                 widest: bool = False, ties: str = "decoded") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """For the rows of finished requests: the winning row index per request and whether it won by EOS.
 
     Returns ``(winner_row [B], by_eos [B])``; entries of unfinished requests are meaningless.
-    EOS hitters first (by EOS probability, or by block size when ``widest``), then the most
-    decoded tokens, then the lowest branch.
+    EOS hitters first (by EOS probability, or by block size when ``widest``), then
+    (``ties="decoded"``) the most decoded tokens, then the lowest branch (``ties="branch"``: the
+    lowest branch at once, as the authors).
     """
     R, B = state.num_rows, finished.shape[0]
     # a pruned row is a copy of a leader that went on: it may tie with it (a sync that copied a
     # completed canvas), never beat it
-    decoded = state.per_request(state.decoded().masked_fill(state.pruned, -1))
+    decoded = state.decoded() if ties == "decoded" else torch.zeros_like(state.committed)
+    decoded = state.per_request(decoded.masked_fill(state.pruned, -1))
     if early_stop:  # strictly by EOS probability first: a decoded count only breaks exact ties
         rank = state.block.double() if widest else state.eos_prob.double()
         p = state.per_request(torch.where(state.eos_hit, rank, -1.0))
@@ -124,6 +126,13 @@ class Ending:
 class StopRule:
     early_stop: bool = False
     eos_rank: str | None = None  # "completion" | "commit" | "widest" | None (see the module docstring)
+    # the authors' variant: EOS hits are detected only after these phases' commits, and checked
+    # right after the block step, before the policies (``before_policies``); the EOS probability
+    # is a softmax in ``eos_dtype``; EOS-probability ties go to the lowest branch (``ties``)
+    eos_phases: tuple[str, ...] = ("init", "block", "refresh")
+    before_policies: bool = False
+    eos_dtype: torch.dtype = torch.float32
+    ties: str = "decoded"
 
     def ending(self, state: DecodeState, num_requests: int, pad_id: int) -> Ending | None:
         """The requests that end now, or None (one host sync while none can)."""
@@ -137,7 +146,7 @@ class StopRule:
         finished = finished_requests(state, num_requests, self.early_stop)
         if not bool(finished.any()):
             return None
-        winner, by_eos = pick_winners(state, finished, self.early_stop, widest=self.eos_rank == "widest")
+        winner, by_eos = pick_winners(state, finished, self.early_stop, self.eos_rank == "widest", self.ties)
         req = finished.nonzero().squeeze(1)
         rows, eos_req = winner[req], by_eos[req]
         out = state.canvas[rows]
