@@ -47,4 +47,4 @@ def test_every_difference_from_the_authors_code_states_our_choice(item):
     block = re.search(rf"^{item}\. (.*?)(?=^[a-i]\. |\Z)", text, flags=re.S | re.M)
     assert block, f"item {item} is missing"
     body = block.group(1)
-    assert "Theirs:" in body and "Ours:" in body and "Measured justification:" in body, body
+    assert "Theirs:" in body and "Ours:" in body and "Why our default:" in body, body

@@ -1,0 +1,48 @@
+"""The paper's Table 1 shape on the tiny checkpoints, against the tuned baseline, from bench folders.
+
+``python benchmarks/paper_table.py`` reads ``benchmarks/results/paper_table/<model>-<suite>/summary.json``
+(and ``paper_table_extra/``, where the reference variant and the beyond-paper configs ran on the same
+items) and prints one Markdown row per method: accuracy, NFE, NFE as the authors count it, query tokens,
+and the NFE and query-token ratios to the tuned Fast-dLLM (early stop, the sweep's most accurate block,
+ties to the lower NFE). Latency is left out on purpose: these runs shared the two cores, see RESULTS §8.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ORDER = ("fast_dllm", "fast_dllm_early_stop", "fast_dllm_b16", "fast_dllm_b64", "localleap", "localleap_early_stop",
+         "blockbatch_reference", "blockbatch", "blockbatch_localleap", "bb_agree_widest", "bb_lean_agree_widest")  # fmt: skip
+
+
+def _cells(folder: Path) -> dict[str, dict]:
+    path = folder / "summary.json"
+    if not path.is_file():
+        return {}
+    tasks = json.loads(path.read_text())["tasks"]
+    return next(iter(tasks.values()))["methods"]
+
+
+def rows() -> list[str]:
+    out = ["| model / suite | method | accuracy % [95 % CI] | NFE | NFE (authors) | query tokens | NFE / tuned | query tokens / tuned |",
+           "|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for folder in sorted((RESULTS / "paper_table").iterdir()):
+        cells = {**_cells(folder), **_cells(RESULTS / "paper_table_extra" / folder.name)}
+        fast = [(k, c) for k, c in cells.items() if k.startswith("fast_dllm") and c.get("early_stop")]
+        _, tuned = max(fast, key=lambda kc: (kc[1]["accuracy"], -kc[1]["nfe_mean"]))
+        for name in ORDER:
+            c = cells.get(name)
+            if c is None:
+                continue
+            label = c["label"] + (" **(tuned)**" if c is tuned else "")
+            lo, hi = (100 * x for x in c["ci95"])
+            out.append(f"| {folder.name} | {label} | {100 * c['accuracy']:.1f} [{lo:.1f}, {hi:.1f}] | {c['nfe_mean']:.2f} | "
+                       f"{c['nfe_authors_mean']:.2f} | {c['query_tokens_mean']:.0f} | {c['nfe_mean'] / tuned['nfe_mean']:.2f} | "
+                       f"{c['query_tokens_mean'] / tuned['query_tokens_mean']:.2f} |")  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    print("\n".join(rows()))
