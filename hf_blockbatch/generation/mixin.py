@@ -103,6 +103,17 @@ def _checked_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torc
     return attention_mask
 
 
+def _answer_end_ids(eos_ids: list[int], eot_ids: list[int], config: Any, tokenizer: Any, streamer: Any) -> list[int]:
+    """Where an answer ends, as ``answer_texts(tokenizer, ..., end_token_ids(tokenizer, config))``
+    cuts it: EOS, the config's end of turn, and the end-of-turn tokens of the tokenizer the caller
+    decodes with (given, or the streamer's)."""
+    end_ids = set(eos_ids) | set(eot_ids)
+    for tok in (tokenizer, getattr(streamer, "tokenizer", None)):
+        if tok is not None and hasattr(tok, "get_vocab"):
+            end_ids.update(end_token_ids(tok, config))
+    return sorted(end_ids)
+
+
 @torch.no_grad()
 def diffusion_generate(
     model,
@@ -166,14 +177,7 @@ def diffusion_generate(
     plan = plan_from_config(cfg, eos_ids, eot_ids)
     check_model(plan, model)
     logger.debug("diffusion_generate: %s", plan)
-    # where an answer ends, as answer_texts(tokenizer, ..., end_token_ids(tokenizer, config)) cuts it:
-    # EOS, the config's end of turn, and the end-of-turn tokens of the tokenizer the caller decodes with
-    end_ids = set(eos_ids) | set(eot_ids)
-    for tok in (tokenizer, getattr(streamer, "tokenizer", None)):
-        if tok is not None and hasattr(tok, "get_vocab"):
-            end_ids.update(end_token_ids(tok, config))
-    end_ids = sorted(end_ids)
-    plan.end_ids = end_ids
+    plan.end_ids = end_ids = _answer_end_ids(eos_ids, eot_ids, config, tokenizer, streamer)
     result = run_plan(model, input_ids, attention_mask, plan, mask_id, eos_ids, pad_id, generator, streamer)
     if pad_after_end:
         new = result.sequences[:, input_ids.shape[1] :]

@@ -57,6 +57,27 @@ def neighbourhood_agrees(gen: torch.Tensor, radius: int) -> torch.Tensor:
     return ok
 
 
+def _sources(state: DecodeState, gen: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+    """``[b, dst, src]`` bool: the rows each destination may take from."""
+    B, N, _ = gen.shape
+    idx = torch.arange(N, device=gen.device)
+    # sources stand behind the destination: a smaller window end, or an equal end and a higher
+    # row. One key orders both: end * (N + 1) - row.
+    key = state.win_end.view(B, N) * (N + 1) - idx
+    behind = key[:, None, :] < key[:, :, None]
+    # Compatible: the positions decoded in both (a batched matmul of counts, exact in float32)
+    # all agree. With each row's masks tagged by a distinct negative number, tokens compare
+    # equal exactly where both rows decoded the same token.
+    fdec = decoded.float()
+    both = fdec @ fdec.transpose(1, 2)
+    tagged = torch.where(decoded, gen, -1 - idx[:, None])
+    agree = (tagged[:, :, None] == tagged[:, None]).sum(-1)
+    # sources are active rows; destinations too (a done row has no mask left, except a pruned
+    # one, which keeps its masks and must take nothing)
+    done = state.done.view(B, N)
+    return behind & (agree == both) & ~done[:, None, :] & ~done[:, :, None]
+
+
 def merge(state: DecodeState, merge_threshold: float, agreement: int = 0) -> torch.Tensor:
     """Apply one merge pass in place; returns the [R, G] bool of merged positions.
 
@@ -82,22 +103,7 @@ def merge(state: DecodeState, merge_threshold: float, agreement: int = 0) -> tor
     B = R // N
     gen = state.canvas[:, gs:].view(B, N, G)
     decoded = gen != mask_id
-    idx = torch.arange(N, device=gen.device)
-    # [b, dst, src]: sources stand behind the destination: a smaller window end, or an equal end
-    # and a higher row. One key orders both: end * (N + 1) - row.
-    key = state.win_end.view(B, N) * (N + 1) - idx
-    behind = key[:, None, :] < key[:, :, None]
-    # Compatible: the positions decoded in both (a batched matmul of counts, exact in float32)
-    # all agree. With each row's masks tagged by a distinct negative number, tokens compare
-    # equal exactly where both rows decoded the same token.
-    fdec = decoded.float()
-    both = fdec @ fdec.transpose(1, 2)
-    tagged = torch.where(decoded, gen, -1 - idx[:, None])
-    agree = (tagged[:, :, None] == tagged[:, None]).sum(-1)
-    # sources are active rows; destinations too (a done row has no mask left, except a pruned
-    # one, which keeps its masks and must take nothing)
-    done = state.done.view(B, N)
-    sources = behind & (agree == both) & ~done[:, None, :] & ~done[:, :, None]
+    sources = _sources(state, gen, decoded)
 
     pos = torch.arange(gs, gs + G, device=gen.device)
     in_window = (pos >= state.win_start[:, None]) & (pos < state.win_end[:, None])  # [R, G]
