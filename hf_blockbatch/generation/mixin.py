@@ -103,6 +103,29 @@ def _checked_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torc
     return attention_mask
 
 
+def _checked_inputs(model, cfg: DiffusionGenerationConfig, input_ids: Any, attention_mask: torch.Tensor | None,
+                    generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """The prompts and their mask on the model's device, refused before any forward when they
+    cannot be decoded (shape, empty prompt, ids outside the vocabulary, context, padding side)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise ValueError("input_ids must be a LongTensor of shape [batch, prompt_length].")
+    if input_ids.shape[1] == 0:
+        raise ValueError("The prompt is empty: a masked-diffusion model needs at least one prompt token.")
+    _check_token_ids(model, input_ids, attention_mask)
+    _token_ids(cfg, model.config)  # a missing mask or EOS id is said before the context check
+    check_context(model.config, input_ids.shape[1], cfg.max_new_tokens)
+    device = model.device
+    if generator is not None and generator.device.type != device.type:
+        raise ValueError(
+            f"The generator is on {generator.device.type} but the model on {device.type}: make it with "
+            f"torch.Generator(device={device.type!r})."
+        )
+    input_ids = input_ids.to(device)
+    if attention_mask is not None:
+        attention_mask = _checked_mask(attention_mask.to(device), input_ids)
+    return input_ids, attention_mask
+
+
 def _answer_end_ids(eos_ids: list[int], eot_ids: list[int], config: Any, tokenizer: Any, streamer: Any) -> list[int]:
     """Where an answer ends, as ``answer_texts(tokenizer, ..., end_token_ids(tokenizer, config))``
     cuts it: EOS, the config's end of turn, and the end-of-turn tokens of the tokenizer the caller
@@ -151,23 +174,9 @@ def diffusion_generate(
         samples consecutive, as transformers), or a :class:`DiffusionGenerateOutput`.
     """
     cfg = _resolve_config(model, generation_config, kwargs)
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        raise ValueError("input_ids must be a LongTensor of shape [batch, prompt_length].")
-    if input_ids.shape[1] == 0:
-        raise ValueError("The prompt is empty: a masked-diffusion model needs at least one prompt token.")
+    input_ids, attention_mask = _checked_inputs(model, cfg, input_ids, attention_mask, generator)
     config = model.config
-    _check_token_ids(model, input_ids, attention_mask)
     mask_id, eos_ids, pad_id = _token_ids(cfg, config)
-    check_context(config, input_ids.shape[1], cfg.max_new_tokens)
-    device = model.device
-    if generator is not None and generator.device.type != device.type:
-        raise ValueError(
-            f"The generator is on {generator.device.type} but the model on {device.type}: make it with "
-            f"torch.Generator(device={device.type!r})."
-        )
-    input_ids = input_ids.to(device)
-    if attention_mask is not None:
-        attention_mask = _checked_mask(attention_mask.to(device), input_ids)
     n = cfg.num_return_sequences or 1
     if n > 1:  # as transformers: each prompt's n samples are consecutive rows of the output
         if attention_mask is None:
