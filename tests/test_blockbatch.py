@@ -284,6 +284,7 @@ def _random_state(seed: int, B: int, N: int, G: int, k: int):
     state = DecodeState(
         canvas=canvas, attention_mask=torch.ones_like(canvas, dtype=torch.bool), request=torch.arange(B).repeat_interleave(N),
         branch=torch.arange(N).repeat(B), block=block, gen_start=gs, mask_id=M, branches=N, prob_p=probs, prob_ids=ids,
+        features=frozenset({"pruned", "step_syncs"}),
     )  # fmt: skip
     state.win_start.fill_(gs - 1)
     state.win_end.fill_(gs - 1)

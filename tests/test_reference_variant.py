@@ -185,7 +185,7 @@ def _state(decoded: list[int], G: int = 8):
 
     mask = 99
     state = DecodeState.start(torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long), [4] * len(decoded), G, mask,
-                              map_k=1)  # fmt: skip
+                              map_k=1, features=frozenset({"count_offset", "moves"}))  # fmt: skip
     for row, n in enumerate(decoded):
         state.canvas[row, 2 : 2 + n] = 7
         state.committed[row] = n

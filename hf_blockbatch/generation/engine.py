@@ -55,6 +55,7 @@ class Run:
         self.state = DecodeState.start(
             input_ids, attention_mask, plan.block_sizes, plan.max_new_tokens, mask_id, quota=plan.rule.keeps_quota,
             map_k=plan.map_k, keep_commit_prob=plan.stop.eos_rank == "commit",
+            features=frozenset().union(*(getattr(part, "needs", ()) for part in (plan.refresh, *plan.policies))),
         )  # fmt: skip
         self.L, self.N = self.state.length, self.state.branches
         self.cache = None if plan.cache == "none" else model.new_cache(self.state.num_rows, self.L, self.state.attention_mask)

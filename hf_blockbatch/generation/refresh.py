@@ -91,6 +91,8 @@ class ReferenceRefresh:
     request is refreshed, synced ones included, in one full forward. No advance follows: a window
     the refresh completed is skipped by the next block step (``DecodePlan.step_complete_windows``)."""
 
+    needs: ClassVar[tuple[str, ...]] = ("moves",)
+
     interval: int = 32
     every_step: ClassVar[bool] = False
 

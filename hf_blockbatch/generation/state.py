@@ -38,6 +38,10 @@ class DecodeState:
     quota: bool = False  # keep the fixed-quota counters (only the quota rule reads them)
     map_k: int = 0  # entries per position of the probability map (0: no map)
     keep_commit_prob: bool = False
+    # per-row counters only some parts read (their ``needs``): "moves" (ReferenceRefresh),
+    # "count_offset" (Sync(count="rule")), "step_syncs" and "pruned" (Prune); absent ones are None,
+    # so that a plan without those parts pays no operation for them
+    features: frozenset[str] = frozenset()
     # filled by __post_init__ from the shapes above
     win_start: torch.Tensor = field(default=None)  # [R] current window [win_start, win_end)
     win_end: torch.Tensor = field(default=None)  # [R]
@@ -71,11 +75,11 @@ class DecodeState:
     def __post_init__(self) -> None:
         R, dev, G = self.canvas.shape[0], self.canvas.device, self.canvas.shape[1] - self.gen_start
         for name in ("win_start", "win_end", "since_refresh", "steps_in_block", "masked_at_block_start", "committed",
-                     "merged", "copied", "syncs", "refreshes", "block_forwards", "block_queries", "step_syncs", "moves",
-                     "count_offset"):  # fmt: skip
+                     "merged", "copied", "syncs", "refreshes", "block_forwards", "block_queries",
+                     *(n for n in ("step_syncs", "moves", "count_offset") if n in self.features)):  # fmt: skip
             if getattr(self, name) is None:
                 setattr(self, name, _zeros(R, dev))
-        for name in ("done", "eos_hit", "retired", "pruned"):
+        for name in ("done", "eos_hit", "retired", *(("pruned",) if "pruned" in self.features else ())):
             if getattr(self, name) is None:
                 setattr(self, name, _zeros(R, dev, torch.bool))
         if self.eos_prob is None:
@@ -102,7 +106,8 @@ class DecodeState:
         state.win_start.fill_(Lp - 1)  # so the first advance counts as a move and sets the quota
         state.advance()
         state.since_refresh.zero_()
-        state.moves.zero_()
+        if state.moves is not None:
+            state.moves.zero_()
         return state
 
     @property
@@ -140,14 +145,15 @@ class DecodeState:
         # Windows only move right: commits and merges only fill masks, and a retired row has none.
         # A sync may move a row's window back to the leader's; the sync restores the copied age.
         self.since_refresh += start - self.win_start
-        self.moves += (start != self.win_start) & has_mask
+        if self.moves is not None:
+            self.moves += (start != self.win_start) & has_mask
         if self.quota:
             end = (start + self.block).clamp_max(L)
             moved = start != self.win_start
             self.masked_at_block_start = torch.where(moved, self.window_mask_count(start, end), self.masked_at_block_start)
             self.steps_in_block = self.steps_in_block.masked_fill(moved, 0)
         self.win_start, self.win_end = start, (start + self.block).clamp_max(L)
-        self.done = ~has_mask | self.pruned  # a retired row has no mask left (see retire)
+        self.done = ~has_mask if self.pruned is None else ~has_mask | self.pruned  # a retired row has no mask left
 
     def retire(self, rows: torch.Tensor, fill_id: int) -> None:
         """Mark the [R] bool ``rows`` (whole finished requests) retired: done from now on. Their

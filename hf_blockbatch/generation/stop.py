@@ -89,7 +89,7 @@ def pick_winners(state: DecodeState, finished: torch.Tensor, early_stop: bool,
     # a pruned row is a copy of a leader that went on: it may tie with it (a sync that copied a
     # completed canvas), never beat it
     decoded = state.decoded() if ties == "decoded" else torch.zeros_like(state.committed)
-    decoded = state.per_request(decoded.masked_fill(state.pruned, -1))
+    decoded = state.per_request(decoded if state.pruned is None else decoded.masked_fill(state.pruned, -1))
     if early_stop:  # strictly by EOS probability first: a decoded count only breaks exact ties
         rank = state.block.double() if widest else state.eos_prob.double()
         p = state.per_request(torch.where(state.eos_hit, rank, -1.0))

@@ -23,6 +23,7 @@ each request as it would alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -36,6 +37,8 @@ __all__ = ["Prune", "prune"]
 class Prune:
     """Retire a branch for the rest of its request once it has been synced ``after_syncs`` times.
     Runs right after :class:`~.sync.Sync` in a plan (it reads the step's ``synced_now``)."""
+
+    needs: ClassVar[tuple[str, ...]] = ("pruned", "step_syncs")
 
     after_syncs: int = 2
 

@@ -34,6 +34,10 @@ class Sync:
     count: str = "decoded"
     copy_map: bool = True
 
+    @property
+    def needs(self) -> tuple[str, ...]:
+        return ("count_offset",) if self.count == "rule" else ()
+
     def apply(self, ctx: StepContext) -> bool:
         # leaders before the sync: afterwards a synced row ties with its leader and may win the tie
         leader = leaders(ctx.state, self.count) if ctx.recorder.tracing else None
@@ -47,7 +51,7 @@ def counts(state: DecodeState, count: str = "decoded") -> torch.Tensor:
     """[R] what a row has decoded, as the sync measures it (see :class:`Sync`); a pruned row
     (``policies.prune``) counts -1, so it is never a leader."""
     decoded = state.decoded() if count == "decoded" else state.committed + state.count_offset
-    return decoded.masked_fill(state.pruned, -1)
+    return decoded if state.pruned is None else decoded.masked_fill(state.pruned, -1)
 
 
 def leaders(state: DecodeState, count: str = "decoded") -> torch.Tensor:
@@ -80,10 +84,11 @@ def sync_to_leader(state: DecodeState, cache: BranchCache | None, sync_threshold
             state.count_offset[dst] = state.committed[src] + state.count_offset[src] - state.committed[dst]
         if cache is not None:
             cache.copy_rows(src, dst, same_mask=True)
-    moves = state.moves[dst]
+    moves = state.moves[dst] if state.moves is not None else None
     state.advance()
     if dst.numel():
         state.since_refresh[dst] = state.since_refresh[src]  # the copy carries the leader's refresh age
-        state.moves[dst] = moves
+        if moves is not None:  # a sync neither counts nor resets the authors' refresh counter
+            state.moves[dst] = moves
     state.synced_now = synced
     return synced
