@@ -72,10 +72,11 @@ def _sources(state: DecodeState, gen: torch.Tensor, decoded: torch.Tensor) -> to
     both = fdec @ fdec.transpose(1, 2)
     tagged = torch.where(decoded, gen, -1 - idx[:, None])
     agree = (tagged[:, :, None] == tagged[:, None]).sum(-1)
-    # sources are active rows; destinations too (a done row has no mask left, except a pruned
+    # sources are active rows; so are destinations (a done row has no mask left, except a pruned
     # one, which keeps its masks and must take nothing)
     done = state.done.view(B, N)
-    return behind & (agree == both) & ~done[:, None, :] & ~done[:, :, None]
+    sources = behind & (agree == both) & ~done[:, None, :]
+    return sources if state.pruned is None else sources & ~done[:, :, None]
 
 
 def merge(state: DecodeState, merge_threshold: float, agreement: int = 0) -> torch.Tensor:
