@@ -111,11 +111,9 @@ def _check_rule(cfg: Any) -> None:
         raise ValueError(f"rule must be 'localleap' or unset (threshold, factor and steps choose the others), got {cfg.rule!r}.")
     if cfg.threshold is None:
         raise ValueError("rule='localleap' commits anchors at `threshold`: give threshold (e.g. 0.9), not factor or steps.")
-    from hf_blockbatch.generation.rules.localleap import RADIUS, RELAXED_THRESHOLD, LocalLeapRule
+    from hf_blockbatch.generation.rules.localleap import LocalLeapRule
 
-    LocalLeapRule(cfg.threshold, RELAXED_THRESHOLD if cfg.relaxed_threshold is None else cfg.relaxed_threshold,
-                  RADIUS if cfg.leap_radius is None else cfg.leap_radius).validate(
-        names={"anchor_threshold": "threshold", "radius": "leap_radius"})  # fmt: skip
+    LocalLeapRule.from_config(cfg).validate(names={"anchor_threshold": "threshold", "radius": "leap_radius"})
 
 
 def _check_positive_real(name: str, value: Any) -> None:

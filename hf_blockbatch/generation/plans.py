@@ -75,13 +75,11 @@ def map_size(merge_threshold: float) -> int:
 
 def _rule(cfg, steps_per_block: int | None) -> TransferRule:
     if cfg.rule == "localleap":
-        from hf_blockbatch.generation.rules.localleap import RADIUS, RELAXED_THRESHOLD
+        from hf_blockbatch.generation.rules.localleap import LocalLeapRule
 
-        return make_rule(
-            "localleap", anchor_threshold=float(cfg.threshold),
-            relaxed_threshold=float(RELAXED_THRESHOLD if cfg.relaxed_threshold is None else cfg.relaxed_threshold),
-            radius=int(RADIUS if cfg.leap_radius is None else cfg.leap_radius),
-        )  # fmt: skip
+        rule = LocalLeapRule.from_config(cfg)
+        return make_rule("localleap", anchor_threshold=float(rule.anchor_threshold),
+                         relaxed_threshold=float(rule.relaxed_threshold), radius=int(rule.radius))  # fmt: skip
     if getattr(cfg, "threshold", None) is not None:
         return make_rule("threshold", threshold=float(cfg.threshold))
     if getattr(cfg, "factor", None) is not None:

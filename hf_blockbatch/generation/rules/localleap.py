@@ -111,6 +111,13 @@ class LocalLeapRule:
     relaxed_threshold: float = RELAXED_THRESHOLD
     radius: int = RADIUS
 
+    @classmethod
+    def from_config(cls, cfg) -> LocalLeapRule:
+        """The rule a config asks for: anchors at its ``threshold``; its ``relaxed_threshold`` and
+        ``leap_radius``, or the paper's defaults where they are unset."""
+        return cls(cfg.threshold, RELAXED_THRESHOLD if cfg.relaxed_threshold is None else cfg.relaxed_threshold,
+                   RADIUS if cfg.leap_radius is None else cfg.leap_radius)  # fmt: skip
+
     def validate(self, names: dict[str, str] | None = None) -> None:
         """Raise a one-line ``ValueError`` saying what to change; ``names`` maps the fields to the
         option names the user gave (a config calls the anchor threshold ``threshold``)."""
