@@ -110,6 +110,28 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bb_8_64_a2_w": {**_BB, "block_sizes": [8, 64], "merge_agreement": 2, "eos_prefer_widest": True},
     "bb_16_64_a2_w": {**_BB, "block_sizes": [16, 64], "merge_agreement": 2, "eos_prefer_widest": True},
     "bb_32_96_a2_w": {**_BB, "block_sizes": [32, 96], "merge_agreement": 2, "eos_prefer_widest": True},
+    # sparse window queries (window_queries="sparse"): the same decoders, each block step querying
+    # only the masks it reads and the positions decoded since their K/V were written
+    "fd_es_b32_sq": {**_FD, "block_length": 32, "window_queries": "sparse"},
+    "fd_es_b64_sq": {**_FD, "block_length": 64, "window_queries": "sparse"},
+    "fd_es_b96_sq": {**_FD, "block_length": 96, "window_queries": "sparse"},
+    "bb_default_sq": {**_BB, "window_queries": "sparse"},
+    "bb_default_a2_w_sq": {**_BB, "merge_agreement": 2, "eos_prefer_widest": True, "window_queries": "sparse"},
+    "bb_4_16_64_a2_w_sq": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True,
+                           "window_queries": "sparse"},
+    "bb_16_64_a2_w_sq": {**_BB, "block_sizes": [16, 64], "merge_agreement": 2, "eos_prefer_widest": True,
+                         "window_queries": "sparse"},
+    "bb_4_64_a2_w_sq": {**_BB, "block_sizes": [4, 64], "merge_agreement": 2, "eos_prefer_widest": True,
+                        "window_queries": "sparse"},
+    # and LocalLeap's relaxed commits (anchors 0.9, 0.75 within 4 positions), in Fast-dLLM and in the branches
+    "fd_es_b64_ll": {**_FD, "block_length": 64, "rule": "localleap"},
+    "fd_es_b64_sq_ll": {**_FD, "block_length": 64, "rule": "localleap", "window_queries": "sparse"},
+    "bb_default_a2_w_sq_ll": {**_BB, "merge_agreement": 2, "eos_prefer_widest": True, "window_queries": "sparse",
+                              "rule": "localleap"},
+    "bb_4_16_64_a2_w_sq_ll": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True,
+                              "window_queries": "sparse", "rule": "localleap"},
+    "bb_16_64_a2_w_sq_ll": {**_BB, "block_sizes": [16, 64], "merge_agreement": 2, "eos_prefer_widest": True,
+                            "window_queries": "sparse", "rule": "localleap"},
 }
 
 

@@ -93,6 +93,7 @@ configs = st.fixed_dictionaries(
         # beyond the paper (issue 16); dropped below where the config has no part to apply them to
         "prune_after_syncs": st.sampled_from([None, 1, 2]),
         "merge_agreement": st.sampled_from([0, 1, 2]),
+        "window_queries": st.sampled_from(["all", "sparse"]),
     }
 )
 

@@ -15,7 +15,7 @@ import torch
 
 from hf_blockbatch.cache import BranchCache
 
-__all__ = ["WindowBatch", "build_window_batch", "pack_ranges", "packed_index"]
+__all__ = ["WindowBatch", "build_query_batch", "build_window_batch", "pack_ranges", "packed_index"]
 
 
 def packed_index(valid: torch.Tensor) -> torch.Tensor:
@@ -115,6 +115,66 @@ class WindowBatch:
         self.seg_cu_k = torch.cat([zero, k_seg.cumsum(0).to(torch.int32)])
 
 
+def _check_rows(cache: BranchCache, rows: torch.Tensor | None, count: int) -> tuple[torch.Tensor, bool]:
+    """``(rows, all_rows)`` as ascending cache rows, one per window."""
+    all_rows = rows is None
+    if rows is None:
+        rows = torch.arange(cache.num_rows, device=cache.device)
+    else:
+        rows = torch.as_tensor(rows, device=cache.device, dtype=torch.long).reshape(-1)
+    if rows.shape[0] != count:
+        raise ValueError(
+            f"Got {rows.shape[0]} rows but {count} windows: give one [start, end) window per row (one query row for a query forward)."
+        )
+    if rows.numel() == 0:
+        raise ValueError("A window forward needs at least one row.")
+    return rows, all_rows
+
+
+def _batch(cache: BranchCache, rows: torch.Tensor, all_rows: bool, starts: torch.Tensor, lengths: torch.Tensor,
+           packed: tuple[torch.Tensor, ...], max_len: int) -> WindowBatch:  # fmt: skip
+    """The shared tail of both builders: ``packed`` is ``pack_ranges``' output for the queries."""
+    if not all_rows and rows.shape[0] == cache.num_rows:
+        all_rows = True  # strictly increasing and complete means arange
+    local_rows, token_col, token_pos, pad_index, pad_valid = packed
+    token_rows = rows[local_rows]
+    cu = torch.zeros(rows.shape[0] + 1, dtype=torch.int32, device=cache.device)
+    cu[1:] = lengths.cumsum(0).to(torch.int32)
+    key_mask = None
+    if cache.has_padding:
+        key_mask = cache.key_mask if all_rows else cache.key_mask.index_select(0, rows)
+    return WindowBatch(
+        rows=rows,
+        starts=starts,
+        lengths=lengths,
+        cu_seqlens=cu,
+        max_len=max_len,
+        token_rows=token_rows,
+        token_local=local_rows,
+        token_col=token_col,
+        token_pos=token_pos,
+        flat_slots=token_rows * cache.length + token_pos,
+        rope_pos=cache.position_ids[token_rows, token_pos],
+        pad_index=pad_index,
+        pad_valid=pad_valid,
+        key_mask=key_mask,
+        all_rows=all_rows,
+        num_rows=cache.num_rows,
+        length=cache.length,
+        row_valid=cache.key_mask.sum(-1),
+    )
+
+
+def _rows_error(cache: BranchCache, rows: torch.Tensor) -> ValueError:
+    return ValueError(
+        f"rows must be strictly increasing indices into the cache's {cache.num_rows} rows; got {rows.tolist()}."
+    )
+
+
+def _unsorted(rows: torch.Tensor) -> torch.Tensor:
+    return (rows[1:] <= rows[:-1]).sum() if rows.numel() > 1 else rows.new_zeros(())
+
+
 def build_window_batch(
     cache: BranchCache,
     starts: torch.Tensor,
@@ -131,31 +191,15 @@ def build_window_batch(
     device = cache.device
     starts = torch.as_tensor(starts, device=device, dtype=torch.long).reshape(-1)
     ends = torch.as_tensor(ends, device=device, dtype=torch.long).reshape(-1)
-    all_rows = rows is None
-    if rows is None:
-        rows = torch.arange(cache.num_rows, device=device)
-    else:
-        rows = torch.as_tensor(rows, device=device, dtype=torch.long).reshape(-1)
-    if not (rows.shape[0] == starts.shape[0] == ends.shape[0]):
+    if starts.shape[0] != ends.shape[0]:
         raise ValueError(
-            f"Got {rows.shape[0]} rows but {starts.shape[0]} window starts and {ends.shape[0]} window ends: "
-            "give one [start, end) window per row."
+            f"Got {starts.shape[0]} window starts and {ends.shape[0]} window ends: give one [start, end) window per row."
         )
-    if rows.numel() == 0:
-        raise ValueError("A window forward needs at least one row.")
+    rows, all_rows = _check_rows(cache, rows, starts.shape[0])
     lengths = ends - starts
     # one host sync for all checks and the packed size: once per step, never per token
     stats = torch.stack(
-        [
-            starts.min(),
-            ends.max(),
-            lengths.min(),
-            lengths.max(),
-            lengths.sum(),
-            rows.min(),
-            rows.max(),
-            (rows[1:] <= rows[:-1]).sum() if rows.numel() > 1 else rows.new_zeros(()),
-        ]
+        [starts.min(), ends.max(), lengths.min(), lengths.max(), lengths.sum(), rows.min(), rows.max(), _unsorted(rows)]
     ).tolist()
     s_min, e_max, len_min, len_max, total, r_min, r_max, unsorted = stats
     if s_min < 0 or e_max > cache.length or len_min <= 0:
@@ -164,39 +208,40 @@ def build_window_batch(
             f"{starts.tolist()} and ends {ends.tolist()}."
         )
     if r_min < 0 or r_max >= cache.num_rows or unsorted:
-        raise ValueError(
-            f"rows must be strictly increasing indices into the cache's {cache.num_rows} rows; got {rows.tolist()}."
-        )
-    if not all_rows and rows.shape[0] == cache.num_rows:
-        all_rows = True  # strictly increasing and complete means arange
-
-    A, W = rows.shape[0], int(len_max)
-    local_rows, token_col, token_pos, pad_index, pad_valid = pack_ranges(starts, lengths, W)
-    token_rows = rows[local_rows]
-    cu = torch.zeros(A + 1, dtype=torch.int32, device=device)
-    cu[1:] = lengths.cumsum(0).to(torch.int32)
-    key_mask = None
-    if cache.has_padding:
-        key_mask = cache.key_mask if all_rows else cache.key_mask.index_select(0, rows)
-    wb = WindowBatch(
-        rows=rows,
-        starts=starts,
-        lengths=lengths,
-        cu_seqlens=cu,
-        max_len=W,
-        token_rows=token_rows,
-        token_local=local_rows,
-        token_col=token_col,
-        token_pos=token_pos,
-        flat_slots=token_rows * cache.length + token_pos,
-        rope_pos=cache.position_ids[token_rows, token_pos],
-        pad_index=pad_index,
-        pad_valid=pad_valid,
-        key_mask=key_mask,
-        all_rows=all_rows,
-        num_rows=cache.num_rows,
-        length=cache.length,
-        row_valid=cache.key_mask.sum(-1),
-    )
+        raise _rows_error(cache, rows)
+    W = int(len_max)
+    wb = _batch(cache, rows, all_rows, starts, lengths, pack_ranges(starts, lengths, W), W)
     assert wb.num_tokens == total
     return wb
+
+
+def build_query_batch(cache: BranchCache, query_mask: torch.Tensor, rows: torch.Tensor | None = None) -> WindowBatch:
+    """The packing metadata of a forward whose queries are any set of positions per row.
+
+    ``query_mask`` is ``[A, L]`` bool over canvas positions. The queries of a row are packed in
+    increasing position order; a backend sees the same layout as for windows (a row of ``n``
+    queries is a padded row of length ``n``), so every backend serves both: attention is
+    bidirectional over the whole cache row, and a query's position only enters through RoPE and the
+    slot its K/V are written to.
+    """
+    if query_mask.dim() != 2 or query_mask.shape[1] != cache.length or query_mask.dtype != torch.bool:
+        raise ValueError(
+            f"query_mask must be a bool [rows, {cache.length}] (one entry per canvas position), got "
+            f"{query_mask.dtype} {tuple(query_mask.shape)}."
+        )
+    rows, all_rows = _check_rows(cache, rows, query_mask.shape[0])
+    lengths = query_mask.sum(-1)
+    len_min, len_max, r_min, r_max, unsorted = torch.stack(
+        [lengths.min(), lengths.max(), rows.min(), rows.max(), _unsorted(rows)]
+    ).tolist()  # one host sync per step
+    if len_min <= 0:
+        raise ValueError("Every row of a query forward needs at least one query position (query_mask row is empty).")
+    if r_min < 0 or r_max >= cache.num_rows or unsorted:
+        raise _rows_error(cache, rows)
+    W = int(len_max)
+    offsets = torch.arange(W, device=cache.device)
+    pad_valid = offsets[None, :] < lengths[:, None]
+    local_rows, token_col = pad_valid.nonzero(as_tuple=True)
+    token_pos = query_mask.nonzero(as_tuple=True)[1]  # row-major, as the padded view's real slots
+    packed = (local_rows, token_col, token_pos, packed_index(pad_valid), pad_valid)
+    return _batch(cache, rows, all_rows, token_pos[packed_index(pad_valid)[:, 0]], lengths, packed, W)

@@ -116,6 +116,17 @@ def _check_rule(cfg: Any) -> None:
     LocalLeapRule.from_config(cfg).validate(names={"anchor_threshold": "threshold", "radius": "leap_radius"})
 
 
+def _check_window_queries(cfg: Any, cache: str) -> None:
+    """``window_queries``: ``"all"`` (every window position, each block step: Fast-dLLM's dual
+    cache) or ``"sparse"`` (the masks the step reads and the positions decoded since their K/V were
+    written; docs/algorithm.md, "Sparse window queries")."""
+    if cfg.window_queries not in ("all", "sparse"):
+        raise ValueError(f"window_queries must be 'all' or 'sparse', got {cfg.window_queries!r}.")
+    if cfg.window_queries == "sparse" and cache != "dual":
+        raise ValueError("window_queries='sparse' reuses the dual cache's K/V of decoded positions: it needs "
+                         f"cache='dual' (got cache={cache!r}), or set window_queries='all'.")  # fmt: skip
+
+
 def _check_positive_real(name: str, value: Any) -> None:
     if not _check_real(name, value) > 0:
         raise ValueError(f"{name} must be > 0, got {value!r}.")
@@ -310,6 +321,10 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         skip_completed_block_step: the official code runs one more forward on a block that its
             block-start forward already completed (it commits nothing); ``True`` skips that
             forward. Default ``False`` reproduces the official NFE exactly.
+        window_queries: ``"all"`` (default, the official dual cache: every block step queries the
+            whole block) or ``"sparse"`` (a block step queries only the block's masks and the
+            positions committed since the previous step, whose K/V are recomputed once with their
+            token; the K/V of earlier commits are reused from the cache). Needs ``cache="dual"``.
 
     On Dream, the official Fast-dLLM commits the block's first position unconditionally at each
     block start (its in-block logit shift cannot predict it later). Our window forward predicts
@@ -320,11 +335,12 @@ class FastDLLMConfig(DiffusionGenerationConfig):
     strategy = "fast_dllm"
     _ours = DiffusionGenerationConfig._ours + (
         "cache", "threshold", "factor", "steps", "block_length", "early_stop", "skip_completed_block_step",
-        "rule", "relaxed_threshold", "leap_radius",
+        "rule", "relaxed_threshold", "leap_radius", "window_queries",
     )  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:
         self.cache = kwargs.pop("cache", "dual")
+        self.window_queries = kwargs.pop("window_queries", "all")
         self.threshold = kwargs.pop("threshold", None if any(r in kwargs for r in _RULES[1:]) else 0.9)
         self.factor = kwargs.pop("factor", None)
         self.steps = kwargs.pop("steps", None)
@@ -339,6 +355,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         _check_rule(self)
         if self.cache not in ("none", "prefix", "dual"):
             raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}.")
+        _check_window_queries(self, self.cache)
         _check_positive_int("block_length", self.block_length)
         for flag in ("early_stop", "skip_completed_block_step"):
             _check_bool(flag, getattr(self, flag))
@@ -356,7 +373,8 @@ class FastDLLMConfig(DiffusionGenerationConfig):
 
 
 # ---- BlockBatch options beyond the paper (issue 16): one compact block, each off by default
-_BEYOND_DEFAULTS: dict[str, Any] = {"prune_after_syncs": None, "merge_agreement": 0, "eos_prefer_widest": False}
+_BEYOND_DEFAULTS: dict[str, Any] = {"prune_after_syncs": None, "merge_agreement": 0, "eos_prefer_widest": False,
+                                    "window_queries": "all"}  # fmt: skip
 _BEYOND = tuple(_BEYOND_DEFAULTS)
 
 
@@ -377,6 +395,7 @@ def _check_beyond(cfg: Any) -> None:
         raise ValueError(f"eos_prefer_widest must be True or False, got {cfg.eos_prefer_widest!r}.")
     if cfg.eos_prefer_widest and not cfg.early_stop:
         raise ValueError("eos_prefer_widest ranks the branches that hit EOS: it needs early_stop=True.")
+    _check_window_queries(cfg, "dual")
 
 
 class BlockBatchConfig(DiffusionGenerationConfig):
@@ -422,6 +441,10 @@ class BlockBatchConfig(DiffusionGenerationConfig):
             is a coin toss; the widest window chose its answer tokens with current keys and values
             for the whole answer, a narrow one against a cache stale beyond its window. ``False``
             (default): the paper's ranking. Needs ``early_stop``.
+        window_queries: ``"sparse"``: each block step queries only the masks of a branch's window
+            and the positions decoded since their K/V were written (as in :class:`FastDLLMConfig`),
+            so a wide window costs what it has left to decode, not its width. ``"all"`` (default):
+            every window position, as the paper.
     """
 
     strategy = "blockbatch"

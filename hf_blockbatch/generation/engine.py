@@ -55,7 +55,8 @@ class Run:
         self.state = DecodeState.start(
             input_ids, attention_mask, plan.block_sizes, plan.max_new_tokens, mask_id, quota=plan.rule.keeps_quota,
             map_k=plan.map_k, keep_commit_prob=plan.stop.eos_rank == "commit",
-            features=frozenset().union(*(getattr(part, "needs", ()) for part in (plan.refresh, *plan.policies))),
+            features=frozenset().union(*(getattr(part, "needs", ()) for part in (plan.refresh, *plan.policies)),
+                                       ("kv_tokens",) if plan.sparse_queries else ()),
         )  # fmt: skip
         self.L, self.N = self.state.length, self.state.branches
         self.cache = None if plan.cache == "none" else model.new_cache(self.state.num_rows, self.L, self.state.attention_mask)
@@ -105,14 +106,18 @@ class Run:
             lengths = ends - starts
             self._windows = (starts, ends, self.fwd.layout(starts, lengths))
             queried = {"none": lambda: s.attention_mask[rows].sum(-1), "prefix": lambda: self.L - starts}
-            self.fwd.new_layout(rows, queried[self.plan.cache]() if self.plan.cache in queried else lengths)
+            if not self.plan.sparse_queries:  # a sparse step counts its own queries
+                self.fwd.new_layout(rows, queried[self.plan.cache]() if self.plan.cache in queried else lengths)
         starts, ends, layout = self._windows
         span = self.fwd.span(s, rows, layout, window_only=True)
         if self.cache is None:
             packed = self.fwd.full(s, span, write_cache=False)
+            self.fwd.block_step()
+        elif self.plan.sparse_queries:
+            packed = self.fwd.positions(s, span)
         else:
             packed = self.fwd.windows(s, span, starts, ends)
-        self.fwd.block_step()
+            self.fwd.block_step()
         self.recorder.block_steps += 1
         return self.commit(span, packed, "block")
 
@@ -149,6 +154,7 @@ class Run:
         packed = self.fwd.full(s, span, write_cache=self.cache is not None)
         if self.cache is not None:
             self.cache.broadcast_rows(self.N)
+            s.kv_written(None)
         positions = span.positions.repeat_interleave(self.N, 0)
         in_win = (positions >= s.win_start[:, None]) & (positions < s.win_end[:, None])
         branches = Span(torch.arange(s.num_rows, device=first.device), positions, None, in_win, s.canvas,

@@ -170,6 +170,8 @@ class Forwards:
         out = self.timed(self.model, state.canvas[rows], attention_mask=state.attention_mask[rows],
                          cache=self.cache if write_cache else None, cache_rows=rows if write_cache else None,
                          **kwargs)  # fmt: skip
+        if write_cache:
+            state.kv_written(rows)
         return out.logits if self.mask_logits else out.logits[want]
 
     def windows(self, state: DecodeState, span: Span, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -189,6 +191,24 @@ class Forwards:
         kwargs = {"logits_mask": pick} if self.mask_logits and pick is not None else {}
         out = self.timed(self.model.forward_windows, state.canvas, starts, q_end, self.cache, rows=rows, **kwargs)
         return out.logits if kwargs or pick is None else out.logits[pick]
+
+    def positions(self, state: DecodeState, span: Span) -> torch.Tensor:
+        """Sparse block step (``window_queries="sparse"``, dual cache): query only the slots the step
+        reads and, inside each row's window, the decoded positions whose cached K/V are stale (their
+        token was committed after their K/V were written); every other position's K/V stay as the
+        cache holds them. Returns the packed logits of the read slots, as :meth:`windows` does, and
+        counts each row's query tokens for this step (the layout changes every step)."""
+        rows, read = span.rows, span.read
+        want = torch.zeros(rows.shape[0], self.L + 1, dtype=torch.bool, device=rows.device)
+        want.scatter_(1, span.positions, True if read is None else read)
+        want = want[:, : self.L]
+        ws, we = self.take(state, state.win_start, rows), self.take(state, state.win_end, rows)
+        pos = self.offsets[: self.L]
+        refresh = state.stale_kv(rows) & (pos >= ws[:, None]) & (pos < we[:, None])
+        out = self.timed(self.model.forward_positions, state.canvas, want, refresh, self.cache, rows=rows)
+        state.kv_written(rows, out.query_mask)
+        self._layouts.append([rows, out.query_mask.sum(-1), 1])
+        return out.logits
 
     def slots(self, valid: torch.Tensor | None, A: int, W: int) -> torch.Tensor:
         """``[A, W]`` row of the packed logits for each slot when every slot is read: ``a * W + w``

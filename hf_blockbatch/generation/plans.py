@@ -55,6 +55,9 @@ class DecodePlan:
     step_complete_windows: bool = True
     read_all_slots: bool = False
     unshifted_only: bool = False  # the plan restates an algorithm defined only for unshifted models
+    # block steps query only the masks they read and the stale decoded positions of the windows
+    # (``window_queries="sparse"``, forward.Forwards.positions)
+    sparse_queries: bool = False
 
 
 def check_model(plan: DecodePlan, model) -> None:
@@ -63,6 +66,11 @@ def check_model(plan: DecodePlan, model) -> None:
         raise ValueError(
             "variant='reference' reproduces the authors' LLaDA decoder; their Dream decoder is another algorithm "
             "(docs/reference_variant.md): use variant='ours' with a shifted model such as Dream."
+        )
+    if plan.sparse_queries and not getattr(model, "supports_position_queries", False):
+        raise ValueError(
+            f"window_queries='sparse' needs a model with forward_positions ({type(model).__name__} has none): "
+            "set window_queries='all'."
         )
 
 
@@ -117,7 +125,7 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
             **common, block_sizes=[cfg.block_length], cache=cfg.cache, rule=_rule(cfg, steps_per_block),
             policies=[Advance(after_full=after_full)], advance_after_full=after_full,
             refresh=make_refresh("periodic", cfg.block_length, 0.0, cached=cfg.cache != "none"),
-            stop=StopRule(early_stop=bool(cfg.early_stop)),
+            stop=StopRule(early_stop=bool(cfg.early_stop)), sparse_queries=cfg.window_queries == "sparse",
         )  # fmt: skip
     if isinstance(cfg, BlockBatchConfig) and cfg.variant == "reference":
         return _reference_plan(cfg, common)
@@ -138,6 +146,7 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
             refresh=make_refresh(cfg.refresh, int(cfg.refresh_interval), float(cfg.divergence_threshold), cached=True),
             stop=StopRule(bool(cfg.early_stop), _eos_rank(cfg) if cfg.early_stop and n > 1 else None),
             advance_after_full=after_full, map_k=map_size(float(cfg.merge_threshold)) if cfg.merge else 0,
+            sparse_queries=cfg.window_queries == "sparse",
         )  # fmt: skip
     raise TypeError(f"Unsupported generation config {type(cfg).__name__}; use one of hf_blockbatch's configs.")
 

@@ -71,6 +71,10 @@ class DecodeState:
     # [R, G] float64: each decoded position's probability when it was committed or merged (kept only
     # for ``eos_confidence="commit"``, which ranks EOS hitters by it)
     commit_prob: torch.Tensor | None = None
+    # [R, L]: the token each position held when its K/V in the cache were last written (kept only
+    # for ``window_queries="sparse"``, feature "kv_tokens"): a decoded position whose token differs
+    # has stale K/V, computed while it was still masked, and is queried once more
+    kv_tokens: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         R, dev, G = self.canvas.shape[0], self.canvas.device, self.canvas.shape[1] - self.gen_start
@@ -87,6 +91,8 @@ class DecodeState:
         if self.map_k and self.prob_p is None:
             self.prob_p = torch.zeros(R, G, self.map_k, device=dev)
             self.prob_ids = torch.full((R, G, self.map_k), -1, dtype=torch.long, device=dev)
+        if "kv_tokens" in self.features and self.kv_tokens is None:
+            self.kv_tokens = torch.full_like(self.canvas, -1)  # nothing written yet
         if self.keep_commit_prob and self.commit_prob is None:
             self.commit_prob = torch.zeros(R, G, dtype=torch.float64, device=dev)
 
@@ -169,6 +175,24 @@ class DecodeState:
         pos = torch.arange(self.length, device=self.canvas.device)
         inside = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
         return ((self.canvas == self.mask_id) & inside).sum(-1)
+
+    def kv_written(self, rows: torch.Tensor | None, where: torch.Tensor | None = None) -> None:
+        """The cache's K/V of ``rows`` (all when ``None``) were just computed from their canvases, at
+        every position or at the ``[A, L]`` bool ``where``; call it before the step commits."""
+        if self.kv_tokens is None:
+            return
+        if rows is None:
+            self.kv_tokens.copy_(self.canvas)
+        elif where is None:
+            self.kv_tokens[rows] = self.canvas[rows]
+        else:
+            self.kv_tokens[rows] = torch.where(where, self.canvas[rows], self.kv_tokens[rows])
+
+    def stale_kv(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[A, L]`` bool: decoded positions of ``rows`` whose cached K/V were computed for another
+        token (a mask, before the commit)."""
+        canvas = self.canvas[rows]
+        return (canvas != self.kv_tokens[rows]) & (canvas != self.mask_id)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (whole requests: drop finished ones)."""

@@ -18,6 +18,12 @@
   still-masked ones), and on a small model the head is a large part of a forward (at vocabulary
   1024 and width 128 it costs as much as all four layers), as transformers' ``logits_to_keep``
   saves it in autoregressive decoding. Optional in the contract: see ``supports_logits_mask``.
+* ``model.forward_positions(input_ids, predict, refresh, cache, rows=None)`` (optional:
+  ``supports_position_queries``): like a window forward, but each row's queries are any set of
+  positions: those whose hidden states predict the ``predict`` positions (shifted by
+  ``logit_shift``, as above), and the ``refresh`` positions, whose K/V are rewritten in the cache
+  and whose logits are not needed. A decoder that knows which K/V are stale queries only those and
+  the masks it reads (``window_queries="sparse"``).
 
 Subclasses provide the embedding, the decoder layers and the head under the official names.
 """
@@ -31,13 +37,13 @@ import torch
 from transformers.utils import ModelOutput
 
 from hf_blockbatch.attention.backends import AttentionBackend, get_backend
-from hf_blockbatch.attention.metadata import build_window_batch
+from hf_blockbatch.attention.metadata import build_query_batch, build_window_batch
 from hf_blockbatch.cache import BranchCache
 from hf_blockbatch.models.layers import ForwardContext, RopeTable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DiffusionLMOutput", "WindowOutput", "DiffusionLMMixin"]
+__all__ = ["DiffusionLMOutput", "PositionOutput", "WindowOutput", "DiffusionLMMixin"]
 
 
 @dataclass
@@ -57,6 +63,15 @@ class WindowOutput(ModelOutput):
     cu_seqlens: torch.Tensor | None = None
 
 
+@dataclass
+class PositionOutput(ModelOutput):
+    """Output of :meth:`DiffusionLMMixin.forward_positions`: packed logits ``[n, V]`` of the
+    predicted positions in row-major order, and the ``[A, L]`` bool of the positions queried."""
+
+    logits: torch.Tensor | None = None
+    query_mask: torch.Tensor | None = None
+
+
 class DiffusionLMMixin:
     """Shared implementation of the forward contract (mixed into a ``PreTrainedModel``)."""
 
@@ -64,6 +79,8 @@ class DiffusionLMMixin:
     logit_shift: int = 0
     #: both forwards accept ``logits_mask`` (a model without it gets dense logits and the decoder selects)
     supports_logits_mask: bool = True
+    #: ``forward_positions`` is available (``window_queries="sparse"`` needs it)
+    supports_position_queries: bool = True
 
     # ---- provided by the family classes --------------------------------------------------
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -284,3 +301,38 @@ class DiffusionLMMixin:
         cu = torch.zeros_like(wb.cu_seqlens)
         cu[1:] = (ends - starts).cumsum(0)
         return WindowOutput(logits=self._head(hidden), cu_seqlens=cu)
+
+    def forward_positions(
+        self,
+        input_ids: torch.LongTensor,
+        predict: torch.Tensor,
+        refresh: torch.Tensor | None,
+        cache: BranchCache,
+        rows: torch.Tensor | None = None,
+    ) -> PositionOutput:
+        """Logits predicting the ``predict`` positions of cache rows ``rows`` (see module docstring).
+
+        ``predict`` and ``refresh`` are bool ``[A, L]`` over canvas positions. The queries are the
+        positions ``p - logit_shift`` for every predicted ``p``, and every ``refresh`` position;
+        they attend to the row's whole cache and their K/V are written into it in place. Returns
+        the packed logits ``[Σ predict, V]`` in row-major order, and the query mask used (the
+        positions whose K/V this forward wrote).
+        """
+        self._check_ids(input_ids)
+        self._check_cache(cache, input_ids.shape[1])
+        if input_ids.shape[0] != cache.num_rows:
+            raise ValueError(
+                f"input_ids has {input_ids.shape[0]} rows but the cache has {cache.num_rows}: pass the canvas of "
+                "every cache row and select the active ones with `rows`."
+            )
+        shift = self.logit_shift
+        if predict.dtype != torch.bool or predict.shape[-1] != cache.length or predict.dim() != 2:
+            raise ValueError(f"predict must be a bool [rows, {cache.length}], got {predict.dtype} {tuple(predict.shape)}.")
+        if shift and bool(predict[:, :shift].any()):
+            raise ValueError("A shifted model (Dream) cannot predict position 0: predict positions 1 or later.")
+        heads = predict if not shift else torch.cat([predict[:, shift:], predict.new_zeros(predict.shape[0], shift)], 1)
+        queries = heads if refresh is None else heads | refresh
+        wb = build_query_batch(cache, queries, rows)
+        ctx = self._context("window", wb.rope_pos, input_ids.shape[1], cache=cache, wb=wb)
+        hidden = self._run(self._embed(input_ids[wb.token_rows, wb.token_pos]), ctx)
+        return PositionOutput(logits=self._head(hidden[heads[queries]]), query_mask=queries)

@@ -84,6 +84,7 @@ def sync_to_leader(state: DecodeState, cache: BranchCache | None, sync_threshold
             state.count_offset[dst] = state.committed[src] + state.count_offset[src] - state.committed[dst]
         if cache is not None:
             cache.copy_rows(src, dst, same_mask=True)
+            state.copy_rows(src, dst, ("kv_tokens",))  # which K/V the copied cache rows hold
     moves = state.moves[dst] if state.moves is not None else None
     state.advance()
     if dst.numel():
