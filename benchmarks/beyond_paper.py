@@ -42,6 +42,8 @@ logger = logging.getLogger("beyond_paper")
 
 _FD = {"strategy": "fast_dllm", "cache": "dual", "threshold": 0.9, "early_stop": True}
 _BB = {"strategy": "blockbatch"}
+#: sparse window queries, the re-query radius spelled out (it keys the cached results)
+_SQ = {"window_queries": "sparse", "requery_radius": 3}
 
 #: named candidates; ``max_new_tokens`` comes from each suite's default generation length
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -112,26 +114,39 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bb_32_96_a2_w": {**_BB, "block_sizes": [32, 96], "merge_agreement": 2, "eos_prefer_widest": True},
     # sparse window queries (window_queries="sparse"): the same decoders, each block step querying
     # only the masks it reads and the positions decoded since their K/V were written
-    "fd_es_b32_sq": {**_FD, "block_length": 32, "window_queries": "sparse"},
-    "fd_es_b64_sq": {**_FD, "block_length": 64, "window_queries": "sparse"},
-    "fd_es_b96_sq": {**_FD, "block_length": 96, "window_queries": "sparse"},
-    "bb_default_sq": {**_BB, "window_queries": "sparse"},
-    "bb_default_a2_w_sq": {**_BB, "merge_agreement": 2, "eos_prefer_widest": True, "window_queries": "sparse"},
+    "fd_es_b32_sq": {**_FD, "block_length": 32, **_SQ},
+    "fd_es_b64_sq": {**_FD, "block_length": 64, **_SQ},
+    "fd_es_b96_sq": {**_FD, "block_length": 96, **_SQ},
+    "bb_default_sq": {**_BB, **_SQ},
+    "bb_default_a2_w_sq": {**_BB, "merge_agreement": 2, "eos_prefer_widest": True, **_SQ},
     "bb_4_16_64_a2_w_sq": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True,
-                           "window_queries": "sparse"},
+                           **_SQ},
     "bb_16_64_a2_w_sq": {**_BB, "block_sizes": [16, 64], "merge_agreement": 2, "eos_prefer_widest": True,
-                         "window_queries": "sparse"},
+                         **_SQ},
     "bb_4_64_a2_w_sq": {**_BB, "block_sizes": [4, 64], "merge_agreement": 2, "eos_prefer_widest": True,
-                        "window_queries": "sparse"},
+                        **_SQ},
+    "bb_4to64_a2_w_sq": {**_BB, "block_sizes": [4, 8, 16, 32, 64], "merge_agreement": 2, "eos_prefer_widest": True,
+                         **_SQ},
+    "bb_8_64_a2_w_sq": {**_BB, "block_sizes": [8, 64], "merge_agreement": 2, "eos_prefer_widest": True,
+                        **_SQ},
+    "bb_4_16_64_96_a2_w_sq": {**_BB, "block_sizes": [4, 16, 64, 96], "merge_agreement": 2, "eos_prefer_widest": True,
+                              **_SQ},
+    # the re-query radius (0: only the stale positions)
+    **{f"{name}_r{r}": {**CFG, "requery_radius": r} for r in (0, 1, 2) for name, CFG in {
+        "fd_es_b64_sq": {**_FD, "block_length": 64, **_SQ},
+        "bb_4_16_64_a2_w_sq": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True, **_SQ},
+        "bb_4to64_a2_w_sq": {**_BB, "block_sizes": [4, 8, 16, 32, 64], "merge_agreement": 2, "eos_prefer_widest": True,
+                             **_SQ},
+    }.items()},
     # and LocalLeap's relaxed commits (anchors 0.9, 0.75 within 4 positions), in Fast-dLLM and in the branches
     "fd_es_b64_ll": {**_FD, "block_length": 64, "rule": "localleap"},
-    "fd_es_b64_sq_ll": {**_FD, "block_length": 64, "rule": "localleap", "window_queries": "sparse"},
-    "bb_default_a2_w_sq_ll": {**_BB, "merge_agreement": 2, "eos_prefer_widest": True, "window_queries": "sparse",
+    "fd_es_b64_sq_ll": {**_FD, "block_length": 64, "rule": "localleap", **_SQ},
+    "bb_default_a2_w_sq_ll": {**_BB, "merge_agreement": 2, "eos_prefer_widest": True, **_SQ,
                               "rule": "localleap"},
     "bb_4_16_64_a2_w_sq_ll": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True,
-                              "window_queries": "sparse", "rule": "localleap"},
+                              **_SQ, "rule": "localleap"},
     "bb_16_64_a2_w_sq_ll": {**_BB, "block_sizes": [16, 64], "merge_agreement": 2, "eos_prefer_widest": True,
-                            "window_queries": "sparse", "rule": "localleap"},
+                            **_SQ, "rule": "localleap"},
 }
 
 

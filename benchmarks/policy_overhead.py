@@ -75,6 +75,7 @@ def count_policy_ops(model, prompts, masks, cfg, batch_size: int) -> dict[str, f
         return call
 
     model.forward, model.forward_windows = outside(model.forward), outside(model.forward_windows)
+    model.forward_positions = outside(model.forward_positions)
     try:
         with counter:
             for i in range(0, prompts.shape[0], batch_size):
@@ -82,7 +83,7 @@ def count_policy_ops(model, prompts, masks, cfg, batch_size: int) -> dict[str, f
                 model.generate(prompts[i : i + batch_size], attention_mask=masks[i : i + batch_size], generation_config=cfg)
                 counter.active = False
     finally:
-        del model.forward, model.forward_windows  # back to the class's methods
+        del model.forward, model.forward_windows, model.forward_positions  # back to the class's methods
     return {"policy_ops": counter.ops, "forward_calls": forwards[0], "policy_ops_per_forward": counter.ops / forwards[0]}
 
 
@@ -99,6 +100,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="runs per strategy; the median run is reported")
+    parser.add_argument("--sparse", action="store_true", help="the strategies with window_queries='sparse'")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = build_model(args)
@@ -115,10 +117,13 @@ def main() -> None:
         prompts = torch.randint(0, vocab - 8, (args.prompts, 24))
         masks = torch.ones_like(prompts)
     threshold = 0.9 if not args.random else 0.02
+    # --sparse: the same two with sparse window queries (issue 16)
+    sparse, tag = ({"window_queries": "sparse"}, "_sparse") if args.sparse else ({}, "")
     strategies = {
-        "fast_dllm_dual_b32": hb.FastDLLMConfig(max_new_tokens=args.max_new_tokens, block_length=32, threshold=threshold),
-        "blockbatch_default": hb.BlockBatchConfig(max_new_tokens=args.max_new_tokens, threshold=threshold),
-    }
+        f"fast_dllm_dual_b32{tag}": hb.FastDLLMConfig(max_new_tokens=args.max_new_tokens, block_length=32,
+                                                      threshold=threshold, **sparse),
+        f"blockbatch_default{tag}": hb.BlockBatchConfig(max_new_tokens=args.max_new_tokens, threshold=threshold, **sparse),
+    }  # fmt: skip
     model_name = f"random d{args.d_model} L{args.layers} V{args.vocab}" if args.random else args.model
     report = {"model": model_name, "threads": args.threads, "prompts": args.prompts,
               "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "strategies": {}}  # fmt: skip

@@ -94,6 +94,7 @@ configs = st.fixed_dictionaries(
         "prune_after_syncs": st.sampled_from([None, 1, 2]),
         "merge_agreement": st.sampled_from([0, 1, 2]),
         "window_queries": st.sampled_from(["all", "sparse"]),
+        "requery_radius": st.sampled_from([0, 1, 3]),
     }
 )
 
@@ -106,6 +107,8 @@ def _applicable(cfg: dict) -> dict:
         cfg["prune_after_syncs"] = None
     if not cfg["merge"]:
         cfg["merge_agreement"] = 0
+    if cfg["window_queries"] != "sparse":
+        cfg.pop("requery_radius")
     return cfg
 
 
@@ -139,10 +142,12 @@ def test_blockbatch_invariants(cfg, kind, prompt, seed):
 
 # the same invariants where the issue-16 options act: several branches that sync often and merge
 beyond = configs.map(lambda c: {**c, "sync": True, "merge": True, "sync_threshold": c["sync_threshold"] % 3})
-beyond = beyond.filter(lambda c: len(c["block_sizes"]) >= 2)
+beyond = beyond.filter(lambda c: len(c["block_sizes"]) >= 2).map(
+    lambda c: c if c["window_queries"] == "sparse" else {k: v for k, v in c.items() if k != "requery_radius"}
+)
 
 
-@settings(max_examples=24, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+@settings(max_examples=48, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
 @given(
     cfg=beyond,

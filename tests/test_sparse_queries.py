@@ -112,7 +112,8 @@ def test_sparse_query_tokens_counted_by_hand():
     masks): 8, as dense. Then 4 masks + the 2 just committed, then 2 + 2: a 4-token prompt costs
     12 + 8 + 6 + 4 = 30 (dense: 12 + 3 × 8 = 36); a 2-token prompt beside it 10 + 18 = 28."""
     model = make_tiny_llada()
-    sparse = hb.FastDLLMConfig(max_new_tokens=8, block_length=8, threshold=None, steps=4, window_queries="sparse")
+    sparse = hb.FastDLLMConfig(max_new_tokens=8, block_length=8, threshold=None, steps=4, window_queries="sparse",
+                               requery_radius=0)  # fmt: skip
     dense = hb.FastDLLMConfig(max_new_tokens=8, block_length=8, threshold=None, steps=4)
     out = _run(model, [[5, 6, 7, 8], [9, 10]], sparse)
     assert out.nfe.tolist() == [4, 4]
@@ -120,11 +121,13 @@ def test_sparse_query_tokens_counted_by_hand():
     assert [st["query_tokens"] for st in _run(model, [[5, 6, 7, 8], [9, 10]], dense).stats] == [36, 34]
 
 
-def _replayed_queries(trace: list, prompt: int, gen: int, shift: int) -> int:
+def _replayed_queries(trace: list, prompt: int, gen: int, shift: int, radius: int) -> int:
     """Query tokens of one Fast-dLLM request, replayed from its trace with sets: a full forward
     queries the canvas and leaves every decoded position's K/V fresh; a block step queries its
-    window's masks (shifted by ``shift``) and the window's decoded positions that are not fresh,
-    and leaves the decoded ones it queried fresh. Commits come after the forward that made them."""
+    window's masks (and, shifted by ``shift``, the positions predicting them), the window's decoded
+    positions that are not fresh and those within ``radius`` of a mask, and leaves the decoded ones
+    it queried fresh. Commits come
+    after the forward that made them."""
     length = prompt + gen
     decoded, fresh, total = set(range(prompt)), set(), 0
     for ev in trace:
@@ -135,24 +138,26 @@ def _replayed_queries(trace: list, prompt: int, gen: int, shift: int) -> int:
         else:
             window = set(range(prompt + ev.window[0], prompt + ev.window[1]))  # events: generated positions
             masks = window - decoded
-            queried = {p - shift for p in masks} | ((window & decoded) - fresh)
+            near = {q for p in masks for q in range(p - radius, p + radius + 1)}
+            queried = {p - shift for p in masks} | masks | ((window & decoded) - fresh) | (window & near)
             total += len(queried)
             fresh |= queried & decoded
         decoded |= {prompt + p for p in ev.committed}
     return total
 
 
+@pytest.mark.parametrize("radius", [0, 1, 3])
 @pytest.mark.parametrize("family", ["llada", "dream"])
 @pytest.mark.parametrize("block", [4, 8, 24])
-def test_sparse_query_tokens_equal_the_replayed_trace(family, block):
+def test_sparse_query_tokens_equal_the_replayed_trace(family, block, radius):
     """Threshold 0.47 on a peaked model: steps commit a varying number of positions, anywhere in
     the window. Every block step commits (the rule always takes the best), so the trace names all."""
     model = peaked(family)
     cfg = hb.FastDLLMConfig(max_new_tokens=24, block_length=block, threshold=0.47, window_queries="sparse",
-                            skip_completed_block_step=True, output_trace=True)  # fmt: skip
+                            requery_radius=radius, skip_completed_block_step=True, output_trace=True)  # fmt: skip
     for prompt in ([5, 3, 8, 1, 9, 2], [7, 7, 1]):
         st = _run(model, [prompt], cfg).stats[0]
-        assert st["query_tokens"] == _replayed_queries(st["trace"], len(prompt), 24, model.logit_shift)
+        assert st["query_tokens"] == _replayed_queries(st["trace"], len(prompt), 24, model.logit_shift, radius)
 
 
 SPARSE_CONFIGS = [
@@ -161,7 +166,7 @@ SPARSE_CONFIGS = [
                         refresh_interval=8, window_queries="sparse"),  # fmt: skip
     hb.BlockBatchConfig(max_new_tokens=16, block_sizes=[2, 8], threshold=0.47, sync_threshold=2, refresh="off",
                         window_queries="sparse", rule="localleap", relaxed_threshold=0.3, merge_agreement=1,
-                        eos_prefer_widest=True, prune_after_syncs=1),  # fmt: skip
+                        eos_prefer_widest=True, prune_after_syncs=1, requery_radius=0),  # fmt: skip
 ]
 
 
@@ -185,6 +190,9 @@ def test_sparse_padded_batch_equals_alone(family, cfg):
         (lambda: hb.FastDLLMConfig(window_queries="masked"), "window_queries must be 'all' or 'sparse'"),
         (lambda: hb.FastDLLMConfig(window_queries="sparse", cache="prefix"), "needs cache='dual'"),
         (lambda: hb.BlockBatchConfig(window_queries=True), "window_queries must be 'all' or 'sparse'"),
+        (lambda: hb.FastDLLMConfig(window_queries="sparse", requery_radius=-1), "requery_radius must be an integer"),
+        (lambda: hb.BlockBatchConfig(window_queries="sparse", requery_radius=1.5), "requery_radius must be an integer"),
+        (lambda: hb.FastDLLMConfig(requery_radius=1), "it needs window_queries='sparse'"),
         (lambda: hb.BlockBatchConfig(window_queries="sparse", variant="reference", max_new_tokens=128),
          "an option beyond the paper"),
     ],

@@ -116,6 +116,11 @@ def _check_rule(cfg: Any) -> None:
     LocalLeapRule.from_config(cfg).validate(names={"anchor_threshold": "threshold", "radius": "leap_radius"})
 
 
+#: sparse window queries re-query the decoded positions within this many of a read slot (chosen on
+#: training items: benchmarks/results/beyond_paper/README.md, "Sparse window queries")
+_REQUERY_RADIUS = 3
+
+
 def _check_window_queries(cfg: Any, cache: str) -> None:
     """``window_queries``: ``"all"`` (every window position, each block step: Fast-dLLM's dual
     cache) or ``"sparse"`` (the masks the step reads and the positions decoded since their K/V were
@@ -125,6 +130,12 @@ def _check_window_queries(cfg: Any, cache: str) -> None:
     if cfg.window_queries == "sparse" and cache != "dual":
         raise ValueError("window_queries='sparse' reuses the dual cache's K/V of decoded positions: it needs "
                          f"cache='dual' (got cache={cache!r}), or set window_queries='all'.")  # fmt: skip
+    r = cfg.requery_radius
+    if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+        raise ValueError(f"requery_radius must be an integer >= 0 (positions either side), got {r!r}.")
+    if r != _REQUERY_RADIUS and cfg.window_queries != "sparse":
+        raise ValueError("requery_radius chooses what a sparse block step re-queries: it needs "
+                         "window_queries='sparse' (or leave requery_radius at its default).")  # fmt: skip
 
 
 def _check_positive_real(name: str, value: Any) -> None:
@@ -325,6 +336,9 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             whole block) or ``"sparse"`` (a block step queries only the block's masks and the
             positions committed since the previous step, whose K/V are recomputed once with their
             token; the K/V of earlier commits are reused from the cache). Needs ``cache="dual"``.
+        requery_radius: with sparse queries, also re-query the decoded positions within this many
+            positions of a mask the step reads (3): the masks attend to them most, and their K/V
+            predate their neighbours' latest commits. ``0``: only the stale ones.
 
     On Dream, the official Fast-dLLM commits the block's first position unconditionally at each
     block start (its in-block logit shift cannot predict it later). Our window forward predicts
@@ -335,12 +349,13 @@ class FastDLLMConfig(DiffusionGenerationConfig):
     strategy = "fast_dllm"
     _ours = DiffusionGenerationConfig._ours + (
         "cache", "threshold", "factor", "steps", "block_length", "early_stop", "skip_completed_block_step",
-        "rule", "relaxed_threshold", "leap_radius", "window_queries",
+        "rule", "relaxed_threshold", "leap_radius", "window_queries", "requery_radius",
     )  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:
         self.cache = kwargs.pop("cache", "dual")
         self.window_queries = kwargs.pop("window_queries", "all")
+        self.requery_radius = kwargs.pop("requery_radius", _REQUERY_RADIUS)
         self.threshold = kwargs.pop("threshold", None if any(r in kwargs for r in _RULES[1:]) else 0.9)
         self.factor = kwargs.pop("factor", None)
         self.steps = kwargs.pop("steps", None)
@@ -374,7 +389,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
 
 # ---- BlockBatch options beyond the paper (issue 16): one compact block, each off by default
 _BEYOND_DEFAULTS: dict[str, Any] = {"prune_after_syncs": None, "merge_agreement": 0, "eos_prefer_widest": False,
-                                    "window_queries": "all"}  # fmt: skip
+                                    "window_queries": "all", "requery_radius": _REQUERY_RADIUS}  # fmt: skip
 _BEYOND = tuple(_BEYOND_DEFAULTS)
 
 
@@ -444,7 +459,7 @@ class BlockBatchConfig(DiffusionGenerationConfig):
         window_queries: ``"sparse"``: each block step queries only the masks of a branch's window
             and the positions decoded since their K/V were written (as in :class:`FastDLLMConfig`),
             so a wide window costs what it has left to decode, not its width. ``"all"`` (default):
-            every window position, as the paper.
+            every window position, as the paper. ``requery_radius``: as in :class:`FastDLLMConfig`.
     """
 
     strategy = "blockbatch"

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from hf_blockbatch.attention.metadata import packed_index
 from hf_blockbatch.generation.state import DecodeState
@@ -53,7 +54,8 @@ class Forwards:
     from the policy."""
 
     def __init__(self, model, state: DecodeState, cache, cache_mode: str, pad_id: int, eos_ids: torch.Tensor,
-                 masked_only: bool, eos_slot: bool) -> None:  # fmt: skip
+                 masked_only: bool, eos_slot: bool, requery_radius: int = 0) -> None:  # fmt: skip
+        self.requery_radius = requery_radius
         self.model, self.cache, self.cache_mode, self.pad_id, self.eos_ids = model, cache, cache_mode, pad_id, eos_ids
         self.masked_only, self.eos_slot = masked_only, eos_slot
         self.L, self.gs = state.length, state.gen_start
@@ -194,17 +196,29 @@ class Forwards:
 
     def positions(self, state: DecodeState, span: Span) -> torch.Tensor:
         """Sparse block step (``window_queries="sparse"``, dual cache): query only the slots the step
-        reads and, inside each row's window, the decoded positions whose cached K/V are stale (their
-        token was committed after their K/V were written); every other position's K/V stay as the
-        cache holds them. Returns the packed logits of the read slots, as :meth:`windows` does, and
-        counts each row's query tokens for this step (the layout changes every step)."""
+        reads and, inside each row's window, its masks and the decoded positions whose cached K/V
+        are stale (their token was committed after their K/V were written); every other position's
+        K/V stay as the cache holds them. Returns the packed logits of the read slots, as :meth:`windows` does, and
+        counts each row's query tokens for this step (the layout changes every step).
+
+        With ``requery_radius`` r > 0, the decoded positions within r of a read slot are queried too:
+        their K/V were computed before their neighbours' latest commits, and the slots the step
+        reads attend to them most."""
         rows, read = span.rows, span.read
         want = torch.zeros(rows.shape[0], self.L + 1, dtype=torch.bool, device=rows.device)
         want.scatter_(1, span.positions, True if read is None else read)
         want = want[:, : self.L]
         ws, we = self.take(state, state.win_start, rows), self.take(state, state.win_end, rows)
         pos = self.offsets[: self.L]
-        refresh = state.stale_kv(rows) & (pos >= ws[:, None]) & (pos < we[:, None])
+        canvas = self.take(state, state.canvas, rows)
+        # every mask of the window too (a shifted model reads a mask at p from the query at p - 1,
+        # but the mask's own K/V are what the other masks attend to), and the stale positions
+        refresh = state.stale_kv(rows) | (canvas == self.mask_id)
+        if self.requery_radius:  # and the decoded neighbours of what it reads, whose context just moved
+            r = self.requery_radius
+            near = F.max_pool1d(want[:, None].float(), 2 * r + 1, stride=1, padding=r)[:, 0] > 0
+            refresh |= near
+        refresh &= (pos >= ws[:, None]) & (pos < we[:, None])
         out = self.timed(self.model.forward_positions, state.canvas, want, refresh, self.cache, rows=rows)
         state.kv_written(rows, out.query_mask)
         self._layouts.append([rows, out.query_mask.sum(-1), 1])

@@ -58,6 +58,7 @@ class DecodePlan:
     # block steps query only the masks they read and the stale decoded positions of the windows
     # (``window_queries="sparse"``, forward.Forwards.positions)
     sparse_queries: bool = False
+    requery_radius: int = 0  # and the decoded positions within this many of a read slot
 
 
 def check_model(plan: DecodePlan, model) -> None:
@@ -126,6 +127,7 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
             policies=[Advance(after_full=after_full)], advance_after_full=after_full,
             refresh=make_refresh("periodic", cfg.block_length, 0.0, cached=cfg.cache != "none"),
             stop=StopRule(early_stop=bool(cfg.early_stop)), sparse_queries=cfg.window_queries == "sparse",
+            requery_radius=int(cfg.requery_radius),
         )  # fmt: skip
     if isinstance(cfg, BlockBatchConfig) and cfg.variant == "reference":
         return _reference_plan(cfg, common)
@@ -147,6 +149,7 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
             stop=StopRule(bool(cfg.early_stop), _eos_rank(cfg) if cfg.early_stop and n > 1 else None),
             advance_after_full=after_full, map_k=map_size(float(cfg.merge_threshold)) if cfg.merge else 0,
             sparse_queries=cfg.window_queries == "sparse",
+            requery_radius=int(cfg.requery_radius),
         )  # fmt: skip
     raise TypeError(f"Unsupported generation config {type(cfg).__name__}; use one of hf_blockbatch's configs.")
 
