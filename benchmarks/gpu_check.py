@@ -10,7 +10,8 @@
    layers, random weights), every strategy and cache mode, a batch of 4 left-padded prompts and
    one of them alone: NFE, wall time and the policy's share per call, whether the padded batch
    gives the alone tokens (bf16 kernels may round differently per shape: reported, not asserted),
-   and whether the window backends decode the same tokens.
+   and whether the window backends decode the same tokens; with dense and sparse window queries.
+   Section 2 also times a sparse query step (a quarter of each window's positions).
 
 Writes ``benchmarks/results/gpu_check.json`` (or ``$OUT/gpu_check.json`` when ``OUT`` is set)
 after every section, and a section that fails is recorded with its error while the others still
@@ -60,9 +61,16 @@ def agreement(device: torch.device) -> dict:
         with torch.no_grad():
             model(ids, attention_mask=mask, cache=cache)
             out = model.forward_windows(ids, starts, ends, cache, rows=rows).logits.float()
+            # the same windows as sparse queries (forward_positions): the same packed metadata
+            pos = torch.arange(L, device=device)
+            inside = (pos >= starts[:, None]) & (pos < ends[:, None])
+            cache = model.new_cache(B, L, mask)
+            model(ids, attention_mask=mask, cache=cache)
+            sparse = model.forward_positions(ids, inside, inside, cache, rows=rows).logits.float()
         if ref is None:
             ref = out
         results[name] = float((out - ref).abs().max())
+        results[f"{name}_positions"] = float((sparse - ref).abs().max())
     return results
 
 
@@ -101,7 +109,14 @@ def latency(device: torch.device, layers: int, repeats: int) -> dict:
             single = timed(
                 lambda: model.forward_windows(ids, starts[3:4], ends[3:4], cache, rows=torch.tensor([3], device=device))
             )
-            out[name] = {"packed_4_to_128_ms": packed, "single_32_ms": single, "ratio": packed / single}
+            # sparse window queries: the same six windows, each querying a quarter of its positions
+            # (a window mid-decoding), spread over it
+            pos = torch.arange(L, device=device)
+            inside = (pos >= starts[:, None]) & (pos < ends[:, None])
+            quarter = inside & ((pos - Lp) % 4 == 0)
+            sparse = timed(lambda: model.forward_positions(ids, quarter, None, cache))
+            out[name] = {"packed_4_to_128_ms": packed, "single_32_ms": single, "ratio": packed / single,
+                         "sparse_quarter_4_to_128_ms": sparse, "sparse_query_tokens": int(quarter.sum())}  # fmt: skip
     return out
 
 
@@ -131,6 +146,8 @@ def decoding(device: torch.device, dtype: torch.dtype, layers: int, width: int, 
         "fast_dllm_dual": hb.FastDLLMConfig(max_new_tokens=G, threshold=threshold),
         "blockbatch": hb.BlockBatchConfig(max_new_tokens=G, threshold=threshold),
         "blockbatch_divergence": hb.BlockBatchConfig(max_new_tokens=G, threshold=threshold, refresh="divergence"),
+        "fast_dllm_dual_sparse": hb.FastDLLMConfig(max_new_tokens=G, threshold=threshold, window_queries="sparse"),
+        "blockbatch_sparse": hb.BlockBatchConfig(max_new_tokens=G, threshold=threshold, window_queries="sparse"),
     }
     backends = [b for b in available_backends(device, dtype) if b != "reference"]
     out: dict = {"params_billion": sum(p.numel() for p in model.parameters()) / 1e9, "backends": backends}
