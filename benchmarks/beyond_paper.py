@@ -138,6 +138,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "bb_4to64_a2_w_sq": {**_BB, "block_sizes": [4, 8, 16, 32, 64], "merge_agreement": 2, "eos_prefer_widest": True,
                              **_SQ},
     }.items()},
+    # merges that take only what the source holds confidently (merge_source_confidence)
+    **{f"{name}_c{int(c * 10):02d}": {**CFG, "merge_source_confidence": c} for c in (0.7, 0.9) for name, CFG in {
+        "bb_default_a2_w_sq": {**_BB, "merge_agreement": 2, "eos_prefer_widest": True, **_SQ},
+        "bb_4_16_64_a2_w_sq": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True, **_SQ},
+        "bb_default_sq": {**_BB, **_SQ},
+    }.items()},
     # and LocalLeap's relaxed commits (anchors 0.9, 0.75 within 4 positions), in Fast-dLLM and in the branches
     "fd_es_b64_ll": {**_FD, "block_length": 64, "rule": "localleap"},
     "fd_es_b64_sq_ll": {**_FD, "block_length": 64, "rule": "localleap", **_SQ},

@@ -147,19 +147,21 @@ beyond = beyond.filter(lambda c: len(c["block_sizes"]) >= 2).map(
 )
 
 
-@settings(max_examples=48, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+@settings(max_examples=96, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
 @given(
     cfg=beyond,
     prune=st.sampled_from([1, 2]),
     agreement=st.sampled_from([0, 1, 2]),
+    confident=st.sampled_from([None, 0.5, 0.9]),
     kind=st.sampled_from(["llada-peaked", "dream-peaked", "llada-eos", "dream-eos"]),
     prompt=st.lists(st.integers(0, 91), min_size=5, max_size=10),
     seed=st.integers(0, 2**16),
 )
-def test_blockbatch_invariants_with_prune_and_merge_guard(cfg, prune, agreement, kind, prompt, seed):
+def test_blockbatch_invariants_with_prune_and_merge_guard(cfg, prune, agreement, confident, kind, prompt, seed):
     widest = cfg["early_stop"] and seed % 2 == 0
-    cfg = {**cfg, "prune_after_syncs": prune, "merge_agreement": agreement, "eos_prefer_widest": widest}
+    cfg = {**cfg, "prune_after_syncs": prune, "merge_agreement": agreement, "eos_prefer_widest": widest,
+           "merge_source_confidence": confident}  # fmt: skip
     stats = _check_invariants(cfg, kind, prompt, seed)
     _SEEN["pruned"] += stats["pruned"] > 0
     _SEEN["guarded_merges"] += agreement > 0 and stats["merged"] > 0
@@ -298,12 +300,13 @@ def _random_state(seed: int, B: int, N: int, G: int, k: int):
     return state
 
 
-def _plain_merge(state, threshold: float, N: int, agreement: int = 0) -> torch.Tensor:
+def _plain_merge(state, threshold: float, N: int, agreement: int = 0, confident: float | None = None) -> torch.Tensor:
     """docs/algorithm.md, "BlockBatch — Merge", with loops: destinations take, on pre-merge canvases, from compatible
     active sources behind them (smaller window end; equal ends: higher row), at masked positions
     inside some such source's window, the source token the destination's map rates highest.
     ``agreement`` r: a source offers its token at p only if it holds what the destination holds at
-    every p ± 1..r inside the generated region."""
+    every p ± 1..r inside the generated region; ``confident`` c: only where it holds its token at a
+    probability ≥ c."""
     c, gs, M = state.canvas.tolist(), state.gen_start, state.mask_id
     out = [row[:] for row in c]
     ws, we, done = state.win_start.tolist(), state.win_end.tolist(), state.done.tolist()
@@ -321,7 +324,7 @@ def _plain_merge(state, threshold: float, N: int, agreement: int = 0) -> torch.T
                 continue
             best, token = -1.0, None
             for s in srcs:
-                if c[s][p] == M:
+                if c[s][p] == M or (confident is not None and float(state.commit_prob[s, p - gs]) < confident):
                     continue
                 near = [q for q in range(p - agreement, p + agreement + 1) if q != p and gs <= q < L]
                 if any(c[s][q] != c[d][q] for q in near):
@@ -334,18 +337,22 @@ def _plain_merge(state, threshold: float, N: int, agreement: int = 0) -> torch.T
     return torch.tensor(out)
 
 
+@pytest.mark.parametrize("confident", [None, 0.6])
 @pytest.mark.parametrize("agreement", [0, 1, 2])
 @pytest.mark.parametrize("threshold", [0.5, 0.3, 0.2])
 @pytest.mark.parametrize("seed", range(12))
-def test_merge_equals_a_plain_loop_implementation(seed, threshold, agreement):
+def test_merge_equals_a_plain_loop_implementation(seed, threshold, agreement, confident):
     from hf_blockbatch.generation.policies.merge import merge
 
     N = 3 + seed % 4
     k = max(1, -(-10 // int(threshold * 10)) - 1)  # ceil(1 / t) - 1, as the engine keeps
     state = _random_state(seed, B=2, N=N, G=14, k=k)
-    expect = _plain_merge(state, threshold, N, agreement)
+    if confident is not None:  # what each decoded token was committed at
+        g = torch.Generator().manual_seed(seed)
+        state.commit_prob = torch.rand(state.canvas.shape[0], 14, generator=g, dtype=torch.float64)
+    expect = _plain_merge(state, threshold, N, agreement, confident)
     before = state.canvas.clone()
-    taken = merge(state, threshold, agreement)
+    taken = merge(state, threshold, agreement, confident)
     assert torch.equal(state.canvas, expect)
     assert torch.equal(taken, (state.canvas != before)[:, state.gen_start :])
     assert state.merged.tolist() == taken.sum(-1).tolist()
@@ -360,6 +367,12 @@ def test_merge_reference_states_do_merge():
     guarded = sum(int((_plain_merge(s, 0.5, 3 + i % 4, 1) != s.canvas).sum())
                   for i, s in enumerate(_random_state(i, 2, 3 + i % 4, 14, 1) for i in range(12)))  # fmt: skip
     assert 0 < guarded < taken
+    # and so does the source-confidence guard
+    states = [_random_state(i, 2, 3 + i % 4, 14, 1) for i in range(12)]
+    for i, st_ in enumerate(states):
+        st_.commit_prob = torch.rand(st_.canvas.shape[0], 14, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+    confident = sum(int((_plain_merge(s, 0.5, 3 + i % 4, 0, 0.6) != s.canvas).sum()) for i, s in enumerate(states))
+    assert 0 < confident < taken
 
 
 def test_merge_never_writes_into_a_pruned_row():

@@ -389,7 +389,8 @@ class FastDLLMConfig(DiffusionGenerationConfig):
 
 # ---- BlockBatch options beyond the paper (issue 16): one compact block, each off by default
 _BEYOND_DEFAULTS: dict[str, Any] = {"prune_after_syncs": None, "merge_agreement": 0, "eos_prefer_widest": False,
-                                    "window_queries": "all", "requery_radius": _REQUERY_RADIUS}  # fmt: skip
+                                    "window_queries": "all", "requery_radius": _REQUERY_RADIUS,
+                                    "merge_source_confidence": None}  # fmt: skip
 _BEYOND = tuple(_BEYOND_DEFAULTS)
 
 
@@ -406,6 +407,10 @@ def _check_beyond(cfg: Any) -> None:
         raise ValueError(f"merge_agreement must be an integer >= 0 (positions either side), got {r!r}.")
     if r and not cfg.merge:
         raise ValueError("merge_agreement guards merges: it needs merge=True (or set merge_agreement=0).")
+    if cfg.merge_source_confidence is not None:
+        _check_threshold("merge_source_confidence", cfg.merge_source_confidence)
+        if not cfg.merge:
+            raise ValueError("merge_source_confidence guards merges: it needs merge=True (or set it to None).")
     if not isinstance(cfg.eos_prefer_widest, bool):
         raise ValueError(f"eos_prefer_widest must be True or False, got {cfg.eos_prefer_widest!r}.")
     if cfg.eos_prefer_widest and not cfg.early_stop:
@@ -450,6 +455,11 @@ class BlockBatchConfig(DiffusionGenerationConfig):
             destination hold the same (token, or both masked) within this many positions either
             side (``policies/merge.py``), so that a merge cannot splice two answer forms. ``0``
             (default): no such guard, the paper's merge. Needs ``merge``.
+        merge_source_confidence: a merge takes a source's token only where the source holds it at
+            a probability at least this (it committed, merged or copied it at that probability), so
+            a narrow branch's forced commits (its window's best candidate when none reaches the
+            threshold) stay its own. ``None`` (default): every decoded token is offered, the paper's
+            merge. Needs ``merge``.
         eos_prefer_widest: when several branches hit EOS in the same step, the one with the largest
             block wins, instead of the one most confident in its EOS (``eos_confidence``). Why: the
             hitters' EOS probabilities are often within 1e-6 of 1 and of each other, so that ranking

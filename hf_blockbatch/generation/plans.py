@@ -136,7 +136,8 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
         after_full = bool(cfg.skip_completed_block_step)
         policies: list[BranchPolicy] = [Advance(after_full=after_full)]
         if n > 1 and cfg.merge:
-            policies.append(Merge(float(cfg.merge_threshold), int(cfg.merge_agreement)))
+            confident = None if cfg.merge_source_confidence is None else float(cfg.merge_source_confidence)
+            policies.append(Merge(float(cfg.merge_threshold), int(cfg.merge_agreement), confident))
             if not cfg.sync:  # else the sync's advance moves the windows past the merged tokens too
                 policies.append(Advance(always=True))
         if n > 1 and cfg.sync:

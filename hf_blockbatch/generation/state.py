@@ -69,7 +69,7 @@ class DecodeState:
     pruned: torch.Tensor = field(default=None)
     step_syncs: torch.Tensor = field(default=None)  # [R] syncs after block steps (Prune counts them)
     # [R, G] float64: each decoded position's probability when it was committed or merged (kept only
-    # for ``eos_confidence="commit"``, which ranks EOS hitters by it)
+    # for ``eos_confidence="commit"``, which ranks EOS hitters by it, and ``merge_source_confidence``)
     commit_prob: torch.Tensor | None = None
     # [R, L]: the token each position held when its K/V in the cache were last written (kept only
     # for ``window_queries="sparse"``, feature "kv_tokens"): a decoded position whose token differs
@@ -93,7 +93,7 @@ class DecodeState:
             self.prob_ids = torch.full((R, G, self.map_k), -1, dtype=torch.long, device=dev)
         if "kv_tokens" in self.features and self.kv_tokens is None:
             self.kv_tokens = torch.full_like(self.canvas, -1)  # nothing written yet
-        if self.keep_commit_prob and self.commit_prob is None:
+        if (self.keep_commit_prob or "commit_prob" in self.features) and self.commit_prob is None:
             self.commit_prob = torch.zeros(R, G, dtype=torch.float64, device=dev)
 
     @classmethod

@@ -34,13 +34,20 @@ __all__ = ["Merge", "merge"]
 @dataclass(frozen=True)
 class Merge:
     """``agreement`` r > 0: a source offers its token at p only where source and destination hold
-    the same at every position p ± 1 … p ± r (the same token, or both masked); see :func:`merge`."""
+    the same at every position p ± 1 … p ± r (the same token, or both masked); ``source_confidence``
+    c: only tokens the source holds at a probability ≥ c (committed, merged or copied at it); see
+    :func:`merge`."""
 
     threshold: float = 0.5
     agreement: int = 0
+    source_confidence: float | None = None
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        return ("commit_prob",) if self.source_confidence is not None else ()
 
     def apply(self, ctx: StepContext) -> bool:
-        taken = merge(ctx.state, self.threshold, self.agreement)
+        taken = merge(ctx.state, self.threshold, self.agreement, self.source_confidence)
         ctx.recorder.positions(ctx.state, taken, "merge")
         return True
 
@@ -79,7 +86,8 @@ def _sources(state: DecodeState, gen: torch.Tensor, decoded: torch.Tensor) -> to
     return sources if state.pruned is None else sources & ~done[:, :, None]
 
 
-def merge(state: DecodeState, merge_threshold: float, agreement: int = 0) -> torch.Tensor:
+def merge(state: DecodeState, merge_threshold: float, agreement: int = 0,
+          source_confidence: float | None = None) -> torch.Tensor:  # fmt: skip
     """Apply one merge pass in place; returns the [R, G] bool of merged positions.
 
     ``agreement`` r > 0 guards against splicing two answer forms: a source's token at p was
@@ -89,6 +97,13 @@ def merge(state: DecodeState, merge_threshold: float, agreement: int = 0) -> tor
     other's neighbour, and the pair can read as two forms cut together (``return x +  x``). With
     the neighbourhood in the same state in both rows, the token at p was chosen in the context
     the destination has.
+
+    ``source_confidence`` c keeps a source's unsure tokens private: a branch's rule commits its
+    window's single best candidate when none reaches the threshold, and in a narrow window that
+    forced commit is often one of two answer forms (``x`` of ``x > 2`` where the wide branch, left
+    alone, writes ``2 < x``); merged into a wide branch at its own probability > ``merge_threshold``,
+    it becomes the wide branch's next context. A source offers p only where it holds its token at a
+    probability ≥ c (``state.commit_prob``: the probability it was committed, merged or copied at).
 
     Every comparison is within a request, ``[B, N, N, G]`` over the state's request-major layout:
     linear in the batch, not quadratic in rows.
@@ -114,6 +129,8 @@ def merge(state: DecodeState, merge_threshold: float, agreement: int = 0) -> tor
     top_ids = state.prob_ids.view(B, N, G, k)
     wanted = (state.prob_p.view(B, N, G, k) > merge_threshold) & (top_ids != mask_id)  # a source token is never the mask
     usable = sources[..., None] if agreement <= 0 else sources[..., None] & neighbourhood_agrees(gen, agreement)
+    if source_confidence is not None:  # [b, 1, src, G]: what each source holds confidently
+        usable = usable & (state.commit_prob.view(B, N, G) >= source_confidence)[:, None]
     offered = ((gen[:, None, :, :, None] == top_ids[:, :, None]) & usable[..., None]).any(2)  # [b, dst, G, k]
     ok = wanted & offered & (scanned & ~decoded)[..., None]
     if k == 1:
