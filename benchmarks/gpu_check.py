@@ -114,7 +114,7 @@ def latency(device: torch.device, layers: int, repeats: int) -> dict:
             pos = torch.arange(L, device=device)
             inside = (pos >= starts[:, None]) & (pos < ends[:, None])
             quarter = inside & ((pos - Lp) % 4 == 0)
-            sparse = timed(lambda: model.forward_positions(ids, quarter, None, cache))
+            sparse = timed(lambda q=quarter: model.forward_positions(ids, q, None, cache))
             out[name] = {"packed_4_to_128_ms": packed, "single_32_ms": single, "ratio": packed / single,
                          "sparse_quarter_4_to_128_ms": sparse, "sparse_query_tokens": int(quarter.sum())}  # fmt: skip
     return out
