@@ -1,7 +1,7 @@
 """The paper's Table 1 shape on the tiny checkpoints, against the tuned baseline, from bench folders.
 
 ``python benchmarks/paper_table.py`` reads ``benchmarks/results/paper_table/<model>-<suite>/summary.json``
-(and ``paper_table_extra/`` and ``paper_table_sparse/``, where the reference variant and the
+(and ``paper_table_extra/``, ``paper_table_sparse/`` and ``paper_table_sparse_confident/``, where the reference variant and the
 beyond-paper configs ran on the same items) and prints one Markdown row per method: accuracy, NFE, NFE as the authors count it, query tokens,
 and the NFE and query-token ratios to the tuned Fast-dLLM (early stop, the sweep's most accurate block,
 ties to the lower NFE). Latency is left out on purpose: these runs shared the two cores, see RESULTS §8.
@@ -15,9 +15,10 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = ("fast_dllm", "fast_dllm_early_stop", "fast_dllm_b16", "fast_dllm_b64", "localleap", "localleap_early_stop",
          "blockbatch_reference", "blockbatch", "blockbatch_localleap", "bb_agree_widest", "bb_lean_agree_widest",
-         "fd_es_sparse_b32", "fd_es_sparse_b64", "bb_sparse_agree_widest", "bb_lean_sparse_agree_widest")  # fmt: skip
+         "fd_es_sparse_b32", "fd_es_sparse_b64", "bb_sparse_agree_widest", "bb_lean_sparse_agree_widest",
+         "bb_sparse_confident", "bb_lean_sparse_confident")  # fmt: skip
 #: folders of runs on the same items as ``paper_table/`` (method names do not repeat across them)
-EXTRA = ("paper_table_extra", "paper_table_sparse")
+EXTRA = ("paper_table_extra", "paper_table_sparse", "paper_table_sparse_confident")
 
 
 def _cells(folder: Path) -> dict[str, dict]:

@@ -195,29 +195,23 @@ class Forwards:
         return out.logits if kwargs or pick is None else out.logits[pick]
 
     def positions(self, state: DecodeState, span: Span) -> torch.Tensor:
-        """Sparse block step (``window_queries="sparse"``, dual cache): query only the slots the step
-        reads and, inside each row's window, its masks and the decoded positions whose cached K/V
-        are stale (their token was committed after their K/V were written); every other position's
-        K/V stay as the cache holds them. Returns the packed logits of the read slots, as :meth:`windows` does, and
-        counts each row's query tokens for this step (the layout changes every step).
-
-        With ``requery_radius`` r > 0, the decoded positions within r of a read slot are queried too:
-        their K/V were computed before their neighbours' latest commits, and the slots the step
-        reads attend to them most."""
+        """Sparse block step (``window_queries="sparse"``, dual cache). Inside each row's window it
+        queries the slots the step reads, the masks, the decoded positions whose cached K/V are stale
+        (committed after their K/V were written) and, with ``requery_radius`` r, the decoded positions
+        within r of a read slot (their K/V predate their neighbours' latest commits, and the read slots
+        attend to them most); every other position's K/V stay as the cache holds them. Returns the
+        packed logits of the read slots, as :meth:`windows` does, and counts each row's query tokens
+        for this step (the layout changes every step)."""
         rows, read = span.rows, span.read
         want = torch.zeros(rows.shape[0], self.L + 1, dtype=torch.bool, device=rows.device)
         want.scatter_(1, span.positions, True if read is None else read)
         want = want[:, : self.L]
+        refresh = state.stale_kv(rows, self.take(state, state.canvas, rows))
+        if self.requery_radius:
+            r = self.requery_radius
+            refresh |= F.max_pool1d(want[:, None].float(), 2 * r + 1, stride=1, padding=r)[:, 0] > 0
         ws, we = self.take(state, state.win_start, rows), self.take(state, state.win_end, rows)
         pos = self.offsets[: self.L]
-        canvas = self.take(state, state.canvas, rows)
-        # every mask of the window too (a shifted model reads a mask at p from the query at p - 1,
-        # but the mask's own K/V are what the other masks attend to), and the stale positions
-        refresh = state.stale_kv(rows) | (canvas == self.mask_id)
-        if self.requery_radius:  # and the decoded neighbours of what it reads, whose context just moved
-            r = self.requery_radius
-            near = F.max_pool1d(want[:, None].float(), 2 * r + 1, stride=1, padding=r)[:, 0] > 0
-            refresh |= near
         refresh &= (pos >= ws[:, None]) & (pos < we[:, None])
         out = self.timed(self.model.forward_positions, state.canvas, want, refresh, self.cache, rows=rows)
         state.kv_written(rows, out.query_mask)

@@ -71,9 +71,9 @@ class DecodeState:
     # [R, G] float64: each decoded position's probability when it was committed or merged (kept only
     # for ``eos_confidence="commit"``, which ranks EOS hitters by it, and ``merge_source_confidence``)
     commit_prob: torch.Tensor | None = None
-    # [R, L]: the token each position held when its K/V in the cache were last written (kept only
-    # for ``window_queries="sparse"``, feature "kv_tokens"): a decoded position whose token differs
-    # has stale K/V, computed while it was still masked, and is queried once more
+    # [R, L]: the token each position held when its K/V in the cache were last written, -1 for a mask
+    # (kept only for ``window_queries="sparse"``, feature "kv_tokens"): a decoded position whose token
+    # differs has stale K/V, computed while it was still masked, and is queried once more
     kv_tokens: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -178,21 +178,23 @@ class DecodeState:
 
     def kv_written(self, rows: torch.Tensor | None, where: torch.Tensor | None = None) -> None:
         """The cache's K/V of ``rows`` (all when ``None``) were just computed from their canvases, at
-        every position or at the ``[A, L]`` bool ``where``; call it before the step commits."""
+        every position or at the ``[A, L]`` bool ``where``; call it before the step commits. A mask
+        is recorded as -1, so that :meth:`stale_kv` always names it."""
         if self.kv_tokens is None:
             return
+        canvas = self.canvas if rows is None else self.canvas[rows]
+        written = canvas.masked_fill(canvas == self.mask_id, -1)
         if rows is None:
-            self.kv_tokens.copy_(self.canvas)
-        elif where is None:
-            self.kv_tokens[rows] = self.canvas[rows]
+            self.kv_tokens.copy_(written)
         else:
-            self.kv_tokens[rows] = torch.where(where, self.canvas[rows], self.kv_tokens[rows])
+            self.kv_tokens[rows] = written if where is None else torch.where(where, written, self.kv_tokens[rows])
 
-    def stale_kv(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[A, L]`` bool: decoded positions of ``rows`` whose cached K/V were computed for another
-        token (a mask, before the commit)."""
-        canvas = self.canvas[rows]
-        return (canvas != self.kv_tokens[rows]) & (canvas != self.mask_id)
+    def stale_kv(self, rows: torch.Tensor, canvas: torch.Tensor) -> torch.Tensor:
+        """``[A, L]`` bool: the positions of ``rows`` (canvases ``canvas``) whose cached K/V a sparse
+        step recomputes: every mask (a dense step rewrites the masks' K/V each step, and the masks
+        attend to each other), and every decoded position whose K/V were computed for another token
+        (a mask, before its commit)."""
+        return canvas != (self.kv_tokens if rows.shape[0] == self.num_rows else self.kv_tokens[rows])
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (whole requests: drop finished ones)."""
