@@ -5,6 +5,8 @@
 beyond-paper configs ran on the same items) and prints one Markdown row per method: accuracy, NFE, NFE as the authors count it, query tokens,
 and the NFE and query-token ratios to the tuned Fast-dLLM (early stop, the sweep's most accurate block,
 ties to the lower NFE). Latency is left out on purpose: these runs shared the two cores, see RESULTS §8.
+``--plots`` also draws every method of those folders on one accuracy-vs-NFE and one
+accuracy-vs-query-tokens plot per model (``paper_table_combined/<model>/``).
 """
 
 from __future__ import annotations
@@ -29,15 +31,41 @@ def _cells(folder: Path) -> dict[str, dict]:
     return next(iter(tasks.values()))["methods"]
 
 
+def _folder_cells(folder: Path) -> tuple[dict[str, dict], str]:
+    """Every method run on a folder's items (its own and the extra folders'), and the tuned
+    Fast-dLLM among them: early stop, the most accurate, ties to the lower NFE."""
+    cells = _cells(folder)
+    for extra in EXTRA:
+        cells.update(_cells(RESULTS / extra / folder.name))
+    fast = [(k, c) for k, c in cells.items() if k.startswith("fast_dllm") and c.get("early_stop")]
+    tuned, _ = max(fast, key=lambda kc: (kc[1]["accuracy"], -kc[1]["nfe_mean"]))
+    return cells, tuned
+
+
+def plots(out: Path = RESULTS / "paper_table_combined") -> list[Path]:
+    """Per model, the accuracy-vs-NFE and accuracy-vs-query-tokens plots of every method of every
+    folder above, one panel per suite, the Fast-dLLM block sweep as the fixed-block frontier and the
+    tuned baseline starred: the Pareto points of issues 15 and 16 against it."""
+    from hf_blockbatch.eval.runner import accuracy_plots
+
+    by_model: dict[str, dict] = {}
+    for folder in sorted((RESULTS / "paper_table").iterdir()):
+        model, suite = folder.name.rsplit("-", 1)
+        cells, tuned = _folder_cells(folder)
+        by_model.setdefault(model, {"tasks": {}})["tasks"][suite] = {"methods": cells, "headline": {"tuned_fast_dllm": tuned}}
+    paths = []
+    for model, summary in by_model.items():
+        (out / model).mkdir(parents=True, exist_ok=True)
+        paths += accuracy_plots(summary, out / model)
+    return paths
+
+
 def rows() -> list[str]:
     out = ["| model / suite | method | accuracy % [95 % CI] | NFE | NFE (authors) | query tokens | NFE / tuned | query tokens / tuned |",
            "|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for folder in sorted((RESULTS / "paper_table").iterdir()):
-        cells = _cells(folder)
-        for extra in EXTRA:
-            cells.update(_cells(RESULTS / extra / folder.name))
-        fast = [(k, c) for k, c in cells.items() if k.startswith("fast_dllm") and c.get("early_stop")]
-        _, tuned = max(fast, key=lambda kc: (kc[1]["accuracy"], -kc[1]["nfe_mean"]))
+        cells, tuned_name = _folder_cells(folder)
+        tuned = cells[tuned_name]
         for name in ORDER:
             c = cells.get(name)
             if c is None:
@@ -51,4 +79,8 @@ def rows() -> list[str]:
 
 
 if __name__ == "__main__":
+    import sys
+
     print("\n".join(rows()))
+    if "--plots" in sys.argv[1:]:
+        print("\n".join(str(p) for p in plots()))

@@ -67,6 +67,7 @@ __all__ = [
     "Method",
     "BenchSettings",
     "ShardInfo",
+    "accuracy_plots",
     "build_method_configs",
     "headline_markdown",
     "headline_table",
@@ -1119,19 +1120,40 @@ _COLORS = {"vanilla": "tab:gray", "fast_dllm": "tab:blue", "fast_dllm_early_stop
            "blockbatch_reference": "tab:orange", "blockbatch": "tab:red"}  # fmt: skip
 
 
-def _save_grid(fig: Any, axes: Any, used: int, path: Path) -> Path:
-    """Hide the unused panels of a subplot grid, save it, and free the figure."""
+def _save_grid(fig: Any, axes: Any, used: int, path: Path, bottom: float = 0.0) -> Path:
+    """Hide the unused panels of a subplot grid, save it, and free the figure (``bottom``: the
+    fraction of the figure kept free below the panels, for a shared legend)."""
     import matplotlib.pyplot as plt
 
     for ax in list(axes.flat)[used:]:
         ax.set_visible(False)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def _accuracy_panel(ax: Any, task: str, t: Mapping[str, Any], x_key: str, x_label: str) -> None:
+def _method_colors(names: Sequence[str]) -> dict[str, Any]:
+    """One colour per method, the same in every panel and plot of a figure: the built-in methods
+    keep theirs, the others take distinct ones from ``tab20`` (a plot of many methods never repeats
+    a colour before the 20th)."""
+    import matplotlib
+
+    used = set(_COLORS.values())
+    palette = [c for c in matplotlib.colormaps["tab20"].colors if matplotlib.colors.to_hex(c) not in
+               {matplotlib.colors.to_hex(u) for u in used}]  # fmt: skip
+    out, i = {}, 0
+    for m in names:
+        if m in _COLORS:
+            out[m] = _COLORS[m]
+        elif m not in out:
+            out[m] = palette[i % len(palette)]
+            i += 1
+    return out
+
+
+def _accuracy_panel(ax: Any, task: str, t: Mapping[str, Any], x_key: str, x_label: str,
+                    colors: Mapping[str, Any] | None = None, legend: bool = True) -> None:  # fmt: skip
     """One task's accuracy against ``x_key``: the Fast-dLLM block sweep as a line (the fixed-block
     frontier, its tuned point starred), every other method as a point with its Wilson interval."""
     cells = t["methods"]
@@ -1154,7 +1176,7 @@ def _accuracy_panel(ax: Any, task: str, t: Mapping[str, Any], x_key: str, x_labe
         lo, hi = c["ci95"]
         acc = 100 * c["accuracy"]
         ax.errorbar([c[x_key]], [acc], yerr=[[acc - 100 * lo], [100 * hi - acc]], fmt="s", capsize=3,
-                    color=_COLORS.get(m), label=c["label"])  # fmt: skip
+                    color=(colors or _COLORS).get(m), label=c["label"])  # fmt: skip
     if not has_x:  # e.g. a decoder that does not report query tokens
         ax.text(0.5, 0.5, f"no method reports {x_label}", ha="center", va="center", transform=ax.transAxes)
     xs = [c[x_key] for c in has_x.values() if c[x_key] > 0]
@@ -1164,8 +1186,42 @@ def _accuracy_panel(ax: Any, task: str, t: Mapping[str, Any], x_key: str, x_labe
     ax.set_xlabel(x_label)
     ax.set_ylabel("accuracy (%)")
     ax.grid(alpha=0.3)
-    if has_x:
+    if has_x and legend:
         ax.legend(fontsize=7)
+
+
+def accuracy_plots(summary: Mapping[str, Any], out_dir: str | os.PathLike[str]) -> list[Path]:
+    """``accuracy_vs_nfe.png`` and ``accuracy_vs_query_tokens.png`` of a summary (one panel per task),
+    from its cells alone: ``benchmarks/paper_table.py`` draws runs of several folders together."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    tasks = [t for t, v in summary["tasks"].items() if v["methods"]]
+    if not tasks:
+        return []
+    ncols = min(3, len(tasks))
+    nrows = -(-len(tasks) // ncols)
+    colors = _method_colors([m for t in tasks for m in summary["tasks"][t]["methods"]])
+    paths = []
+    for (x_key, x_label), name in zip(_ACCURACY_AXES, PLOT_FILES[:2]):
+        fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.2 * nrows + 1.2), squeeze=False)
+        for ax, task in zip(axes.flat, tasks):
+            _accuracy_panel(ax, task, summary["tasks"][task], x_key, x_label, colors, legend=False)
+        # one legend for the figure, below the panels: inside a panel it hides the points
+        handles: dict[str, Any] = {}
+        for ax in list(axes.flat)[: len(tasks)]:
+            for h, label in zip(*ax.get_legend_handles_labels()):
+                handles.setdefault(label, h)
+        bottom = 0.0
+        if handles:
+            rows_needed = -(-len(handles) // 4)
+            bottom = min(0.45, (0.28 * rows_needed + 0.2) / (4.2 * nrows + 1.2))
+            fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=4, fontsize=8, frameon=False)
+        paths.append(_save_grid(fig, axes, len(tasks), out_dir / name, bottom))
+    return paths
 
 
 def make_plots(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], out_dir: str | os.PathLike[str]) -> list[Path]:
@@ -1184,12 +1240,7 @@ def make_plots(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], ou
         return []
     ncols = min(3, len(tasks))
     nrows = -(-len(tasks) // ncols)
-    paths = []
-    for (x_key, x_label), name in zip(_ACCURACY_AXES, PLOT_FILES[:2]):
-        fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.2 * nrows), squeeze=False)
-        for ax, task in zip(axes.flat, tasks):
-            _accuracy_panel(ax, task, summary["tasks"][task], x_key, x_label)
-        paths.append(_save_grid(fig, axes, len(tasks), out_dir / name))
+    paths = accuracy_plots(summary, out_dir)
 
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.2 * nrows), squeeze=False)
     for ax, task in zip(axes.flat, tasks):
