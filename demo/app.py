@@ -257,18 +257,22 @@ class Settings:
     #: Fast-dLLM stops at EOS too (as BlockBatch does): on short answers early stop alone explains
     #: much of BlockBatch's saving, so the visitor chooses which baseline to compare with
     fast_early_stop: bool = False
+    #: both strategies query only a window's masks and stale positions (``window_queries="sparse"``):
+    #: the same NFE, about half the positions through the model
+    sparse: bool = False
 
     def fast_config(self) -> hb.FastDLLMConfig:
         return hb.FastDLLMConfig(
             max_new_tokens=self.max_new_tokens, block_length=self.fast_block, threshold=self.threshold, cache="dual",
             temperature=self.temperature, early_stop=self.fast_early_stop, output_trace=True,
+            window_queries="sparse" if self.sparse else "all",
         )  # fmt: skip
 
     def blockbatch_config(self) -> hb.BlockBatchConfig:
         return hb.BlockBatchConfig(
             max_new_tokens=self.max_new_tokens, block_sizes=self.block_sizes, threshold=self.threshold,
             merge_threshold=self.merge_threshold, temperature=self.temperature, sync_threshold=self.sync_threshold,
-            refresh_interval=self.refresh_interval, output_trace=True,
+            refresh_interval=self.refresh_interval, output_trace=True, window_queries="sparse" if self.sparse else "all",
         )  # fmt: skip
 
 
@@ -322,6 +326,7 @@ def check_settings(
     speed: Any = "normal",
     fast_early_stop: Any = False,
     limits: Limits | None = None,
+    sparse: Any = False,
 ) -> Settings:
     """Validate raw UI/API values into :class:`Settings`, or raise :class:`InputError` saying what
     to change. An empty prompt is an :class:`InputError` too; the UI turns it into a warning."""
@@ -352,6 +357,7 @@ def check_settings(
         chat=bool(chat),
         speed=str(speed),
         fast_early_stop=bool(fast_early_stop),
+        sparse=bool(sparse),
     )
 
 
@@ -581,6 +587,8 @@ def run_side(loaded: LoadedModel, ids: torch.Tensor, config: Any, key: str, sett
         subtitle = f"dual cache · block {settings.fast_block} · τ {settings.threshold:g}" + (
             " · early stop" if settings.fast_early_stop else " · no early stop"
         )
+    if settings.sparse:
+        subtitle += " · sparse queries"
     return SideResult(
         key=key, title=title, subtitle=subtitle, nfe=int(out.nfe[0]), seconds=seconds, text=text, tokens=labels,
         answer_tokens=answer, stats=stats, block_sizes=block_sizes, winner=int(stats.get("winner_branch", 0)),
@@ -863,9 +871,13 @@ def render_banner(
     if saving > 0 and speedup < 1:
         slow_note = ('<span class="muted">fewer forwards but more time: here a packed step of all branches costs more '
                      "than one window; on a GPU with a large model it should cost about as much</span>")  # fmt: skip
+    queries = ""
+    if "query_tokens" in block.stats and "query_tokens" in fast.stats:  # the compute, next to the forwards
+        queries = (f"<span>query tokens <b>{block.stats['query_tokens']}</b> vs "
+                   f"<b>{fast.stats['query_tokens']}</b></span>")  # fmt: skip
     return (
         f'<div class="bb-banner"><span class="big">{abs(saving):.1f}% {verb} forward passes</span>'
-        f"<span>BlockBatch <b>{block.nfe}</b> NFE vs Fast-dLLM <b>{fast.nfe}</b></span>"
+        f"<span>BlockBatch <b>{block.nfe}</b> NFE vs Fast-dLLM <b>{fast.nfe}</b></span>{queries}"
         f"<span>wall-clock <b>{speedup:.2f}×</b> ({block.seconds:.2f}s vs {fast.seconds:.2f}s)</span>"
         f'<div class="notes">{slow_note}'
         f'<span class="muted">paper, LLaDA/Dream 7-8B at 256 tokens: −26.6% NFE, 1.33× on average</span></div></div>'
@@ -921,12 +933,12 @@ def build_demo(
         raise gr.Error(str(err), print_exception=False)
 
     def compare(prompt, max_new_tokens, fast_block, block_sizes, threshold, merge_threshold, temperature, seed,
-                sync_threshold, refresh_interval, chat, speed, fast_early_stop=False) -> Iterator[tuple]:  # fmt: skip
+                sync_threshold, refresh_interval, chat, speed, fast_early_stop=False, sparse=False) -> Iterator[tuple]:  # fmt: skip
         """Validate, decode with both strategies, then replay both traces frame by frame."""
         try:
             settings = check_settings(prompt, max_new_tokens, fast_block, block_sizes, threshold, merge_threshold,
                                       temperature, seed, sync_threshold, refresh_interval, chat, speed,
-                                      fast_early_stop, limits)  # fmt: skip
+                                      fast_early_stop, limits, sparse)  # fmt: skip
         except InputError as err:
             if prompt is None or not str(prompt).strip():
                 logger.info("input refused: %s", err)
@@ -1000,6 +1012,7 @@ def build_demo(
                 )
                 refresh_interval = gr.Slider(4, 128, value=32, step=4, label="Refresh interval (tokens)")
                 chat = gr.Checkbox(value=True, label="Apply the chat template")
+                sparse = gr.Checkbox(value=False, label="Sparse window queries (both): only masks and stale positions")
         banner = gr.HTML(render_banner(None, None, None, "Press “Decode both” to run the two strategies."))
         gr.HTML(LEGEND)
         # the answers in a row of their own, so they line up whatever height each replay column has
@@ -1018,7 +1031,7 @@ def build_demo(
                 examples=[[e] for e in examples], inputs=[prompt], label="Examples from the tiny suites"
             )
         inputs = [prompt, max_new_tokens, fast_block, block_sizes, threshold, merge_threshold, temperature, seed,
-                  sync_threshold, refresh_interval, chat, speed, fast_early_stop]  # fmt: skip
+                  sync_threshold, refresh_interval, chat, speed, fast_early_stop, sparse]  # fmt: skip
         outputs = [banner, fast_view, block_view, fast_text, block_text, raw]
         # the banner and the replay are the progress display: Gradio's own overlay would hide them
         run.click(compare, inputs, outputs, api_name="compare", show_progress="hidden")

@@ -147,6 +147,20 @@ def test_fast_dllm_baseline_is_chosen_by_the_visitor() -> None:
     assert chosen.early_stop is True and chosen.block_length == 8
 
 
+def test_sparse_queries_are_a_visitor_switch_for_both(loaded) -> None:
+    """The switch reaches both configs, and the banner reports query tokens beside the NFE."""
+    plain = app.check_settings("hi")
+    assert plain.fast_config().window_queries == plain.blockbatch_config().window_queries == "all"
+    sparse = app.check_settings(PROMPT, max_new_tokens=32, block_sizes=["4", "16"], sparse=True)
+    assert sparse.fast_config().window_queries == sparse.blockbatch_config().window_queries == "sparse"
+    fast, block = app.compare_once(loaded, sparse)
+    ids = app.encode_prompt(loaded.tokenizer, PROMPT)
+    out = loaded.model.generate(ids, generation_config=sparse.blockbatch_config(), return_dict_in_generate=True)
+    assert block.stats["query_tokens"] == out.stats[0]["query_tokens"] and "sparse queries" in block.subtitle
+    banner = app.render_banner(fast, block, None)
+    assert f"query tokens <b>{block.stats['query_tokens']}</b> vs <b>{fast.stats['query_tokens']}</b>" in banner
+
+
 def _compare_fn(demo):
     return next(f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "compare")
 
