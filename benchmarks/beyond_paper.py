@@ -132,14 +132,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bb_4_16_64_96_a2_w_sq": {**_BB, "block_sizes": [4, 16, 64, 96], "merge_agreement": 2, "eos_prefer_widest": True,
                               **_SQ},
     # the re-query radius (0: only the stale positions)
-    **{f"{name}_r{r}": {**CFG, "requery_radius": r} for r in (0, 1, 2) for name, CFG in {
+    **{f"{name}_r{r}": {**cfg, "requery_radius": r} for r in (0, 1, 2) for name, cfg in {
         "fd_es_b64_sq": {**_FD, "block_length": 64, **_SQ},
         "bb_4_16_64_a2_w_sq": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True, **_SQ},
         "bb_4to64_a2_w_sq": {**_BB, "block_sizes": [4, 8, 16, 32, 64], "merge_agreement": 2, "eos_prefer_widest": True,
                              **_SQ},
     }.items()},
     # merges that take only what the source holds confidently (merge_source_confidence)
-    **{f"{name}_c{int(c * 10):02d}": {**CFG, "merge_source_confidence": c} for c in (0.7, 0.9) for name, CFG in {
+    **{f"{name}_c{int(c * 10):02d}": {**cfg, "merge_source_confidence": c} for c in (0.7, 0.9) for name, cfg in {
         "bb_default_a2_w_sq": {**_BB, "merge_agreement": 2, "eos_prefer_widest": True, **_SQ},
         "bb_4_16_64_a2_w_sq": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True, **_SQ},
         "bb_default_sq": {**_BB, **_SQ},

@@ -19,6 +19,16 @@ import torch
 from conftest import EOS_ID, MASK_ID, make_tiny_dream, make_tiny_llada
 
 
+def run_padded(model, prompts: list[list[int]], cfg):
+    """``generate`` over ``prompts`` left-padded into one batch (token 0 as padding, masked out)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    return model.generate(ids, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True)
+
+
 def output_head(model) -> torch.nn.Linear:
     return model.lm_head if hasattr(model, "lm_head") else model.model.transformer.ff_out
 

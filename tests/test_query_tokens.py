@@ -4,21 +4,11 @@ authors' NFE count, checked against counts made by hand and against the trace.""
 from __future__ import annotations
 
 import pytest
-import torch
-from _generation_helpers import peaked
+from _generation_helpers import peaked, run_padded
 from conftest import make_tiny_llada
 
 import hf_blockbatch as hb
 from hf_blockbatch.generation.trace import CommitEvent
-
-
-def _run(model, prompts, cfg):
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
-    return model.generate(ids, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True)
 
 
 def test_fast_dllm_query_tokens_counted_by_hand():
@@ -27,7 +17,7 @@ def test_fast_dllm_query_tokens_counted_by_hand():
     block step. A 4-token prompt: 12 + 4 + 12 + 4 = 32; a 2-token prompt beside it, left-padded:
     10 + 4 + 10 + 4 = 28 (padding is not the request's)."""
     cfg = hb.FastDLLMConfig(max_new_tokens=8, block_length=4, threshold=None, steps=4, cache="dual")
-    out = _run(make_tiny_llada(), [[5, 6, 7, 8], [9, 10]], cfg)
+    out = run_padded(make_tiny_llada(), [[5, 6, 7, 8], [9, 10]], cfg)
     assert out.nfe.tolist() == [4, 4]
     assert [st["query_tokens"] for st in out.stats] == [32, 28]
     assert [st["nfe_authors"] for st in out.stats] == [4, 4]
@@ -38,9 +28,9 @@ def test_prefix_and_vanilla_query_tokens_counted_by_hand():
     vanilla: every step is a full forward of the whole canvas."""
     model = make_tiny_llada()
     prefix = hb.FastDLLMConfig(max_new_tokens=8, block_length=4, threshold=None, steps=4, cache="prefix")
-    assert _run(model, [[5, 6, 7, 8]], prefix).stats[0]["query_tokens"] == 12 + 8 + 12 + 4
+    assert run_padded(model, [[5, 6, 7, 8]], prefix).stats[0]["query_tokens"] == 12 + 8 + 12 + 4
     vanilla = hb.VanillaDiffusionConfig(max_new_tokens=8, steps=4, block_length=8)
-    out = _run(model, [[5, 6, 7, 8]], vanilla)
+    out = run_padded(model, [[5, 6, 7, 8]], vanilla)
     assert int(out.nfe[0]) == 4 and out.stats[0]["query_tokens"] == 4 * 12
 
 
@@ -55,7 +45,7 @@ def test_blockbatch_query_tokens_equal_the_trace(family, prune):
     cfg = hb.BlockBatchConfig(max_new_tokens=24, block_sizes=[2, 4, 8], threshold=0.47, sync_threshold=2,
                               refresh_interval=4, output_trace=True, prune_after_syncs=prune)  # fmt: skip
     prompts = [[5, 3, 8, 1, 9, 2], [7, 7, 1]]
-    out = _run(model, prompts, cfg)
+    out = run_padded(model, prompts, cfg)
     for p, st in zip(prompts, out.stats):
         length = len(p) + 24
         events = [e for e in st["trace"] if isinstance(e, CommitEvent)]
@@ -65,5 +55,5 @@ def test_blockbatch_query_tokens_equal_the_trace(family, prune):
         winner = st["winner_branch"]
         carried = {e.step for e in events if e.branch == winner}
         assert st["nfe_authors"] == len(carried) <= st["nfe"]
-        alone = _run(model, [p], cfg).stats[0]
+        alone = run_padded(model, [p], cfg).stats[0]
         assert (alone["query_tokens"], alone["nfe_authors"]) == (st["query_tokens"], st["nfe_authors"])

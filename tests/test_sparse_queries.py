@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _generation_helpers import peaked
+from _generation_helpers import peaked, run_padded
 from conftest import MASK_ID, make_tiny_dream, make_tiny_llada
 from test_models import BACKEND_CASES, BACKEND_IDS, canvas, snapshot
 
@@ -97,15 +97,6 @@ def test_positions_forward_errors():
         model.forward_positions(ids, torch.zeros(1, 12, dtype=torch.bool), None, cache)
 
 
-def _run(model, prompts, cfg):
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
-    return model.generate(ids, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True)
-
-
 def test_sparse_query_tokens_counted_by_hand():
     """Dual cache, one block of 8, a quota of 2 per step. The initial forward (the whole canvas)
     commits 2, so the first block step queries 6 masks and those 2 (their K/V were computed for
@@ -115,10 +106,10 @@ def test_sparse_query_tokens_counted_by_hand():
     sparse = hb.FastDLLMConfig(max_new_tokens=8, block_length=8, threshold=None, steps=4, window_queries="sparse",
                                requery_radius=0)  # fmt: skip
     dense = hb.FastDLLMConfig(max_new_tokens=8, block_length=8, threshold=None, steps=4)
-    out = _run(model, [[5, 6, 7, 8], [9, 10]], sparse)
+    out = run_padded(model, [[5, 6, 7, 8], [9, 10]], sparse)
     assert out.nfe.tolist() == [4, 4]
     assert [st["query_tokens"] for st in out.stats] == [30, 28]
-    assert [st["query_tokens"] for st in _run(model, [[5, 6, 7, 8], [9, 10]], dense).stats] == [36, 34]
+    assert [st["query_tokens"] for st in run_padded(model, [[5, 6, 7, 8], [9, 10]], dense).stats] == [36, 34]
 
 
 def _replayed_queries(trace: list, prompt: int, gen: int, shift: int, radius: int) -> int:
@@ -156,7 +147,7 @@ def test_sparse_query_tokens_equal_the_replayed_trace(family, block, radius):
     cfg = hb.FastDLLMConfig(max_new_tokens=24, block_length=block, threshold=0.47, window_queries="sparse",
                             requery_radius=radius, skip_completed_block_step=True, output_trace=True)  # fmt: skip
     for prompt in ([5, 3, 8, 1, 9, 2], [7, 7, 1]):
-        st = _run(model, [prompt], cfg).stats[0]
+        st = run_padded(model, [prompt], cfg).stats[0]
         assert st["query_tokens"] == _replayed_queries(st["trace"], len(prompt), 24, model.logit_shift, radius)
 
 
@@ -175,9 +166,9 @@ SPARSE_CONFIGS = [
 def test_sparse_padded_batch_equals_alone(family, cfg):
     model = peaked(family)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9], [7, 9, 3, 2, 3, 8, 4, 6, 2, 6]]
-    batch = _run(model, prompts, cfg)
+    batch = run_padded(model, prompts, cfg)
     for i, p in enumerate(prompts):
-        alone = _run(model, [p], cfg)
+        alone = run_padded(model, [p], cfg)
         width = batch.sequences.shape[1] - len(p) - 16
         assert batch.sequences[i, width:].tolist() == alone.sequences[0].tolist()
         assert int(batch.nfe[i]) == int(alone.nfe[0])

@@ -243,5 +243,6 @@ def build_query_batch(cache: BranchCache, query_mask: torch.Tensor, rows: torch.
     pad_valid = offsets[None, :] < lengths[:, None]
     local_rows, token_col = pad_valid.nonzero(as_tuple=True)
     token_pos = query_mask.nonzero(as_tuple=True)[1]  # row-major, as the padded view's real slots
-    packed = (local_rows, token_col, token_pos, packed_index(pad_valid), pad_valid)
-    return _batch(cache, rows, all_rows, token_pos[packed_index(pad_valid)[:, 0]], lengths, packed, W)
+    pad_index = packed_index(pad_valid)
+    packed = (local_rows, token_col, token_pos, pad_index, pad_valid)
+    return _batch(cache, rows, all_rows, token_pos[pad_index[:, 0]], lengths, packed, W)

@@ -1190,6 +1190,13 @@ def _accuracy_panel(ax: Any, task: str, t: Mapping[str, Any], x_key: str, x_labe
         ax.legend(fontsize=7)
 
 
+def _panel_grid(summary: Mapping[str, Any]) -> tuple[list[str], int, int]:
+    """The tasks that have methods, and the ``(columns, rows)`` of their panel grid (at most three wide)."""
+    tasks = [t for t, v in summary["tasks"].items() if v["methods"]]
+    ncols = min(3, len(tasks)) or 1
+    return tasks, ncols, -(-len(tasks) // ncols)
+
+
 def accuracy_plots(summary: Mapping[str, Any], out_dir: str | os.PathLike[str]) -> list[Path]:
     """``accuracy_vs_nfe.png`` and ``accuracy_vs_query_tokens.png`` of a summary (one panel per task),
     from its cells alone: ``benchmarks/paper_table.py`` draws runs of several folders together."""
@@ -1199,11 +1206,9 @@ def accuracy_plots(summary: Mapping[str, Any], out_dir: str | os.PathLike[str]) 
     import matplotlib.pyplot as plt
 
     out_dir = Path(out_dir)
-    tasks = [t for t, v in summary["tasks"].items() if v["methods"]]
+    tasks, ncols, nrows = _panel_grid(summary)
     if not tasks:
         return []
-    ncols = min(3, len(tasks))
-    nrows = -(-len(tasks) // ncols)
     colors = _method_colors([m for t in tasks for m in summary["tasks"][t]["methods"]])
     paths = []
     for (x_key, x_label), name in zip(_ACCURACY_AXES, PLOT_FILES[:2]):
@@ -1229,18 +1234,12 @@ def make_plots(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], ou
     method's point with its Wilson interval, the Fast-dLLM block sweep as a line, the tuned
     baseline starred) and ``nfe_distribution.png`` (box plots of per-request NFE per method).
     Uses the Agg backend: no display needed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir = Path(out_dir)
-    tasks = [t for t, v in summary["tasks"].items() if v["methods"]]
+    tasks, ncols, nrows = _panel_grid(summary)
     if not tasks:
         return []
-    ncols = min(3, len(tasks))
-    nrows = -(-len(tasks) // ncols)
-    paths = accuracy_plots(summary, out_dir)
+    out_dir = Path(out_dir)
+    paths = accuracy_plots(summary, out_dir)  # selects the Agg backend first
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.2 * nrows), squeeze=False)
     for ax, task in zip(axes.flat, tasks):

@@ -102,7 +102,7 @@ class Run:
         window moved, or rows finished): most steps only commit inside unmoved windows."""
         s = self.state
         if self._windows is None:
-            starts, ends = self.fwd.take(s, s.win_start, rows), self.fwd.take(s, s.win_end, rows)
+            starts, ends = s.take(s.win_start, rows), s.take(s.win_end, rows)
             lengths = ends - starts
             self._windows = (starts, ends, self.fwd.layout(starts, lengths))
             queried = {"none": lambda: s.attention_mask[rows].sum(-1), "prefix": lambda: self.L - starts}

@@ -115,12 +115,6 @@ class Forwards:
         state.block_queries.index_add_(0, rows, torch.cat([lay[1] for lay in layouts]) * steps)
 
     # ------------------------------------------------------------------ spans
-    @staticmethod
-    def take(state: DecodeState, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``t[rows]`` without a copy when ``rows`` is every row (rows come from ``nonzero``:
-        ascending and unique, so all of them is ``arange(R)``)."""
-        return t if rows.shape[0] == state.num_rows else t[rows]
-
     def layout(self, starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(positions [A, W], valid [A, W] | None)`` of the slots ``[start, start + length)`` of
         each row, padded to the longest (padded slots point at ``L``, a spare column; ``valid``
@@ -137,14 +131,14 @@ class Forwards:
         """The slots of a :meth:`layout` of each row and what the rows' canvases hold there;
         ``window_only`` says the spans are exactly the rows' windows."""
         positions, valid = layout
-        canvas = self.take(state, state.canvas, rows)
+        canvas = state.take(state.canvas, rows)
         if valid is not None:  # the spare column: never masked
             canvas = torch.cat([canvas, canvas.new_full((rows.shape[0], 1), self.pad_id)], dim=1)
         current = canvas.gather(1, positions)
         masked = current == self.mask_id
         in_win = valid
         if not window_only:
-            ws, we = self.take(state, state.win_start, rows), self.take(state, state.win_end, rows)
+            ws, we = state.take(state.win_start, rows), state.take(state.win_end, rows)
             in_win = (positions >= ws[:, None]) & (positions < we[:, None])
             if valid is not None:
                 in_win &= valid
@@ -206,11 +200,11 @@ class Forwards:
         want = torch.zeros(rows.shape[0], self.L + 1, dtype=torch.bool, device=rows.device)
         want.scatter_(1, span.positions, True if read is None else read)
         want = want[:, : self.L]
-        refresh = state.stale_kv(rows, self.take(state, state.canvas, rows))
+        refresh = state.stale_kv(rows)
         if self.requery_radius:
             r = self.requery_radius
             refresh |= F.max_pool1d(want[:, None].float(), 2 * r + 1, stride=1, padding=r)[:, 0] > 0
-        ws, we = self.take(state, state.win_start, rows), self.take(state, state.win_end, rows)
+        ws, we = state.take(state.win_start, rows), state.take(state.win_end, rows)
         pos = self.offsets[: self.L]
         refresh &= (pos >= ws[:, None]) & (pos < we[:, None])
         out = self.timed(self.model.forward_positions, state.canvas, want, refresh, self.cache, rows=rows)

@@ -176,6 +176,11 @@ class DecodeState:
         inside = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
         return ((self.canvas == self.mask_id) & inside).sum(-1)
 
+    def take(self, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``t[rows]`` without a copy when ``rows`` is every row (rows come from ``nonzero``:
+        ascending and unique, so all of them is ``arange(R)``)."""
+        return t if rows.shape[0] == self.num_rows else t[rows]
+
     def kv_written(self, rows: torch.Tensor | None, where: torch.Tensor | None = None) -> None:
         """The cache's K/V of ``rows`` (all when ``None``) were just computed from their canvases, at
         every position or at the ``[A, L]`` bool ``where``; call it before the step commits. A mask
@@ -189,12 +194,12 @@ class DecodeState:
         else:
             self.kv_tokens[rows] = written if where is None else torch.where(where, written, self.kv_tokens[rows])
 
-    def stale_kv(self, rows: torch.Tensor, canvas: torch.Tensor) -> torch.Tensor:
-        """``[A, L]`` bool: the positions of ``rows`` (canvases ``canvas``) whose cached K/V a sparse
-        step recomputes: every mask (a dense step rewrites the masks' K/V each step, and the masks
-        attend to each other), and every decoded position whose K/V were computed for another token
-        (a mask, before its commit)."""
-        return canvas != (self.kv_tokens if rows.shape[0] == self.num_rows else self.kv_tokens[rows])
+    def stale_kv(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[A, L]`` bool: the positions of ``rows`` whose cached K/V a sparse step recomputes:
+        every mask (a dense step rewrites the masks' K/V each step, and the masks attend to each
+        other), and every decoded position whose K/V were computed for another token (a mask, before
+        its commit)."""
+        return self.take(self.canvas, rows) != self.take(self.kv_tokens, rows)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (whole requests: drop finished ones)."""

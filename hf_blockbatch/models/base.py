@@ -170,6 +170,16 @@ class DiffusionLMMixin:
                 "(config.max_sequence_length / max_position_embeddings): shorten the prompt or max_new_tokens."
             )
 
+    def _check_window_inputs(self, input_ids: torch.Tensor, cache: BranchCache) -> None:
+        """What the cached forwards (windows, positions) need: the canvas of every cache row."""
+        self._check_ids(input_ids)
+        self._check_cache(cache, input_ids.shape[1])
+        if input_ids.shape[0] != cache.num_rows:
+            raise ValueError(
+                f"input_ids has {input_ids.shape[0]} rows but the cache has {cache.num_rows}: pass the canvas of "
+                "every cache row and select the active ones with `rows`."
+            )
+
     # ---- the two forwards ----------------------------------------------------------------
     def _run(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         for layer in self._decoder_layers():
@@ -259,13 +269,7 @@ class DiffusionLMMixin:
         ``logits_mask`` (bool ``[Σ(end - start)]``, over the packed predicted positions): return
         only those logits, packed ``[n, V]``; ``cu_seqlens`` still cuts the unmasked windows.
         """
-        self._check_ids(input_ids)
-        self._check_cache(cache, input_ids.shape[1])
-        if input_ids.shape[0] != cache.num_rows:
-            raise ValueError(
-                f"input_ids has {input_ids.shape[0]} rows but the cache has {cache.num_rows}: pass the canvas of "
-                "every cache row and select the active ones with `rows`."
-            )
+        self._check_window_inputs(input_ids, cache)
         starts = torch.as_tensor(starts, device=cache.device, dtype=torch.long)
         ends = torch.as_tensor(ends, device=cache.device, dtype=torch.long)
         shift = self.logit_shift
@@ -318,13 +322,7 @@ class DiffusionLMMixin:
         the packed logits ``[Σ predict, V]`` in row-major order, and the query mask used (the
         positions whose K/V this forward wrote).
         """
-        self._check_ids(input_ids)
-        self._check_cache(cache, input_ids.shape[1])
-        if input_ids.shape[0] != cache.num_rows:
-            raise ValueError(
-                f"input_ids has {input_ids.shape[0]} rows but the cache has {cache.num_rows}: pass the canvas of "
-                "every cache row and select the active ones with `rows`."
-            )
+        self._check_window_inputs(input_ids, cache)
         shift = self.logit_shift
         if predict.dtype != torch.bool or predict.shape[-1] != cache.length or predict.dim() != 2:
             raise ValueError(f"predict must be a bool [rows, {cache.length}], got {predict.dtype} {tuple(predict.shape)}.")
