@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _generation_helpers import ref_quota
 
@@ -9,7 +10,7 @@ from hf_blockbatch.generation.rules import RULES, candidate_scores, make_rule
 from hf_blockbatch.generation.rules.factor import factor_select
 from hf_blockbatch.generation.rules.quota import quota_schedule, quota_select
 from hf_blockbatch.generation.rules.threshold import threshold_select
-from hf_blockbatch.generation.sampling import eos_probability, sample_tokens
+from hf_blockbatch.generation.sampling import eos_probability, row_max, sample_tokens
 
 NEG = float("-inf")
 
@@ -121,6 +122,30 @@ def test_minus_inf_confidences_still_make_progress():
         assert sel.sum(-1).tolist() == [1, 1]
         assert not (sel & ~cand).any()
     assert threshold_rule(conf, cand, 0.9)[1].tolist() == [False, True, False]
+
+
+@pytest.mark.parametrize("shape", [(8, 1024), (64, 1024), (40, 2048), (1024, 96), (33, 96), (50, 1000), (3, 126464)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_row_max_equals_max_dim_with_ties_and_infinities(shape, dtype):
+    """The blocked CPU reduction returns max(dim=-1)'s values and first indices exactly: ties
+    inside a block and across blocks, rows all -inf (a suppressed vocabulary), a NaN row."""
+    g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    x = torch.randint(-4, 4, shape, generator=g).to(dtype)  # many exact ties
+    x[0] = float("-inf")
+    x[1, 5], x[1, shape[1] - 1] = 99.0, 99.0  # two maxima in different blocks: the first wins
+    x[2] = torch.randn(shape[1], generator=g, dtype=dtype)
+    if shape[0] > 3:
+        x[3, shape[1] // 2] = float("nan")
+    values, indices = row_max(x)
+    ref = x.max(dim=-1)
+    assert torch.equal(indices, ref.indices)
+    assert torch.equal(values.nan_to_num(7.0), ref.values.nan_to_num(7.0))
+    assert indices[1] == 5 and indices[0] == 0
+
+
+def test_row_max_of_a_non_contiguous_tensor():
+    x = torch.randn(1024, 64, generator=torch.Generator().manual_seed(0)).t()  # [64, 1024], strided
+    assert torch.equal(row_max(x)[1], x.max(-1).indices)
 
 
 def test_sample_tokens_greedy_and_confidence():

@@ -10,7 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Sampled", "eos_probability", "sample_tokens"]
+__all__ = ["Sampled", "eos_probability", "row_max", "sample_tokens"]
+
+# Below this many entries a plain max(dim) is cheaper than the blocked one (measured on CPU).
+_BLOCKED_MAX_MIN_NUMEL = 32768
 
 
 @dataclass
@@ -32,6 +35,27 @@ def eos_probability(logits: torch.Tensor, eos_ids: torch.Tensor, dtype: torch.dt
     if dtype != torch.float32:
         return logits.to(dtype).softmax(-1).index_select(-1, eos_ids).float().sum(-1)
     return torch.log_softmax(logits.float(), dim=-1).index_select(-1, eos_ids).exp().sum(-1)
+
+
+def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.max(dim=-1)`` of a ``[T, V]`` tensor: the values and the *first* index of each row's maximum.
+
+    On CPUs PyTorch's reduction with indices is not vectorised (about 7 ms for 64 rows of a
+    126k vocabulary, against 0.15 ms for ``amax``), so large tensors are reduced in blocks of 64
+    columns: ``amax`` per block (vectorised), the first block holding the row maximum, then the
+    first maximum inside that block. No earlier block can hold the maximum, so the index is the
+    same first index, and the value the same float, as ``max(dim=-1)`` returns (5x faster at a
+    real vocabulary, 2-3x at the tiny models' batch 16). Elsewhere (GPUs, small tensors, widths
+    that 32 does not divide) it is ``max(dim=-1)``.
+    """
+    T, V = x.shape
+    c = 64 if V % 64 == 0 else 32
+    if x.device.type != "cpu" or x.numel() < _BLOCKED_MAX_MIN_NUMEL or V % c or not x.is_contiguous():
+        return x.max(dim=-1)
+    blocks = x.view(T, V // c, c)
+    values, block = blocks.amax(-1).max(-1)
+    inner = blocks.gather(1, block.view(T, 1, 1).expand(T, 1, c)).squeeze(1).max(-1).indices
+    return values, block * c + inner
 
 
 def sample_tokens(
@@ -69,7 +93,7 @@ def sample_tokens(
         top_probs = top_logp.exp()
         best_logp, best_ids = top_logp[:, 0], top_ids[:, 0]
     elif top_k == 1 or temperature == 0:  # a max is cheaper than a top-k
-        best_logp, best_ids = logp.max(dim=-1)
+        best_logp, best_ids = row_max(logp)
         if top_k == 1:
             top_probs, top_ids = best_logp.exp()[:, None], best_ids[:, None]
     if temperature > 0:
@@ -78,7 +102,7 @@ def sample_tokens(
         gumbel = logits64.exp() / (-torch.log(noise)) ** temperature  # >= 0
         if mask_id is not None:
             gumbel[:, mask_id] = -1.0
-        tokens = torch.argmax(gumbel, dim=-1)
+        tokens = row_max(gumbel)[1]
         token_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)
     else:
         tokens, token_logp = best_ids, best_logp
