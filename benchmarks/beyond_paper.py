@@ -153,6 +153,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
                               **_SQ, "rule": "localleap"},
     "bb_16_64_a2_w_sq_ll": {**_BB, "block_sizes": [16, 64], "merge_agreement": 2, "eos_prefer_widest": True,
                             **_SQ, "rule": "localleap"},
+    # LocalLeap inside branches whose merges take only confident tokens
+    "bb_4_16_64_a2_w_sq_c07_ll": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True,
+                                  **_SQ, "merge_source_confidence": 0.7, "rule": "localleap"},
+    "bb_default_a2_w_sq_c07_ll": {**_BB, "merge_agreement": 2, "eos_prefer_widest": True, **_SQ,
+                                  "merge_source_confidence": 0.7, "rule": "localleap"},
 }
 
 
