@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from hf_blockbatch.eval.runner import _encode, _score_all, load_task
+from hf_blockbatch.eval.runner import _encode, _score_all, load_task, paired_points
+from hf_blockbatch.eval.stats import paired_difference
 from hf_blockbatch.generation.configs import config_from_dict
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
 
@@ -208,18 +209,19 @@ def summarise(res: dict[str, Any]) -> dict[str, float]:
 
 def render(model: str, limit: int, table: dict[str, dict[str, dict[str, float]]], baseline: str) -> str:
     lines = [f"# beyond_paper: {model}, {limit} training items per suite", "",
-             f"Ratios and Δacc against `{baseline}` (Fast-dLLM dual, τ 0.9, early stop) on the same items. "
+             f"Ratios and Δacc against `{baseline}` (Fast-dLLM dual, τ 0.9, early stop) on the same items "
+             "(Δacc in points, with Newcombe's paired 95 % interval: the two decoders scored on the same items). "
              "Latency is wall time per item at the run's batch size (noisy on shared CPUs; NFE and query "
              "tokens are exact).", ""]  # fmt: skip
     for suite, rows in table.items():
         base = rows.get(baseline)
-        lines += [f"## {suite}", "", "| config | acc % | Δacc | NFE | NFE × | query tok | qt × | ms/item | t × | syncs | merged |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"## {suite}", "", "| config | acc % | Δacc [paired 95 % CI] | NFE | NFE × | query tok | qt × | ms/item | t × "
+                  "| syncs | merged |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for name, s in rows.items():
             def r(k: str, s: dict = s, base: dict | None = base) -> str:
                 return f"{s[k] / base[k]:.2f}" if base else "-"
 
-            d = f"{s['acc'] - base['acc']:+.1f}" if base else "-"
+            d = (paired_points(s["paired"]) if s.get("paired") else f"{s['acc'] - base['acc']:+.1f}") if base else "-"
             lines.append(f"| {name} | {s['acc']:.1f} | {d} | {s['nfe']:.2f} | {r('nfe')} | {s['qt']:.0f} | {r('qt')} | "
                          f"{s['ms_item']:.0f} | {r('ms_item')} | {s['syncs']:.2f} | {s['merged']:.1f} |")  # fmt: skip
         lines.append("")
@@ -281,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
             assert all(r["items"] == rs[0]["items"] for r in rs), "a decode changed between rounds"
             res = {**rs[0], "seconds": statistics.median(r["seconds"] for r in rs), "rounds": [r["seconds"] for r in rs]}
             paths[name].write_text(json.dumps({"config": configs[name], **res}))
+        right: dict[str, dict[int, bool]] = {}
         for name in names:
             cfg = configs[name]
             full["configs"][name] = cfg
@@ -289,8 +292,13 @@ def main(argv: list[str] | None = None) -> None:
             table[suite][name] = s
             full["suites"][suite][name] = {**s, "correct": [r["correct"] for r in res["items"]],
                                            "nfe_items": [r["nfe"] for r in res["items"]]}  # fmt: skip
+            right[name] = {r["index"]: r["correct"] for r in res["items"]}
             logger.info("%s %-22s acc %5.1f  nfe %6.2f  qt %6.0f  %5.0f ms/item", suite, name, s["acc"], s["nfe"],
                         s["qt"], s["ms_item"])  # fmt: skip
+        for name in names:  # accuracy minus the baseline's on the same items, with its paired interval
+            if name != args.baseline:
+                table[suite][name]["paired"] = full["suites"][suite][name]["paired"] = paired_difference(
+                    right[name], right[args.baseline])
     stem = out_dir / (f"{mname}_{args.limit}" + (f"_b{args.batch_size}" if args.batch_size != 16 else "") + args.tag)
     stem.with_suffix(".json").write_text(json.dumps(full, indent=1) + "\n")
     stem.with_suffix(".md").write_text(render(args.model, args.limit, table, args.baseline))

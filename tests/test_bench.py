@@ -29,7 +29,7 @@ from hf_blockbatch.eval.runner import (
     parse_overrides,
     run_bench,
 )
-from hf_blockbatch.eval.stats import wilson_interval
+from hf_blockbatch.eval.stats import paired_difference_interval, wilson_interval
 
 torch.set_num_threads(1)
 
@@ -194,7 +194,13 @@ def test_headline_tuned_baseline_compute_and_latency_columns():
     assert "## Headline: against tuned baselines" in md
     line = next(x for x in md.splitlines() if x.startswith("| arith | BlockBatch (ours) |"))
     # accuracy, NFE, NFE (authors), query tokens, latency b=N, latency b=1 (2 of 4 items), tokens/s b=N and b=1
-    assert "| 50.0 [15.0, 85.0] | 5.0 | 4.0 | 1250 | 0.050 | 0.080 (n=2) | 200 | 125 (n=2) | 1.00 | 3.91 |" in line
+    lo, hi = paired_difference_interval(2, 0, 1, 1)  # items 0, 1 both right; 2 only the tuned one; 3 neither
+    assert (f"| 50.0 [15.0, 85.0] | 5.0 | 4.0 | 1250 | 0.050 | 0.080 (n=2) | 200 | 125 (n=2) | "
+            f"-25.0 [{100 * lo:+.1f}, {100 * hi:+.1f}] | 1.00 | 3.91 |") in line
+    # the accuracy difference is paired on the items: the tuned row has none, the others theirs
+    assert table[2]["accuracy_vs_tuned"] is None
+    assert table[3]["accuracy_vs_tuned"]["difference"] == pytest.approx(-0.25)
+    assert (table[3]["accuracy_vs_tuned"]["only_a"], table[3]["accuracy_vs_tuned"]["only_b"]) == (0, 1)
     # Fast-dLLM + early stop at the baseline block competes too; a sweep configured without early stop does not
     rows += _cell_rows("fast_dllm_early_stop", [7] * 4, 4)
     cfgs = build_method_configs(["fast_dllm_early_stop"], 64, parse_overrides(["fast_dllm_sweep.early_stop=false"]),

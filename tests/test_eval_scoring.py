@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 
 import pytest
 
 from hf_blockbatch.eval.benchmarks import find_data_file, get_benchmark
-from hf_blockbatch.eval.stats import wilson_interval
+from hf_blockbatch.eval.stats import paired_difference, paired_difference_interval, wilson_interval
 from hf_blockbatch.tasks.scoring import (
     extract_gsm8k_answer,
     extract_math_answer,
@@ -196,3 +197,50 @@ def test_wilson_interval() -> None:
     assert wilson_interval(0, 0) == (0.0, 1.0)
     with pytest.raises(ValueError):
         wilson_interval(3, 2)
+
+
+def test_paired_difference_interval_known_shapes() -> None:
+    # no disagreement: the difference is 0 and the interval is tighter than two independent ones
+    lo, hi = paired_difference_interval(300, 0, 0, 200)
+    assert lo < 0 < hi and hi - lo < 0.02
+    # the same marginals, scored on independent-looking items: much wider
+    lo_i, hi_i = paired_difference_interval(180, 120, 120, 80)  # phi = 0
+    assert hi_i - lo_i > 5 * (hi - lo)
+    # swapping the decoders mirrors the interval
+    a = paired_difference_interval(400, 10, 17, 73)
+    b = paired_difference_interval(400, 17, 10, 73)
+    assert a[0] == pytest.approx(-b[1]) and a[1] == pytest.approx(-b[0])
+    assert a[0] < (10 - 17) / 500 < a[1]
+    # inside [-1, 1] at the boundaries, with no items: no information
+    assert paired_difference_interval(0, 10, 0, 0)[1] == 1.0
+    assert paired_difference_interval(0, 0, 0, 0) == (-1.0, 1.0)
+    with pytest.raises(ValueError):
+        paired_difference_interval(1, -1, 0, 0)
+
+
+def test_paired_difference_interval_covers_at_its_level() -> None:
+    """Seeded simulation of correlated decoders (the shape of two decoders of one model): the
+    95 % interval covers the true difference 93-99 % of the time, also near 100 % accuracy."""
+    rng = random.Random(0)
+    for pa, pb, rho, n in ((0.6, 0.62, 0.8, 500), (0.95, 0.96, 0.7, 500), (0.6, 0.5, 0.5, 60)):
+        cov = rho * math.sqrt(pa * (1 - pa) * pb * (1 - pb))
+        p11 = pa * pb + cov
+        cells = (p11, pa - p11, pb - p11, 1 - pa - pb + p11)
+        hits, sims = 0, 600
+        for _ in range(sims):
+            counts = [0, 0, 0, 0]
+            for cell in rng.choices(range(4), weights=cells, k=n):
+                counts[cell] += 1
+            lo, hi = paired_difference_interval(*counts)
+            hits += lo <= pa - pb <= hi
+        assert 0.93 <= hits / sims <= 0.99, (pa, pb, hits / sims)
+
+
+def test_paired_difference_matches_items_by_key() -> None:
+    a = {0: True, 1: True, 2: False, 3: True, 9: True}
+    b = {0: True, 1: False, 2: False, 3: False, 7: False}  # 7 and 9 are not shared
+    d = paired_difference(a, b)
+    assert (d["n"], d["both"], d["only_a"], d["only_b"], d["neither"]) == (4, 1, 2, 0, 1)
+    assert d["difference"] == pytest.approx(0.5)
+    assert tuple(d["ci95"]) == pytest.approx(paired_difference_interval(1, 2, 0, 1))
+    assert paired_difference({0: True}, {1: True}) is None

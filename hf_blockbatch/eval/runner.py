@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from hf_blockbatch.eval.stats import wilson_interval
+from hf_blockbatch.eval.stats import paired_difference, wilson_interval
 from hf_blockbatch.generation.configs import (
     BlockBatchConfig,
     FastDLLMConfig,
@@ -870,6 +870,12 @@ def summarize(
                 lat = base["latency_mean_s"] if base is not None else None
                 cell[f"speedup_vs_{ref}"] = lat / cell["latency_mean_s"] if lat and cell["latency_mean_s"] else None
         head = _headline(cells)
+        tuned = head.get("tuned_fast_dllm")
+        if tuned is not None:  # each method's accuracy minus the tuned baseline's, on the same items
+            right = {m: {r["index"]: bool(r["correct"]) for r in rows if r["task"] == task
+                         and r["method"] == aliases.get(task, {}).get(m, m)} for m in cells}  # fmt: skip
+            for m, cell in cells.items():
+                cell["accuracy_vs_tuned"] = paired_difference(right[m], right[tuned]) if m != tuned else None
         tasks[task] = {"methods": cells, "headline": head, "headline_table": headline_table(cells, head)}
     return {"tasks": tasks}
 
@@ -937,6 +943,7 @@ HEADLINE_LABELS = {"fast_dllm": "Fast-dLLM (paper: dual, b=32, τ 0.9, no early 
 _HEADLINE_KEYS = (
     "n", "accuracy", "ci95", "nfe_mean", "nfe_authors_mean", "query_tokens_mean", "latency_mean_s",
     "latency_b1_mean_s", "n_b1", "tokens_per_second", "tokens_per_second_b1", "early_stop", "sweep_block", "block",
+    "accuracy_vs_tuned",
 )
 
 
@@ -1008,12 +1015,21 @@ def headline_markdown(rows: Sequence[tuple[str, Mapping[str, Any]]], batch: Any,
     """Markdown lines of a headline table: ``rows`` are ``(first column, row of headline_table)``
     (``benchmarks/make_tables.py --headline`` puts the model and suite in the first column)."""
     top, rule = _metric_header(batch)
-    lines = [f"| {first} | Method | {top} | NFE / tuned Fast-dLLM | Query tokens / tuned Fast-dLLM |",
-             f"|---|---|{rule}|---:|---:|"]  # fmt: skip
+    lines = [f"| {first} | Method | {top} | Δ accuracy vs tuned (points) [paired 95 % CI] | NFE / tuned Fast-dLLM | "
+             "Query tokens / tuned Fast-dLLM |", f"|---|---|{rule}|---:|---:|---:|"]  # fmt: skip
     for key, r in rows:
-        lines.append(f"| {key} | {r['label']} | {_metric_cells(r)} | {_num(r['nfe_vs_tuned'], '{:.2f}')} | "
-                     f"{_num(r['query_tokens_vs_tuned'], '{:.2f}')} |")  # fmt: skip
+        lines.append(f"| {key} | {r['label']} | {_metric_cells(r)} | {paired_points(r.get('accuracy_vs_tuned'))} | "
+                     f"{_num(r['nfe_vs_tuned'], '{:.2f}')} | {_num(r['query_tokens_vs_tuned'], '{:.2f}')} |")  # fmt: skip
     return lines
+
+
+def paired_points(d: Mapping[str, Any] | None) -> str:
+    """A paired accuracy difference (:func:`~hf_blockbatch.eval.stats.paired_difference`) in
+    points with its interval, e.g. ``-1.4 [-3.0, +0.2]``; "—" when there is none."""
+    if not d:
+        return "—"
+    lo, hi = d["ci95"]
+    return f"{100 * d['difference']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
 
 
 def render_markdown(summary: Mapping[str, Any]) -> str:
