@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="benchmarks/results/beyond_paper")
     p.add_argument("--fresh", action="store_true", help="ignore cached results")
     p.add_argument("--rounds", type=int, default=1,
-                   help="decode each config this many times, round-robin, and report the median time (latency runs)")
+                   help="decode each config this many times, round-robin, and report the median time (latency "
+                        "runs; more than 1 re-decodes every config, cached or not)")
     p.add_argument("--tag", default="", help="suffix of the output files' names")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -279,7 +280,9 @@ def main(argv: list[str] | None = None) -> None:
         table[suite], full["suites"][suite] = {}, {}
         paths = {name: out_dir / "cache" / f"{mname}_{suite}_{_key(args.model, suite, args.limit, gen_length, configs[name], args.batch_size)}.json"
                  for name in names}  # fmt: skip
-        todo = [n for n in names if args.fresh or not paths[n].exists()]
+        # a latency run (--rounds > 1) times every config in this sitting: a cached time from another
+        # sitting is not side by side (timings here move by 10 % between sittings)
+        todo = [n for n in names if args.fresh or args.rounds > 1 or not paths[n].exists()]
         runs: dict[str, list[dict[str, Any]]] = {n: [] for n in todo}
         for _ in range(args.rounds):  # round-robin, so that a slow spell of the machine hits every config
             for name in todo:
