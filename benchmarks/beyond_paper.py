@@ -150,6 +150,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "fd_es_b64_sq_r6": {**_FD, "block_length": 64, **_SQ, "requery_radius": 6},
     "bb_4_16_64_a2_w_sq_c07_r6": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True,
                                   **_SQ, "requery_radius": 6, "merge_source_confidence": 0.7},
+    # and retiring a branch once it has been synced to its leader k times (compute that adapts)
+    **{f"bb_4_16_64_a2_w_sq_c07_r6_p{k}": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2,
+                                          "eos_prefer_widest": True, **_SQ, "requery_radius": 6,
+                                          "merge_source_confidence": 0.7, "prune_after_syncs": k} for k in (1, 2)},
     # and LocalLeap's relaxed commits (anchors 0.9, 0.75 within 4 positions), in Fast-dLLM and in the branches
     "fd_es_b64_ll": {**_FD, "block_length": 64, "rule": "localleap"},
     "fd_es_b64_sq_ll": {**_FD, "block_length": 64, "rule": "localleap", **_SQ},
