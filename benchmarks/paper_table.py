@@ -1,8 +1,8 @@
 """The paper's Table 1 shape on the tiny checkpoints, against the tuned baseline, from bench folders.
 
 ``python benchmarks/paper_table.py`` reads ``benchmarks/results/paper_table/<model>-<suite>/summary.json``
-(and ``paper_table_extra/``, ``paper_table_sparse/`` and ``paper_table_sparse_confident/``, where the reference variant and the
-beyond-paper configs ran on the same items) and prints one Markdown row per method: accuracy, NFE, NFE as the authors count it, query tokens,
+(and ``paper_table_extra/``, ``paper_table_sparse/``, ``paper_table_sparse_confident/`` and the per-model
+``paper_table_paired*/<model>/``, where the reference variant and the beyond-paper configs ran on the same items) and prints one Markdown row per method: accuracy, NFE, NFE as the authors count it, query tokens,
 and the NFE and query-token ratios to the tuned Fast-dLLM (early stop, the sweep's most accurate block,
 ties to the lower NFE). Latency is left out on purpose: these runs shared the two cores, see RESULTS §8.
 ``--plots`` also draws every method of those folders on one accuracy-vs-NFE and one
@@ -18,9 +18,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = ("fast_dllm", "fast_dllm_early_stop", "fast_dllm_b16", "fast_dllm_b64", "localleap", "localleap_early_stop",
          "blockbatch_reference", "blockbatch", "blockbatch_localleap", "bb_agree_widest", "bb_lean_agree_widest",
          "fd_es_sparse_b32", "fd_es_sparse_b64", "bb_sparse_agree_widest", "bb_lean_sparse_agree_widest",
-         "bb_sparse_confident", "bb_lean_sparse_confident")  # fmt: skip
+         "bb_sparse_confident", "bb_lean_sparse_confident", "fd_es_sparse_b64_r6", "bb_lean_sparse_confident_r6",
+         "bb_lean_sparse_confident_r6_p1")  # fmt: skip
 #: folders of runs on the same items as ``paper_table/`` (method names do not repeat across them)
 EXTRA = ("paper_table_extra", "paper_table_sparse", "paper_table_sparse_confident")
+#: per-model runs of every suite on the same items (§11: ``<folder>/<model>/summary.json``); their
+#: Fast-dLLM sweep repeats ``paper_table/``'s, so only their other methods are taken
+PER_MODEL = ("paper_table_paired", "paper_table_paired_r6", "paper_table_paired_p1")
 
 
 def _cells(folder: Path) -> dict[str, dict]:
@@ -37,6 +41,12 @@ def _folder_cells(folder: Path) -> tuple[dict[str, dict], str]:
     cells = _cells(folder)
     for extra in EXTRA:
         cells.update(_cells(RESULTS / extra / folder.name))
+    model, suite = folder.name.rsplit("-", 1)
+    for extra in PER_MODEL:
+        path = RESULTS / extra / model / "summary.json"
+        if path.is_file():
+            theirs = json.loads(path.read_text())["tasks"].get(suite, {}).get("methods", {})
+            cells.update({k: c for k, c in theirs.items() if k not in cells and not k.startswith("fast_dllm")})
     fast = [(k, c) for k, c in cells.items() if k.startswith("fast_dllm") and c.get("early_stop")]
     tuned, _ = max(fast, key=lambda kc: (kc[1]["accuracy"], -kc[1]["nfe_mean"]))
     return cells, tuned

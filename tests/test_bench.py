@@ -593,3 +593,15 @@ def test_load_model_device_map(tiny):
     _, _, folder = tiny
     model, tok = hb.load_model(str(folder), device_map="cpu")
     assert model.device.type == "cpu" and tok.padding_side == "left"
+
+
+def test_plot_colours_stay_distinct_for_many_methods():
+    """The combined plots of RESULTS §10-11 draw 21 methods; none may share a colour, and the
+    built-in methods keep theirs."""
+    import matplotlib
+
+    names = ["fast_dllm", "blockbatch", *(f"method_{i}" for i in range(30))]
+    colours = runner._method_colors(names)
+    hexes = [matplotlib.colors.to_hex(c) for c in colours.values()]
+    assert len(set(hexes)) == len(names)
+    assert colours["fast_dllm"] == runner._COLORS["fast_dllm"] and colours["blockbatch"] == runner._COLORS["blockbatch"]

@@ -1152,13 +1152,13 @@ def _save_grid(fig: Any, axes: Any, used: int, path: Path, bottom: float = 0.0) 
 
 def _method_colors(names: Sequence[str]) -> dict[str, Any]:
     """One colour per method, the same in every panel and plot of a figure: the built-in methods
-    keep theirs, the others take distinct ones from ``tab20`` (a plot of many methods never repeats
-    a colour before the 20th)."""
+    keep theirs, the others take distinct ones from ``tab20`` then ``tab20b`` (34 of them before a colour
+    repeats: §10-11's combined plots hold 21)."""
     import matplotlib
 
-    used = set(_COLORS.values())
-    palette = [c for c in matplotlib.colormaps["tab20"].colors if matplotlib.colors.to_hex(c) not in
-               {matplotlib.colors.to_hex(u) for u in used}]  # fmt: skip
+    used = {matplotlib.colors.to_hex(u) for u in _COLORS.values()}
+    palette = [c for name in ("tab20", "tab20b") for c in matplotlib.colormaps[name].colors
+               if matplotlib.colors.to_hex(c) not in used]  # fmt: skip
     out, i = {}, 0
     for m in names:
         if m in _COLORS:
