@@ -260,6 +260,10 @@ class Settings:
     #: both strategies query only a window's masks and stale positions (``window_queries="sparse"``):
     #: the same NFE, about half the positions through the model
     sparse: bool = False
+    #: BlockBatch's guards beyond the paper (benchmarks/RESULTS.md §11): merges only where both rows
+    #: agree within 2 positions and the source holds its token at >= 0.7, the widest EOS hitter wins,
+    #: a branch retires once synced; with sparse queries, the re-query radius 6 of that configuration
+    guarded: bool = False
 
     def fast_config(self) -> hb.FastDLLMConfig:
         return hb.FastDLLMConfig(
@@ -269,10 +273,14 @@ class Settings:
         )  # fmt: skip
 
     def blockbatch_config(self) -> hb.BlockBatchConfig:
+        guards = ({"merge_agreement": 2, "merge_source_confidence": 0.7, "eos_prefer_widest": True,
+                   "prune_after_syncs": 1, **({"requery_radius": 6} if self.sparse else {})}
+                  if self.guarded else {})  # fmt: skip
         return hb.BlockBatchConfig(
             max_new_tokens=self.max_new_tokens, block_sizes=self.block_sizes, threshold=self.threshold,
             merge_threshold=self.merge_threshold, temperature=self.temperature, sync_threshold=self.sync_threshold,
             refresh_interval=self.refresh_interval, output_trace=True, window_queries="sparse" if self.sparse else "all",
+            **guards,
         )  # fmt: skip
 
 
@@ -327,6 +335,7 @@ def check_settings(
     fast_early_stop: Any = False,
     limits: Limits | None = None,
     sparse: Any = False,
+    guarded: Any = False,
 ) -> Settings:
     """Validate raw UI/API values into :class:`Settings`, or raise :class:`InputError` saying what
     to change. An empty prompt is an :class:`InputError` too; the UI turns it into a warning."""
@@ -358,6 +367,7 @@ def check_settings(
         speed=str(speed),
         fast_early_stop=bool(fast_early_stop),
         sparse=bool(sparse),
+        guarded=bool(guarded),
     )
 
 
@@ -587,6 +597,8 @@ def run_side(loaded: LoadedModel, ids: torch.Tensor, config: Any, key: str, sett
         subtitle = f"dual cache · block {settings.fast_block} · τ {settings.threshold:g}" + (
             " · early stop" if settings.fast_early_stop else " · no early stop"
         )
+    if key == "blockbatch" and settings.guarded:
+        subtitle += " · guarded merges"
     if settings.sparse:
         subtitle += " · sparse queries"
     return SideResult(
@@ -933,12 +945,13 @@ def build_demo(
         raise gr.Error(str(err), print_exception=False)
 
     def compare(prompt, max_new_tokens, fast_block, block_sizes, threshold, merge_threshold, temperature, seed,
-                sync_threshold, refresh_interval, chat, speed, fast_early_stop=False, sparse=False) -> Iterator[tuple]:  # fmt: skip
+                sync_threshold, refresh_interval, chat, speed, fast_early_stop=False, sparse=False,
+                guarded=False) -> Iterator[tuple]:  # fmt: skip
         """Validate, decode with both strategies, then replay both traces frame by frame."""
         try:
             settings = check_settings(prompt, max_new_tokens, fast_block, block_sizes, threshold, merge_threshold,
                                       temperature, seed, sync_threshold, refresh_interval, chat, speed,
-                                      fast_early_stop, limits, sparse)  # fmt: skip
+                                      fast_early_stop, limits, sparse, guarded)  # fmt: skip
         except InputError as err:
             if prompt is None or not str(prompt).strip():
                 logger.info("input refused: %s", err)
@@ -1013,6 +1026,8 @@ def build_demo(
                 refresh_interval = gr.Slider(4, 128, value=32, step=4, label="Refresh interval (tokens)")
                 chat = gr.Checkbox(value=True, label="Apply the chat template")
                 sparse = gr.Checkbox(value=False, label="Sparse window queries (both): only masks and stale positions")
+                guarded = gr.Checkbox(value=False, label="BlockBatch beyond the paper: guarded merges, widest EOS "
+                                                         "winner, synced branches retire")  # fmt: skip
         banner = gr.HTML(render_banner(None, None, None, "Press “Decode both” to run the two strategies."))
         gr.HTML(LEGEND)
         # the answers in a row of their own, so they line up whatever height each replay column has
@@ -1031,7 +1046,7 @@ def build_demo(
                 examples=[[e] for e in examples], inputs=[prompt], label="Examples from the tiny suites"
             )
         inputs = [prompt, max_new_tokens, fast_block, block_sizes, threshold, merge_threshold, temperature, seed,
-                  sync_threshold, refresh_interval, chat, speed, fast_early_stop, sparse]  # fmt: skip
+                  sync_threshold, refresh_interval, chat, speed, fast_early_stop, sparse, guarded]  # fmt: skip
         outputs = [banner, fast_view, block_view, fast_text, block_text, raw]
         # the banner and the replay are the progress display: Gradio's own overlay would hide them
         run.click(compare, inputs, outputs, api_name="compare", show_progress="hidden")

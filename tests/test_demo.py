@@ -161,6 +161,25 @@ def test_sparse_queries_are_a_visitor_switch_for_both(loaded) -> None:
     assert f"query tokens <b>{block.stats['query_tokens']}</b> vs <b>{fast.stats['query_tokens']}</b>" in banner
 
 
+def test_guarded_merges_are_a_visitor_switch_for_blockbatch(loaded) -> None:
+    """The switch gives BlockBatch the §11 guards (and radius 6 when sparse); Fast-dLLM is untouched,
+    and the replay of a decode whose branches retire still matches generate."""
+    plain = app.check_settings("hi").blockbatch_config()
+    assert (plain.merge_agreement, plain.merge_source_confidence, plain.prune_after_syncs) == (0, None, None)
+    guarded = app.check_settings(PROMPT, max_new_tokens=32, block_sizes=["4", "16", "64"], guarded=True, sparse=True)
+    cfg = guarded.blockbatch_config()
+    assert (cfg.merge_agreement, cfg.merge_source_confidence, cfg.eos_prefer_widest, cfg.prune_after_syncs,
+            cfg.requery_radius) == (2, 0.7, True, 1, 6)  # fmt: skip
+    assert guarded.fast_config().requery_radius == app.check_settings("hi", sparse=True).fast_config().requery_radius
+    assert app.check_settings("hi", guarded=True).blockbatch_config().window_queries == "all"
+    fast, block = app.compare_once(loaded, guarded)
+    ids = app.encode_prompt(loaded.tokenizer, PROMPT)
+    out = loaded.model.generate(ids, generation_config=cfg, return_dict_in_generate=True)
+    assert block.nfe == int(out.nfe[0]) and block.stats["query_tokens"] == out.stats[0]["query_tokens"]
+    assert "guarded merges" in block.subtitle and "guarded merges" not in fast.subtitle
+    assert len(block.frames) == block.nfe + 1
+
+
 def _compare_fn(demo):
     return next(f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "compare")
 
