@@ -74,6 +74,7 @@ __all__ = [
     "load_task",
     "make_plots",
     "merge_shards",
+    "paired_points",
     "parse_overrides",
     "partial_state",
     "read_jsonl",
