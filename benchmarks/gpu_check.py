@@ -149,9 +149,7 @@ def decoding(device: torch.device, dtype: torch.dtype, layers: int, width: int, 
         "fast_dllm_dual_sparse": hb.FastDLLMConfig(max_new_tokens=G, threshold=threshold, window_queries="sparse"),
         "blockbatch_sparse": hb.BlockBatchConfig(max_new_tokens=G, threshold=threshold, window_queries="sparse"),
         # the shipped beyond-the-paper point (RESULTS §11): three branches, guards, sparse r 6, pruning
-        "blockbatch_lean": hb.BlockBatchConfig(max_new_tokens=G, threshold=threshold, block_sizes=[4, 16, 64],
-                                               merge_agreement=2, eos_prefer_widest=True, merge_source_confidence=0.7,
-                                               window_queries="sparse", requery_radius=6, prune_after_syncs=1),
+        "blockbatch_lean": hb.BlockBatchConfig.lean(max_new_tokens=G, threshold=threshold),
     }
     backends = [b for b in available_backends(device, dtype) if b != "reference"]
     out: dict = {"params_billion": sum(p.numel() for p in model.parameters()) / 1e9, "backends": backends}

@@ -51,6 +51,7 @@ _ensure_package()
 
 import hf_blockbatch as hb  # noqa: E402
 from hf_blockbatch.cli import port_number  # noqa: E402
+from hf_blockbatch.generation.configs import LEAN, LEAN_GUARDS  # noqa: E402
 from hf_blockbatch.generation.outputs import answer_lengths  # noqa: E402
 from hf_blockbatch.generation.trace import CommitEvent, MergeEvent, SyncEvent, TraceEvent  # noqa: E402
 
@@ -273,8 +274,7 @@ class Settings:
         )  # fmt: skip
 
     def blockbatch_config(self) -> hb.BlockBatchConfig:
-        guards = ({"merge_agreement": 2, "merge_source_confidence": 0.7, "eos_prefer_widest": True,
-                   "prune_after_syncs": 1, **({"requery_radius": 6} if self.sparse else {})}
+        guards = ({**LEAN_GUARDS, **({"requery_radius": LEAN["requery_radius"]} if self.sparse else {})}
                   if self.guarded else {})  # fmt: skip
         return hb.BlockBatchConfig(
             max_new_tokens=self.max_new_tokens, block_sizes=self.block_sizes, threshold=self.threshold,

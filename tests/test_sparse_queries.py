@@ -197,3 +197,35 @@ def test_sparse_config_saves_and_loads(tmp_path):
     cfg = hb.BlockBatchConfig(window_queries="sparse")
     cfg.save_pretrained(tmp_path)
     assert hb.BlockBatchConfig.from_pretrained(tmp_path).window_queries == "sparse"
+
+
+def test_lean_preset_is_the_benchmarked_configuration(tmp_path):
+    """``BlockBatchConfig.lean()`` is the point RESULTS §11 measured: the bench's JSON entry and
+    beyond_paper.py's candidate spell out the same options (so a result cannot silently belong to
+    another configuration), it validates, overrides win, and it saves and loads whole."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from hf_blockbatch.generation.configs import LEAN
+
+    root = Path(__file__).resolve().parents[1]
+    bench = json.loads((root / "benchmarks" / "beyond_paper_configs.json").read_text())["bb_lean_sparse_confident_r6_p1"]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import beyond_paper
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    candidate = beyond_paper.CONFIGS["bb_4_16_64_a2_w_sq_c07_r6_p1"]
+    for spelled in (bench, candidate):
+        assert spelled["strategy"] == "blockbatch"
+        assert {k: v for k, v in spelled.items() if k != "strategy"} == LEAN
+    cfg = hb.BlockBatchConfig.lean(max_new_tokens=32, threshold=0.8)
+    cfg.validate()
+    assert (cfg.max_new_tokens, cfg.threshold, cfg.block_sizes, cfg.requery_radius) == (32, 0.8, [4, 16, 64], 6)
+    cfg.block_sizes.append(128)  # the preset hands out its own list
+    assert LEAN["block_sizes"] == [4, 16, 64]
+    cfg = hb.BlockBatchConfig.lean(max_new_tokens=32)
+    cfg.save_pretrained(tmp_path)
+    loaded = hb.BlockBatchConfig.from_pretrained(tmp_path)
+    assert {k: getattr(loaded, k) for k in LEAN} == LEAN
