@@ -45,6 +45,8 @@ _FD = {"strategy": "fast_dllm", "cache": "dual", "threshold": 0.9, "early_stop":
 _BB = {"strategy": "blockbatch"}
 #: sparse window queries, the re-query radius spelled out (it keys the cached results)
 _SQ = {"window_queries": "sparse", "requery_radius": 3}
+#: lean BlockBatch (4, 16, 64) with merge agreement 2 and the widest EOS winner: the base of the third pass
+_LEAN3 = {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True}
 
 #: named candidates; ``max_new_tokens`` comes from each suite's default generation length
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -144,16 +146,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "bb_default_a2_w_sq": {**_BB, "merge_agreement": 2, "eos_prefer_widest": True, **_SQ},
         "bb_4_16_64_a2_w_sq": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True, **_SQ},
         "bb_default_sq": {**_BB, **_SQ},
-        "bb_4_16_64_a2_w": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True},
+        "bb_4_16_64_a2_w": _LEAN3,
     }.items()},
     # a wider re-query radius: sparse Fast-dLLM lost 2.0 points on tiny-llada arith's test split at r 3
     "fd_es_b64_sq_r6": {**_FD, "block_length": 64, **_SQ, "requery_radius": 6},
-    "bb_4_16_64_a2_w_sq_c07_r6": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True,
-                                  **_SQ, "requery_radius": 6, "merge_source_confidence": 0.7},
+    "bb_4_16_64_a2_w_sq_c07_r6": {**_LEAN3, **_SQ, "requery_radius": 6, "merge_source_confidence": 0.7},
     # and retiring a branch once it has been synced to its leader k times (compute that adapts)
-    **{f"bb_4_16_64_a2_w_sq_c07_r6_p{k}": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2,
-                                          "eos_prefer_widest": True, **_SQ, "requery_radius": 6,
-                                          "merge_source_confidence": 0.7, "prune_after_syncs": k} for k in (1, 2)},
+    **{f"bb_4_16_64_a2_w_sq_c07_r6_p{k}": {**_LEAN3, **_SQ, "requery_radius": 6, "merge_source_confidence": 0.7,
+                                          "prune_after_syncs": k} for k in (1, 2)},
     # and LocalLeap's relaxed commits (anchors 0.9, 0.75 within 4 positions), in Fast-dLLM and in the branches
     "fd_es_b64_ll": {**_FD, "block_length": 64, "rule": "localleap"},
     "fd_es_b64_sq_ll": {**_FD, "block_length": 64, "rule": "localleap", **_SQ},
@@ -164,8 +164,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bb_16_64_a2_w_sq_ll": {**_BB, "block_sizes": [16, 64], "merge_agreement": 2, "eos_prefer_widest": True,
                             **_SQ, "rule": "localleap"},
     # LocalLeap inside branches whose merges take only confident tokens
-    "bb_4_16_64_a2_w_sq_c07_ll": {**_BB, "block_sizes": [4, 16, 64], "merge_agreement": 2, "eos_prefer_widest": True,
-                                  **_SQ, "merge_source_confidence": 0.7, "rule": "localleap"},
+    "bb_4_16_64_a2_w_sq_c07_ll": {**_LEAN3, **_SQ, "merge_source_confidence": 0.7, "rule": "localleap"},
     "bb_default_a2_w_sq_c07_ll": {**_BB, "merge_agreement": 2, "eos_prefer_widest": True, **_SQ,
                                   "merge_source_confidence": 0.7, "rule": "localleap"},
 }

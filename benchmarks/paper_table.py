@@ -2,8 +2,9 @@
 
 ``python benchmarks/paper_table.py`` reads ``benchmarks/results/paper_table/<model>-<suite>/summary.json``
 (and ``paper_table_extra/``, ``paper_table_sparse/``, ``paper_table_sparse_confident/`` and the per-model
-``paper_table_paired*/<model>/``, where the reference variant and the beyond-paper configs ran on the same items) and prints one Markdown row per method: accuracy, NFE, NFE as the authors count it, query tokens,
-and the NFE and query-token ratios to the tuned Fast-dLLM (early stop, the sweep's most accurate block,
+``paper_table_paired*/<model>/``, where the reference variant and the beyond-paper configs ran on the
+same items) and prints one Markdown row per method: accuracy, NFE, NFE as the authors count it, query
+tokens, and the NFE and query-token ratios to the tuned Fast-dLLM (early stop, the sweep's most accurate block,
 ties to the lower NFE). Latency is left out on purpose: these runs shared the two cores, see RESULTS §8.
 ``--plots`` also draws every method of those folders on one accuracy-vs-NFE and one
 accuracy-vs-query-tokens plot per model (``paper_table_combined/<model>/``).

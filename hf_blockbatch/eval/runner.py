@@ -826,11 +826,13 @@ def summarize(
     tasks: dict[str, Any] = {}
     for task in task_order:
         cells: dict[str, Any] = {}
+        right: dict[str, dict[Any, bool]] = {}  # per method: item index -> answered right (for paired gaps)
         for method in method_order:
             src = aliases.get(task, {}).get(method, method)
             rs = [r for r in rows if r["task"] == task and r["method"] == src]
             if not rs:
                 continue
+            right[method] = {r["index"]: bool(r["correct"]) for r in rs}
             k, n = sum(bool(r["correct"]) for r in rs), len(rs)
             lo, hi = wilson_interval(k, n)
             nfes = [int(r["nfe"]) for r in rs]
@@ -873,8 +875,6 @@ def summarize(
         head = _headline(cells)
         tuned = head.get("tuned_fast_dllm")
         if tuned is not None:  # each method's accuracy minus the tuned baseline's, on the same items
-            right = {m: {r["index"]: bool(r["correct"]) for r in rows if r["task"] == task
-                         and r["method"] == aliases.get(task, {}).get(m, m)} for m in cells}  # fmt: skip
             for m, cell in cells.items():
                 cell["accuracy_vs_tuned"] = paired_difference(right[m], right[tuned]) if m != tuned else None
         tasks[task] = {"methods": cells, "headline": head, "headline_table": headline_table(cells, head)}

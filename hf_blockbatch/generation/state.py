@@ -187,12 +187,12 @@ class DecodeState:
         is recorded as -1, so that :meth:`stale_kv` always names it."""
         if self.kv_tokens is None:
             return
-        canvas = self.canvas if rows is None else self.canvas[rows]
+        canvas = self.canvas if rows is None else self.take(self.canvas, rows)
         written = canvas.masked_fill(canvas == self.mask_id, -1)
         if rows is None:
             self.kv_tokens.copy_(written)
         else:
-            self.kv_tokens[rows] = written if where is None else torch.where(where, written, self.kv_tokens[rows])
+            self.kv_tokens[rows] = written if where is None else torch.where(where, written, self.take(self.kv_tokens, rows))
 
     def stale_kv(self, rows: torch.Tensor) -> torch.Tensor:
         """``[A, L]`` bool: the positions of ``rows`` whose cached K/V a sparse step recomputes:
