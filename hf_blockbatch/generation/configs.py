@@ -341,6 +341,14 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         requery_radius: with sparse queries, also re-query the decoded positions within this many
             positions of a mask the step reads (3): the masks attend to them most, and their K/V
             predate their neighbours' latest commits. ``0``: only the stale ones.
+        lookahead: ``K`` draft rows per request (0: none, the default). Each block step also
+            queries K drafts of the request's next state (its canvas plus the commit its next step
+            is likely to make); when the step's own commit shows a draft was exact, the request
+            takes the draft's result and skips a forward. Decodes the same tokens as without
+            drafts, in fewer forwards, for K windows' more query tokens per step (1 to 6; the
+            measured trade is in benchmarks/RESULTS.md §12). Needs ``cache="dual"``,
+            ``window_queries="all"``, greedy decoding (temperature 0, ``low_confidence``) and a
+            threshold, factor or LocalLeap rule: what makes a draft exact.
 
     On Dream, the official Fast-dLLM commits the block's first position unconditionally at each
     block start (its in-block logit shift cannot predict it later). Our window forward predicts
@@ -351,11 +359,12 @@ class FastDLLMConfig(DiffusionGenerationConfig):
     strategy = "fast_dllm"
     _ours = DiffusionGenerationConfig._ours + (
         "cache", "threshold", "factor", "steps", "block_length", "early_stop", "skip_completed_block_step",
-        "rule", "relaxed_threshold", "leap_radius", "window_queries", "requery_radius",
+        "rule", "relaxed_threshold", "leap_radius", "window_queries", "requery_radius", "lookahead",
     )  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:
         self.cache = kwargs.pop("cache", "dual")
+        self.lookahead = kwargs.pop("lookahead", 0)
         self.window_queries = kwargs.pop("window_queries", "all")
         self.requery_radius = kwargs.pop("requery_radius", _REQUERY_RADIUS)
         self.threshold = kwargs.pop("threshold", None if any(r in kwargs for r in _RULES[1:]) else 0.9)
@@ -387,6 +396,30 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             num_blocks = -(-self.max_new_tokens // self.block_length)
             if self.steps % num_blocks:
                 raise ValueError(f"steps ({self.steps}) must be a multiple of the number of blocks ({num_blocks}).")
+        _check_lookahead(self)
+
+
+def _check_lookahead(cfg: FastDLLMConfig) -> None:
+    """``lookahead``: an integer 0..6, and the settings under which a draft's forward is exactly the
+    next block step (policies/lookahead.py)."""
+    from hf_blockbatch.generation.policies.lookahead import DRAFT_SHAPES
+
+    k = cfg.lookahead
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= len(DRAFT_SHAPES):
+        raise ValueError(f"lookahead must be an integer from 0 to {len(DRAFT_SHAPES)} (draft rows per request), got {k!r}.")
+    if not k:
+        return
+    wrong = [
+        why for bad, why in (
+            (cfg.cache != "dual", f"cache='dual' (got {cfg.cache!r})"),
+            (cfg.window_queries != "all", "window_queries='all' (a sparse step reuses K/V a draft row never wrote)"),
+            (float(cfg.temperature or 0) > 0, f"temperature=0 (got {cfg.temperature}: a sampled step cannot be drafted)"),
+            (cfg.remasking != "low_confidence", f"remasking='low_confidence' (got {cfg.remasking!r})"),
+            (cfg.steps is not None, "a threshold, factor or LocalLeap rule (steps= keeps a per-block schedule)"),
+        ) if bad
+    ]  # fmt: skip
+    if wrong:
+        raise ValueError(f"lookahead={k} needs " + "; ".join(wrong) + ", or set lookahead=0.")
 
 
 # ---- BlockBatch options beyond the paper (issue 16): one compact block, each off by default

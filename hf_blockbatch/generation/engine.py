@@ -5,7 +5,8 @@ runs any plan on any model that implements the forward contract of
 :mod:`hf_blockbatch.models.base`, without asking which strategy it is. One step:
 
 1. **forward**: one packed forward over the windows of every active row of every request
-   (:mod:`.forward`; a full forward for ``cache="none"``), reading only the slots the step needs;
+   (:mod:`.forward`; a full forward for ``cache="none"``), reading only the slots the step needs
+   (with lookahead, :class:`~.policies.Lookahead` first writes the draft rows that ride along);
 2. **rule**: the transfer rule commits inside each window (:mod:`.commit`, :mod:`.rules`);
 3. **policies**: advance, merge, sync, ... in the plan's order (:mod:`.policies`);
 4. **stop**: requests that ended leave (:mod:`.stop`), *then*
@@ -222,6 +223,9 @@ class Run:
             guard -= 1
             if guard < 0:
                 raise RuntimeError("Decoding made no progress; this is a bug in hf-blockbatch, please report it.")
+            if self.plan.lookahead is not None:  # draft rows join this step or are parked: new rows
+                self.plan.lookahead.draft(self)
+                rows = self._windows = None
             if rows is None:
                 rows, left_out = self.step_rows()
             completed = (self.block_step(rows) if rows.numel() else True) or left_out

@@ -2,7 +2,8 @@
 
 * vanilla: full forwards (no cache), one block size, the fixed-quota rule, no refresh;
 * Fast-dLLM: one block size, threshold / factor / quota rule, a cache mode; its block-start full
-  forward is a refresh with ``interval = block_length``;
+  forward is a refresh with ``interval = block_length``; with ``lookahead`` K, K draft rows of the
+  same block size per request (``policies.Lookahead``);
 * BlockBatch: one branch per block size; advance, merge and sync policies; a refresh policy; EOS
   early stop ranking the hitting branches.
 
@@ -22,7 +23,7 @@ from hf_blockbatch.generation.configs import (
     FastDLLMConfig,
     VanillaDiffusionConfig,
 )
-from hf_blockbatch.generation.policies import Advance, BranchPolicy, Merge, Prune, Sync
+from hf_blockbatch.generation.policies import Advance, BranchPolicy, Lookahead, Merge, Prune, Sync
 from hf_blockbatch.generation.refresh import Off, make_refresh
 from hf_blockbatch.generation.rules import TransferRule, make_rule
 from hf_blockbatch.generation.stop import StopRule
@@ -59,6 +60,8 @@ class DecodePlan:
     # (``window_queries="sparse"``, forward.Forwards.positions)
     sparse_queries: bool = False
     requery_radius: int = 0  # and the decoded positions within this many of a read slot
+    # draft rows written before each block step (policies/lookahead.py); also one of ``policies``
+    lookahead: Lookahead | None = None
 
 
 def check_model(plan: DecodePlan, model) -> None:
@@ -122,9 +125,11 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
     if isinstance(cfg, FastDLLMConfig):
         steps_per_block = None if cfg.steps is None else cfg.steps // -(-cfg.max_new_tokens // cfg.block_length)
         after_full = cfg.cache == "none" or bool(cfg.skip_completed_block_step)
+        lookahead = Lookahead(int(cfg.lookahead)) if cfg.lookahead else None
         return DecodePlan(
-            **common, block_sizes=[cfg.block_length], cache=cfg.cache, rule=_rule(cfg, steps_per_block),
-            policies=[Advance(after_full=after_full)], advance_after_full=after_full,
+            **common, block_sizes=[cfg.block_length] * (1 + int(cfg.lookahead)), cache=cfg.cache,
+            rule=_rule(cfg, steps_per_block), lookahead=lookahead, map_k=1 if lookahead else 0,
+            policies=[*([lookahead] if lookahead else []), Advance(after_full=after_full)], advance_after_full=after_full,
             refresh=make_refresh("periodic", cfg.block_length, 0.0, cached=cfg.cache != "none"),
             stop=StopRule(early_stop=bool(cfg.early_stop)), sparse_queries=cfg.window_queries == "sparse",
             requery_radius=int(cfg.requery_radius),

@@ -39,7 +39,8 @@ class DecodeState:
     map_k: int = 0  # entries per position of the probability map (0: no map)
     keep_commit_prob: bool = False
     # per-row counters only some parts read (their ``needs``): "moves" (ReferenceRefresh),
-    # "count_offset" (Sync(count="rule")), "step_syncs" and "pruned" (Prune); absent ones are None,
+    # "count_offset" (Sync(count="rule")), "step_syncs" and "pruned" (Prune; Lookahead parks its draft
+    # rows with it), "lookahead" (Lookahead: ``drafted``, ``kv_from``, ``adopted``); absent ones are None,
     # so that a plan without those parts pays no operation for them
     features: frozenset[str] = frozenset()
     # filled by __post_init__ from the shapes above
@@ -64,8 +65,9 @@ class DecodeState:
     count_offset: torch.Tensor = field(default=None)  # [R] a sync's correction to ``committed`` (see Sync.count)
     synced_now: torch.Tensor | None = None  # [R] bool: synced in this step (no refresh right after a sync)
     retired: torch.Tensor = field(default=None)  # [R] bool: the row's request has finished
-    # [R] bool: retired early by the Prune policy (policies/prune.py): done from then on, its masks
-    # kept; never queried, refreshed, merged, synced or a leader again
+    # [R] bool: out of the steps: retired early by the Prune policy (policies/prune.py): done from
+    # then on, its masks kept; never queried, refreshed, merged, synced or a leader again; or a
+    # Lookahead draft row parked between the block steps that carry a draft (policies/lookahead.py)
     pruned: torch.Tensor = field(default=None)
     step_syncs: torch.Tensor = field(default=None)  # [R] syncs after block steps (Prune counts them)
     # [R, G] float64: each decoded position's probability when it was committed or merged (kept only
@@ -75,6 +77,12 @@ class DecodeState:
     # (kept only for ``window_queries="sparse"``, feature "kv_tokens"): a decoded position whose token
     # differs has stale K/V, computed while it was still masked, and is queried once more
     kv_tokens: torch.Tensor | None = None
+    # Lookahead (feature "lookahead", policies/lookahead.py): [R, L] the canvas each draft row held
+    # when it was drafted; [R] the refresh count of its main row whose K/V the draft row's cache holds
+    # outside the window; [R] the block steps a main row skipped by adopting a verified draft
+    drafted: torch.Tensor | None = None
+    kv_from: torch.Tensor | None = None
+    adopted: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         R, dev, G = self.canvas.shape[0], self.canvas.device, self.canvas.shape[1] - self.gen_start
@@ -91,6 +99,10 @@ class DecodeState:
         if self.map_k and self.prob_p is None:
             self.prob_p = torch.zeros(R, G, self.map_k, device=dev)
             self.prob_ids = torch.full((R, G, self.map_k), -1, dtype=torch.long, device=dev)
+        if "lookahead" in self.features and self.drafted is None:
+            self.drafted = self.canvas.clone()
+            self.kv_from = torch.ones(R, dtype=torch.long, device=dev)  # the initial forward's K/V, broadcast
+            self.adopted = _zeros(R, dev)
         if "kv_tokens" in self.features and self.kv_tokens is None:
             self.kv_tokens = torch.full_like(self.canvas, -1)  # nothing written yet
         if (self.keep_commit_prob or "commit_prob" in self.features) and self.commit_prob is None:

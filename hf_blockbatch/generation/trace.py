@@ -165,6 +165,7 @@ class Recorder:
         self.nfe_block[req] = self.block_steps
         cols = {"request": state.request, "branch": state.branch, "block": state.block, "decoded": state.decoded(),
                 **({} if state.pruned is None else {"pruned": state.pruned.long()}),
+                **({} if state.adopted is None else {"adopted": state.adopted}),
                 **{k: getattr(state, k) for k in _COUNTS}}  # fmt: skip
         host = dict(zip(cols, torch.stack(list(cols.values())).tolist()))
         if self.eos_rank is not None:  # what ranked the EOS hitters (stop.pick_winners)
@@ -196,6 +197,8 @@ class Recorder:
                 "pruned": sum(b["pruned"] for b in branches),
                 "branches": branches,
             }
+            if "adopted" in host:  # block steps the request skipped by adopting exact drafts (Lookahead)
+                self.stats[r_i]["lookahead_adopted"] = sum(host["adopted"][i] for i in rows)
             if self.tracing:
                 self.stats[r_i]["trace"] = self.trace[r_i]
             self._uncounted.append((r_i, w, rows))

@@ -2,7 +2,8 @@
 
 A plan holds an ordered list of policies; after every commit the engine applies them in order
 (:meth:`BranchPolicy.apply`). Fast-dLLM and vanilla have one, :class:`Advance`; BlockBatch adds
-:class:`Merge` and :class:`Sync` (and optionally :class:`Prune`). A policy returns whether it may
+:class:`Merge` and :class:`Sync` (and optionally :class:`Prune`); Fast-dLLM with lookahead adds
+:class:`Lookahead`, whose draft rows the engine also asks to be written before each block step. A policy returns whether it may
 have moved a window (a moved window can make a row done, hit EOS or become due for a refresh;
 while none moved, the engine keeps its step layout). A new policy is a new small file exposing a
 class with ``apply``.
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from hf_blockbatch.generation.state import DecodeState
     from hf_blockbatch.generation.trace import Recorder
 
-__all__ = ["Advance", "BranchPolicy", "Merge", "Prune", "StepContext", "Sync"]
+__all__ = ["Advance", "BranchPolicy", "Lookahead", "Merge", "Prune", "StepContext", "Sync"]
 
 
 @dataclass
@@ -38,6 +39,7 @@ class BranchPolicy(Protocol):
 
 
 from hf_blockbatch.generation.policies.advance import Advance  # noqa: E402
+from hf_blockbatch.generation.policies.lookahead import Lookahead  # noqa: E402
 from hf_blockbatch.generation.policies.merge import Merge  # noqa: E402
 from hf_blockbatch.generation.policies.prune import Prune  # noqa: E402
 from hf_blockbatch.generation.policies.sync import Sync  # noqa: E402

@@ -1,0 +1,139 @@
+"""Lookahead branches (``FastDLLMConfig(lookahead=K)``, ``policies/lookahead.py``).
+
+A draft row holds a guess of the request's next canvas and is queried in the same forward as the
+request's own row; an exact guess is adopted and saves a forward. Checked here, on both embedded
+checkpoints and on random peaked models: the tokens are those of Fast-dLLM without drafts, and every
+adoption saves exactly one forward (NFE + adopted = NFE without drafts); drafts do happen and do get
+adopted; a padded batch decodes each prompt as alone (tokens, NFE, query tokens, adoptions); the
+answer is always the main row's; the trace records each adoption; clear errors for settings under
+which a draft cannot be exact; the option saves and loads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _generation_helpers import peaked, run_padded
+
+import hf_blockbatch as hb
+from hf_blockbatch.generation.policies.lookahead import DRAFT_SHAPES
+from hf_blockbatch.generation.trace import SyncEvent
+from hf_blockbatch.tasks import get_suite
+
+
+@pytest.fixture(scope="module", params=["tiny-llada", "tiny-dream"])
+def trained(request):
+    model, tok = hb.load_model(request.param, device="cpu")
+    tok.padding_side = "left"
+    return model, tok
+
+
+def _batch(tok, suite: str, n: int):
+    s = get_suite(suite)
+    texts = [s.prompt(item, tok) for item in s.items("train", limit=n)]
+    return tok(texts, add_special_tokens=False, return_tensors="pt", padding=True)
+
+
+def _decode(model, enc, **options):
+    cfg = hb.FastDLLMConfig(max_new_tokens=64, **options)
+    return model.generate(**enc, generation_config=cfg, return_dict_in_generate=True)
+
+
+def _adopted(out) -> torch.Tensor:
+    return torch.tensor([st["lookahead_adopted"] for st in out.stats])
+
+
+@pytest.mark.parametrize("options", [
+    {"block_length": 32, "early_stop": True},
+    {"block_length": 64, "early_stop": True},
+    {"block_length": 32, "early_stop": False, "factor": 1.0},
+    {"block_length": 32, "early_stop": True, "rule": "localleap"},
+    {"block_length": 64, "early_stop": False, "skip_completed_block_step": True, "threshold": 0.7},
+], ids=["b32-es", "b64-es", "factor", "localleap", "skip-t0.7"])  # fmt: skip
+@pytest.mark.parametrize("drafts", [1, 3])
+def test_lookahead_decodes_fast_dllms_tokens_in_fewer_forwards(trained, options, drafts):
+    """The same tokens as Fast-dLLM without drafts; each adopted draft is one forward less, exactly;
+    on eight arithmetic prompts some drafts are adopted; the drafts' windows are query tokens."""
+    model, tok = trained
+    enc = _batch(tok, "arith", 8)
+    base = _decode(model, enc, **options)
+    out = _decode(model, enc, lookahead=drafts, **options)
+    assert torch.equal(out.sequences, base.sequences)
+    adopted = _adopted(out)
+    assert torch.equal(out.nfe + adopted, base.nfe)
+    assert int(adopted.sum()) > 0
+    qt, base_qt = (torch.tensor([st["query_tokens"] for st in o.stats]) for o in (out, base))
+    assert bool((qt >= base_qt).all()) and int(qt.sum()) > int(base_qt.sum())
+    assert all(st["winner_branch"] == 0 and len(st["branches"]) == 1 + drafts for st in out.stats)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_lookahead_is_exact_on_random_models(family):
+    """A random peaked model (confidences spread over (0, 1)): still Fast-dLLM's tokens, NFE + adopted
+    = its NFE, for every number of drafts."""
+    model = peaked(family)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
+    base = run_padded(model, prompts, hb.FastDLLMConfig(max_new_tokens=24, block_length=8, threshold=0.6))
+    for drafts in range(1, len(DRAFT_SHAPES) + 1):
+        cfg = hb.FastDLLMConfig(max_new_tokens=24, block_length=8, threshold=0.6, lookahead=drafts)
+        out = run_padded(model, prompts, cfg)
+        assert torch.equal(out.sequences, base.sequences), drafts
+        assert torch.equal(out.nfe + _adopted(out), base.nfe), drafts
+
+
+def test_lookahead_padded_batch_equals_alone(trained):
+    """Drafts, adoptions and their query tokens are per request: each prompt decodes inside a
+    left-padded batch exactly as alone."""
+    model, tok = trained
+    s = get_suite("lists")
+    prompts = [tok(s.prompt(item, tok), add_special_tokens=False).input_ids for item in s.items("train", limit=4)]
+    cfg = hb.FastDLLMConfig(max_new_tokens=64, block_length=32, early_stop=True, lookahead=2)
+    batch = run_padded(model, prompts, cfg)
+    width = batch.sequences.shape[1] - 64
+    for i, p in enumerate(prompts):
+        alone = run_padded(model, [p], cfg)
+        assert torch.equal(batch.sequences[i, width:], alone.sequences[0, len(p) :])
+        assert int(batch.nfe[i]) == int(alone.nfe[0])
+        for key in ("query_tokens", "lookahead_adopted"):
+            assert batch.stats[i][key] == alone.stats[0][key], key
+
+
+def test_lookahead_trace_records_each_adoption(trained):
+    """An adoption is a sync of the main row (branch 0) to the draft it took: the trace shows one per
+    adopting step, from a draft branch, and each saving one forward per draft of its chain."""
+    model, tok = trained
+    enc = _batch(tok, "arith", 4)
+    out = _decode(model, enc, block_length=32, early_stop=True, lookahead=3, output_trace=True)
+    for st in out.stats:
+        syncs = [ev for ev in st["trace"] if isinstance(ev, SyncEvent)]
+        assert all(ev.branch == 0 and 1 <= ev.leader <= 3 for ev in syncs)
+        assert len(syncs) <= st["lookahead_adopted"] <= 3 * len(syncs)  # a chain adopts up to every draft
+        assert bool(syncs) == bool(st["lookahead_adopted"])
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"cache": "prefix"}, "cache='dual'"),
+    ({"window_queries": "sparse"}, "window_queries='all'"),
+    ({"temperature": 0.7}, "temperature=0"),
+    ({"remasking": "random"}, "remasking='low_confidence'"),
+    ({"steps": 16, "threshold": None}, "threshold, factor or LocalLeap rule"),
+])  # fmt: skip
+def test_lookahead_refuses_settings_where_a_draft_is_not_exact(options, message):
+    with pytest.raises(ValueError, match=message) as info:
+        hb.FastDLLMConfig(max_new_tokens=32, lookahead=2, **options).validate()
+    assert "lookahead=0" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", [-1, len(DRAFT_SHAPES) + 1, True, "2", 1.5])
+def test_lookahead_count_errors(value):
+    with pytest.raises(ValueError, match="lookahead must be an integer from 0 to"):
+        hb.FastDLLMConfig(max_new_tokens=32, lookahead=value).validate()
+
+
+def test_lookahead_config_saves_and_loads(tmp_path):
+    cfg = hb.FastDLLMConfig(max_new_tokens=64, block_length=64, early_stop=True, lookahead=3)
+    cfg.save_pretrained(tmp_path)
+    loaded = hb.FastDLLMConfig.from_pretrained(tmp_path)
+    assert loaded.lookahead == 3 and loaded.block_length == 64
+    loaded.validate()
+    assert hb.FastDLLMConfig().lookahead == 0
