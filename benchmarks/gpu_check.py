@@ -5,7 +5,8 @@
    with left-padded rows and a row subset. Reports max |Δ logits| per backend.
 2. Latency: LLaDA-8B geometry (32 layers, d 4096, vocab 126464) in bf16, canvas 512 + 256; one
    packed window step with windows 4+8+16+32+64+128 (BlockBatch's branches) against one window
-   of 32 (Fast-dLLM dual), per backend; and one full forward for scale.
+   of 32 (Fast-dLLM dual), per backend; one window of 32 or 64 with 0..3 lookahead draft rows;
+   and one full forward for scale.
 3. Decoding: ``generate`` end to end on the GPU in bf16 (LLaDA-8B width, ``--decode-layers``
    layers, random weights), every strategy and cache mode, a batch of 4 left-padded prompts and
    one of them alone: NFE, wall time and the policy's share per call, whether the padded batch
@@ -115,8 +116,17 @@ def latency(device: torch.device, layers: int, repeats: int) -> dict:
             inside = (pos >= starts[:, None]) & (pos < ends[:, None])
             quarter = inside & ((pos - Lp) % 4 == 0)
             sparse = timed(lambda q=quarter: model.forward_positions(ids, q, None, cache))
+            # lookahead (issue 16): one request's window of 32 and of 64 with 0..3 draft rows beside it;
+            # drafts save forwards only while a step with them costs about what one without them does
+            drafts = {}
+            for w in (32, 64):
+                for k in range(4):
+                    rows = torch.arange(k + 1, device=device)
+                    s0, e0 = torch.full_like(rows, Lp), torch.full_like(rows, Lp + w)
+                    drafts[f"b{w}_rows{k + 1}_ms"] = timed(lambda r=rows, a=s0, b=e0: model.forward_windows(ids, a, b, cache, rows=r))
             out[name] = {"packed_4_to_128_ms": packed, "single_32_ms": single, "ratio": packed / single,
-                         "sparse_quarter_4_to_128_ms": sparse, "sparse_query_tokens": int(quarter.sum())}  # fmt: skip
+                         "sparse_quarter_4_to_128_ms": sparse, "sparse_query_tokens": int(quarter.sum()),
+                         "lookahead": drafts}  # fmt: skip
     return out
 
 
@@ -150,6 +160,9 @@ def decoding(device: torch.device, dtype: torch.dtype, layers: int, width: int, 
         "blockbatch_sparse": hb.BlockBatchConfig(max_new_tokens=G, threshold=threshold, window_queries="sparse"),
         # the shipped beyond-the-paper point (RESULTS §11): three branches, guards, sparse r 6, pruning
         "blockbatch_lean": hb.BlockBatchConfig.lean(max_new_tokens=G, threshold=threshold),
+        # lookahead draft rows (RESULTS §12): Fast-dLLM's tokens in fewer forwards (bf16 may round a
+        # draft row differently from the row alone: reported as same_tokens_as_fast_dllm_dual)
+        "fast_dllm_dual_lookahead2": hb.FastDLLMConfig(max_new_tokens=G, threshold=threshold, lookahead=2),
     }
     backends = [b for b in available_backends(device, dtype) if b != "reference"]
     out: dict = {"params_billion": sum(p.numel() for p in model.parameters()) / 1e9, "backends": backends}
@@ -176,6 +189,10 @@ def decoding(device: torch.device, dtype: torch.dtype, layers: int, width: int, 
         for r in runs.values():
             r["same_tokens_as_" + backends[0]] = bool(torch.equal(r.pop("tokens"), first))
         out[name] = runs
+        if name == "fast_dllm_dual":
+            dual_tokens = first
+        if name.startswith("fast_dllm_dual_lookahead"):
+            runs["same_tokens_as_fast_dllm_dual"] = bool(torch.equal(first, dual_tokens))
         print(name, json.dumps(runs), flush=True)
     return out
 

@@ -7,7 +7,8 @@ and the output. Target (issue 3): policy ≤ 5 % of decoding time on the tiny mo
 ``policy_fraction_decode_loop`` is the same share of the decoding loop alone (what the engine's
 own ``stats["seconds"]`` times; earlier sessions reported this one).
 
-Usage: ``python benchmarks/policy_overhead.py [--model tiny-llada] [--random] [--prompts 16]``.
+Usage: ``python benchmarks/policy_overhead.py [--model tiny-llada] [--random] [--prompts 16]``
+(``--lookahead K`` adds Fast-dLLM with K lookahead draft rows).
 ``--random`` uses a random model at the tiny checkpoints' geometry (no weights needed); a random
 model commits about one token per step, the worst case for per-step policy cost.
 Each strategy runs ``--repeats`` times over the same prompts; the run with the median policy share
@@ -101,6 +102,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="runs per strategy; the median run is reported")
     parser.add_argument("--sparse", action="store_true", help="the strategies with window_queries='sparse'")
+    parser.add_argument("--lookahead", type=int, default=0,
+                        help="also Fast-dLLM dual b32 with this many lookahead draft rows (issue 16)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = build_model(args)
@@ -124,6 +127,9 @@ def main() -> None:
                                                       threshold=threshold, **sparse),
         f"blockbatch_default{tag}": hb.BlockBatchConfig(max_new_tokens=args.max_new_tokens, threshold=threshold, **sparse),
     }  # fmt: skip
+    if args.lookahead:
+        strategies[f"fast_dllm_dual_b32_la{args.lookahead}"] = hb.FastDLLMConfig(
+            max_new_tokens=args.max_new_tokens, block_length=32, threshold=threshold, lookahead=args.lookahead)
     model_name = f"random d{args.d_model} L{args.layers} V{args.vocab}" if args.random else args.model
     report = {"model": model_name, "threads": args.threads, "prompts": args.prompts,
               "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "strategies": {}}  # fmt: skip

@@ -137,3 +137,31 @@ def test_lookahead_config_saves_and_loads(tmp_path):
     assert loaded.lookahead == 3 and loaded.block_length == 64
     loaded.validate()
     assert hb.FastDLLMConfig().lookahead == 0
+
+
+def test_drafts_commit_the_ranked_masks_and_park_when_too_few_remain():
+    """Draft j holds the main row's canvas plus ranks DRAFT_SHAPES[j] of its open window masks (by
+    the probability map, with its top-1 tokens); a draft that would fill the window or needs more
+    masks than remain is parked and mirrors its main row."""
+    from types import SimpleNamespace
+
+    from hf_blockbatch.generation.policies.lookahead import Lookahead
+    from hf_blockbatch.generation.state import DecodeState
+
+    mask = 9
+    ids = torch.tensor([[1, 2], [3, 4]])
+    s = DecodeState.start(ids, torch.ones_like(ids), [4] * 4, 8, mask, map_k=1, features=frozenset(Lookahead.needs))
+    s.prob_p[:, :, 0] = torch.tensor([0.2, 0.9, 0.5, 0.7, 0.1, 0.1, 0.1, 0.1]).repeat(8, 1)
+    s.prob_ids[:, :, 0] = torch.arange(20, 28).repeat(8, 1)
+    s.canvas[4:8, 2:6] = torch.tensor([5, 5, mask, 5])  # request 1: one open mask in its window
+    changed = Lookahead(3).draft(SimpleNamespace(state=s, cache=None))
+    gen = s.canvas[:, 2:6]
+    # request 0, ranks by confidence: position 1 (0.9), 3 (0.7), 2 (0.5), 0 (0.2)
+    assert gen[1].tolist() == [mask, 21, mask, mask]  # (0,)
+    assert gen[2].tolist() == [mask, mask, mask, 23]  # (1,)
+    assert gen[3].tolist() == [mask, 21, mask, 23]  # (0, 1)
+    assert s.pruned[:4].tolist() == [False, False, False, False] and s.done[:4].tolist() == [False] * 4
+    # request 1: a single open mask: every draft would fill the window, so all are parked
+    assert s.pruned[5:8].all() and s.done[5:8].all()
+    assert torch.equal(s.canvas[5:8], s.canvas[4:5].expand(3, -1))
+    assert torch.equal(s.drafted[1:4], s.canvas[1:4]) and changed

@@ -223,8 +223,8 @@ class Run:
             guard -= 1
             if guard < 0:
                 raise RuntimeError("Decoding made no progress; this is a bug in hf-blockbatch, please report it.")
-            if self.plan.lookahead is not None:  # draft rows join this step or are parked: new rows
-                self.plan.lookahead.draft(self)
+            # draft rows join this step or are parked: new rows when that changed
+            if self.plan.lookahead is not None and self.plan.lookahead.draft(self):
                 rows = self._windows = None
             if rows is None:
                 rows, left_out = self.step_rows()

@@ -83,6 +83,7 @@ class DecodeState:
     drafted: torch.Tensor | None = None
     kv_from: torch.Tensor | None = None
     adopted: torch.Tensor | None = None
+    draft_parked: torch.Tensor | None = None  # [R] bool: the draft row was parked for the last block step
 
     def __post_init__(self) -> None:
         R, dev, G = self.canvas.shape[0], self.canvas.device, self.canvas.shape[1] - self.gen_start
@@ -103,6 +104,7 @@ class DecodeState:
             self.drafted = self.canvas.clone()
             self.kv_from = torch.ones(R, dtype=torch.long, device=dev)  # the initial forward's K/V, broadcast
             self.adopted = _zeros(R, dev)
+            self.draft_parked = _zeros(R, dev, torch.bool)
         if "kv_tokens" in self.features and self.kv_tokens is None:
             self.kv_tokens = torch.full_like(self.canvas, -1)  # nothing written yet
         if (self.keep_commit_prob or "commit_prob" in self.features) and self.commit_prob is None:

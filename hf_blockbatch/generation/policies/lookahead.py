@@ -42,13 +42,13 @@ See docs/algorithm.md, "Lookahead branches".
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from hf_blockbatch.generation.policies import StepContext
-from hf_blockbatch.generation.state import DecodeState
 
 if TYPE_CHECKING:
     from hf_blockbatch.generation.engine import Run
@@ -63,6 +63,18 @@ DRAFT_SHAPES: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 1), (0, 1, 2), (2,)
 _COPIED = ("canvas", "prob_p", "prob_ids", "eos_hit", "eos_prob", "commit_prob")
 
 
+@functools.cache
+def _shapes(drafts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[K, S]`` bool: rank r in draft j; ``[K]``: open masks a draft needs (its ranks, and one left
+    over: a draft that fills the window stands in for no block step). Built once per device."""
+    shapes = DRAFT_SHAPES[:drafts]
+    ranks = torch.zeros(len(shapes), 1 + max(max(s) for s in shapes), dtype=torch.bool)
+    for j, shape in enumerate(shapes):
+        ranks[j, list(shape)] = True
+    need = torch.tensor([max(max(shape) + 1, len(shape) + 1) for shape in shapes])
+    return ranks.to(device), need.to(device)
+
+
 @dataclass(frozen=True)
 class Lookahead:
     """``drafts`` draft rows per request, shaped by the first ``drafts`` entries of :data:`DRAFT_SHAPES`."""
@@ -71,74 +83,64 @@ class Lookahead:
 
     drafts: int = 2
 
-    def _rows(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(main [B], drafts [B, K])`` row indices."""
-        main = state.first_rows()
-        return main, main[:, None] + torch.arange(1, state.branches, device=main.device)
-
-    def _shapes(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[K, S]`` bool: rank r in draft j; ``[K]``: open masks a draft needs (its ranks, and one
-        left over: a draft that fills the window stands in for no block step)."""
-        shapes = DRAFT_SHAPES[: self.drafts]
-        width = 1 + max(max(s) for s in shapes)
-        ranks = torch.zeros(len(shapes), width, dtype=torch.bool)
-        for j, s in enumerate(shapes):
-            ranks[j, list(s)] = True
-        need = torch.tensor([max(max(s) + 1, len(s) + 1) for s in shapes])
-        return ranks.to(device), need.to(device)
-
-    def draft(self, run: Run) -> None:
+    def draft(self, run: Run) -> bool:
         """Before a block step: write each live request's drafts into its draft rows, park the
-        rest, and give drafts whose main row was refreshed since their last copy its K/V."""
+        rest, and give drafts whose main row was refreshed since their last copy its K/V. Returns
+        whether the rows the step carries changed since the previous draft (else the engine keeps
+        its step layout). Works on ``[requests, branches, ...]`` views: branch 0 is the main row."""
         s = run.state
-        main, drafts = self._rows(s)
-        B, K = drafts.shape
-        L, gs = s.length, s.gen_start
-        ranks, need = self._shapes(main.device)
-        S = ranks.shape[1]
-        canvas = s.canvas[main]  # [B, L]
-        ws, we = s.win_start[main], s.win_end[main]
+        ranks, need = _shapes(self.drafts, s.canvas.device)
+        L, gs, S = s.length, s.gen_start, ranks.shape[1]
+        canvas = s.per_request(s.canvas)  # [B, N, L]
+        main = canvas[:, 0]
+        ws, we = s.per_request(s.win_start)[:, :1], s.per_request(s.win_end)[:, :1]  # [B, 1]
         pos = torch.arange(L, device=main.device)
-        open_ = (canvas == s.mask_id) & (pos >= ws[:, None]) & (pos < we[:, None])
-        conf = torch.where(open_[:, gs:], s.prob_p[main, :, 0], float("-inf"))  # [B, G]
+        open_ = (main == s.mask_id) & (pos >= ws) & (pos < we)  # [B, L]
+        conf = s.per_request(s.prob_p)[:, 0, :, 0].masked_fill(~open_[:, gs:], float("-inf"))  # [B, G]
         order = conf.topk(min(S, L - gs), dim=-1).indices  # [B, S] generated positions, best first
         if order.shape[1] < S:  # a canvas shorter than the widest draft: those ranks never exist
-            order = torch.cat([order, order[:, :1].expand(B, S - order.shape[1])], dim=1)
-        n_open = open_.sum(-1)
-        live = ~s.done[main] & ~s.retired[main]
-        valid = live[:, None] & (n_open[:, None] >= need[None])  # [B, K]
+            order = torch.cat([order, order[:, :1].expand(-1, S - order.shape[1])], dim=1)
+        # a draft needs its ranks and one mask left over; a finished request (done) drafts nothing
+        valid = ~s.per_request(s.done)[:, :1] & (open_.sum(-1, keepdim=True) >= need)  # [B, K]
         at = order + gs
-        tokens = torch.where(ranks[None], s.prob_ids[main[:, None], order, 0][:, None], canvas.gather(1, at)[:, None])
-        new = canvas[:, None].expand(B, K, L).clone()
-        new.scatter_(2, at[:, None].expand(B, K, S), tokens)  # [B, K, L]
-        new = torch.where(valid[:, :, None], new, canvas[:, None])  # a parked draft mirrors its main row
-        flat = drafts.reshape(-1)
-        s.canvas[flat] = s.drafted[flat] = new.view(B * K, L)
-        s.win_start[flat], s.win_end[flat] = ws.repeat_interleave(K), we.repeat_interleave(K)
-        parked = ~valid.view(-1)
-        s.pruned[flat] = parked
-        s.done[flat] = parked
+        guessed = s.per_request(s.prob_ids)[:, 0, :, 0].gather(1, order)  # [B, S] top-1 tokens
+        tokens = torch.where(valid[:, :, None] & ranks, guessed[:, None], main.gather(1, at)[:, None])  # [B, K, S]
+        drafts = canvas[:, 1:]
+        drafts.copy_(main[:, None].expand_as(drafts))
+        drafts.scatter_(2, at[:, None].expand_as(tokens), tokens)
+        s.per_request(s.drafted)[:, 1:] = drafts
+        s.per_request(s.win_start)[:, 1:] = ws
+        s.per_request(s.win_end)[:, 1:] = we
+        parked = ~valid
+        was = s.per_request(s.draft_parked)[:, 1:]
+        changed = not torch.equal(parked, was)
+        was.copy_(parked)
+        s.per_request(s.pruned)[:, 1:] = parked
+        s.per_request(s.done)[:, 1:] = parked
         if run.cache is not None:
-            src = main.repeat_interleave(K)
-            stale = ~parked & (s.kv_from[flat] != s.refreshes[src])
+            kv_from, refreshes = s.per_request(s.kv_from), s.per_request(s.refreshes)
+            stale = valid & (kv_from[:, 1:] != refreshes[:, :1])
             if bool(stale.any()):
-                dst, src = flat[stale], src[stale]
+                b, j = stale.nonzero().unbind(1)
+                src, dst = b * s.branches, b * s.branches + 1 + j
                 run.cache.copy_rows(src, dst, same_mask=True)
                 s.kv_from[dst] = s.refreshes[src]
+        return changed
 
     def apply(self, ctx: StepContext) -> bool:
         """After a block step: the main row takes the state of the draft (chain) that held exactly
         its next canvas, then every draft row is parked. Returns whether a window may have moved."""
         s = ctx.state
-        main, drafts = self._rows(s)
-        B, K = drafts.shape
-        live = ~s.pruned[drafts]
+        live = ~s.per_request(s.pruned)[:, 1:]  # [B, K]
         adopted = False
         if not ctx.full and bool(live.any()):
-            current = s.canvas[main]
-            drafted, after = s.drafted[drafts], s.canvas[drafts]  # [B, K, L]
-            src = main.clone()
-            took = torch.zeros(B, dtype=torch.long, device=main.device)
+            B, K = live.shape
+            canvas = s.per_request(s.canvas)
+            current, after = canvas[:, 0], canvas[:, 1:]  # [B, L], [B, K, L]
+            drafted = s.per_request(s.drafted)[:, 1:]
+            source = torch.zeros(B, dtype=torch.long, device=live.device)  # branch whose state the main row takes
+            took = torch.zeros_like(source)
+            branch = torch.arange(1, K + 1, device=live.device)
             for _ in range(K):  # a chain adopts at most every draft once
                 # a draft keeps a mask in the window, so a canvas equal to it does too: a block step
                 # follows it (nothing the decoder does between two steps needs checking)
@@ -147,27 +149,25 @@ class Lookahead:
                 if not bool(hit.any()):
                     break
                 j = match.byte().argmax(-1)
-                current = torch.where(hit[:, None], after[torch.arange(B, device=main.device), j], current)
-                src = torch.where(hit, drafts.gather(1, j[:, None]).squeeze(1), src)
-                live = live & ~(hit[:, None] & (torch.arange(K, device=main.device) == j[:, None]))
+                current = torch.where(hit[:, None], after.gather(1, j[:, None, None].expand(B, 1, s.length)).squeeze(1), current)
+                source = torch.where(hit, j + 1, source)
+                live = live & (branch != (j + 1).masked_fill(~hit, 0)[:, None])
                 took += hit
-            moved = src != main
-            if bool(moved.any()):
-                dst, src = main[moved], src[moved]
+            if bool(source.any()):
+                requests = source.nonzero().squeeze(1)
+                dst = requests * s.branches
+                src = dst + source[requests]
                 before = s.decoded()[dst]
-                leaders = torch.arange(s.num_rows, device=main.device)
-                leaders[dst] = src
                 s.copy_rows(src, dst, _COPIED)
                 s.committed.index_add_(0, dst, s.decoded()[dst] - before)
-                s.adopted.index_add_(0, dst, took[moved])
-                synced = torch.zeros(s.num_rows, dtype=torch.bool, device=main.device)
-                synced[dst] = True
+                s.adopted.index_add_(0, dst, took[requests])
                 if ctx.recorder.tracing:
+                    leaders = torch.arange(s.num_rows, device=dst.device).index_copy_(0, dst, src)
+                    synced = torch.zeros(s.num_rows, dtype=torch.bool, device=dst.device).index_fill_(0, dst, True)
                     ctx.recorder.sync(s, synced, leaders)
                 s.advance()
                 adopted = True
-        flat = drafts.reshape(-1)
-        s.pruned[flat] = True
-        s.done[flat] = True
-        s.eos_hit[flat] = False
+        for name in ("pruned", "done"):
+            s.per_request(getattr(s, name))[:, 1:] = True
+        s.per_request(s.eos_hit)[:, 1:] = False
         return adopted
