@@ -166,6 +166,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # lookahead branches (fourth pass): K draft rows per request run the next block step in the same
     # forward; an exact draft is adopted (Fast-dLLM's tokens, fewer forwards, more query tokens)
     **{f"fd_es_b{b}_la{k}": {**_FD, "block_length": b, "lookahead": k} for b in (32, 64) for k in range(1, 7)},
+    # ... drafted only while the window has at most m masks left (a draft of one or two tokens rarely
+    # matches a step that commits several)
+    **{f"fd_es_b64_la{k}_m{m}": {**_FD, "block_length": 64, "lookahead": k, "lookahead_max_masks": m}
+       for k in (1, 2, 3, 6) for m in (4, 8, 16)},
     # LocalLeap inside branches whose merges take only confident tokens
     "bb_4_16_64_a2_w_sq_c07_ll": {**_LEAN3, **_SQ, "merge_source_confidence": 0.7, "rule": "localleap"},
     "bb_default_a2_w_sq_c07_ll": {**_BB, "merge_agreement": 2, "eos_prefer_widest": True, **_SQ,

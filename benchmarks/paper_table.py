@@ -2,7 +2,7 @@
 
 ``python benchmarks/paper_table.py`` reads ``benchmarks/results/paper_table/<model>-<suite>/summary.json``
 (and ``paper_table_extra/``, ``paper_table_sparse/``, ``paper_table_sparse_confident/`` and the per-model
-``paper_table_paired*/<model>/`` and ``paper_table_lookahead/<model>/``, where the reference variant and the beyond-paper configs ran on the
+``paper_table_paired*/<model>/`` and ``paper_table_lookahead*/<model>/``, where the reference variant and the beyond-paper configs ran on the
 same items) and prints one Markdown row per method: accuracy, NFE, NFE as the authors count it, query
 tokens, and the NFE and query-token ratios to the tuned Fast-dLLM (early stop, the sweep's most accurate block,
 ties to the lower NFE). Latency is left out on purpose: these runs shared the two cores, see RESULTS §8.
@@ -21,12 +21,14 @@ ORDER = ("fast_dllm", "fast_dllm_early_stop", "fast_dllm_b16", "fast_dllm_b64", 
          "fd_es_sparse_b32", "fd_es_sparse_b64", "bb_sparse_agree_widest", "bb_lean_sparse_agree_widest",
          "bb_sparse_confident", "bb_lean_sparse_confident", "fd_es_sparse_b64_r6", "bb_lean_sparse_confident_r6",
          "bb_lean_sparse_confident_r6_p1", "fd_es_b32_la1", "fd_es_b64_la1", "fd_es_b32_la2", "fd_es_b64_la2",
-         "fd_es_b32_la3", "fd_es_b64_la3", "fd_es_b64_la6")  # fmt: skip
+         "fd_es_b32_la3", "fd_es_b64_la3", "fd_es_b64_la6", "fd_es_b32_la2_m8", "fd_es_b64_la2_m8", "fd_es_b32_la3_m8",
+         "fd_es_b64_la3_m8")  # fmt: skip
 #: folders of runs on the same items as ``paper_table/`` (method names do not repeat across them)
 EXTRA = ("paper_table_extra", "paper_table_sparse", "paper_table_sparse_confident")
 #: per-model runs of every suite on the same items (§11: ``<folder>/<model>/summary.json``); their
 #: Fast-dLLM sweep repeats ``paper_table/``'s, so only their other methods are taken
-PER_MODEL = ("paper_table_paired", "paper_table_paired_r6", "paper_table_paired_p1", "paper_table_lookahead")
+PER_MODEL = ("paper_table_paired", "paper_table_paired_r6", "paper_table_paired_p1", "paper_table_lookahead",
+             "paper_table_lookahead_gated")
 
 
 def _cells(folder: Path) -> dict[str, dict]:

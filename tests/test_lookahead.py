@@ -165,3 +165,42 @@ def test_drafts_commit_the_ranked_masks_and_park_when_too_few_remain():
     assert s.pruned[5:8].all() and s.done[5:8].all()
     assert torch.equal(s.canvas[5:8], s.canvas[4:5].expand(3, -1))
     assert torch.equal(s.drafted[1:4], s.canvas[1:4]) and changed
+
+
+def test_drafting_only_near_the_end_of_a_window_is_still_exact_and_cheaper(trained):
+    """``lookahead_max_masks``: drafts only while the window has at most m masks left. Still Fast-dLLM's
+    tokens with NFE + adopted = its NFE, and fewer query tokens than drafting at every step."""
+    model, tok = trained
+    enc = _batch(tok, "arith", 8)
+    options = {"block_length": 64, "early_stop": True}
+    base = _decode(model, enc, **options)
+    every = _decode(model, enc, lookahead=2, **options)
+    gated = _decode(model, enc, lookahead=2, lookahead_max_masks=4, **options)
+    assert torch.equal(gated.sequences, base.sequences)
+    assert torch.equal(gated.nfe + _adopted(gated), base.nfe) and int(_adopted(gated).sum()) > 0
+    qt = {name: sum(st["query_tokens"] for st in o.stats) for name, o in (("every", every), ("gated", gated))}
+    assert qt["gated"] < qt["every"]
+
+
+def test_a_window_with_more_masks_than_max_masks_gets_no_draft():
+    from types import SimpleNamespace
+
+    from hf_blockbatch.generation.policies.lookahead import Lookahead
+    from hf_blockbatch.generation.state import DecodeState
+
+    ids = torch.tensor([[1, 2]])
+    for max_masks, parked in ((3, True), (4, False)):
+        s = DecodeState.start(ids, torch.ones_like(ids), [4] * 3, 8, 9, map_k=1, features=frozenset(Lookahead.needs))
+        Lookahead(2, max_masks).draft(SimpleNamespace(state=s, cache=None))  # 4 masks in the first window
+        assert s.pruned[1:].tolist() == [parked, parked]
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"lookahead": 2, "lookahead_max_masks": 1}, "lookahead_max_masks must be an integer >= 2"),
+    ({"lookahead": 2, "lookahead_max_masks": True}, "lookahead_max_masks must be an integer >= 2"),
+    ({"lookahead": 2, "lookahead_max_masks": "8"}, "lookahead_max_masks must be an integer >= 2"),
+    ({"lookahead_max_masks": 8}, "it needs lookahead >= 1"),
+])  # fmt: skip
+def test_lookahead_max_masks_errors(options, message):
+    with pytest.raises(ValueError, match=message):
+        hb.FastDLLMConfig(max_new_tokens=32, **options).validate()

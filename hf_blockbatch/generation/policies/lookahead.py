@@ -77,11 +77,13 @@ def _shapes(drafts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tens
 
 @dataclass(frozen=True)
 class Lookahead:
-    """``drafts`` draft rows per request, shaped by the first ``drafts`` entries of :data:`DRAFT_SHAPES`."""
+    """``drafts`` draft rows per request, shaped by the first ``drafts`` entries of :data:`DRAFT_SHAPES`;
+    drafted only while the main row's window has at most ``max_masks`` masks left (``None``: always)."""
 
     needs: ClassVar[tuple[str, ...]] = ("pruned", "lookahead")
 
     drafts: int = 2
+    max_masks: int | None = None
 
     def draft(self, run: Run) -> bool:
         """Before a block step: write each live request's drafts into its draft rows, park the
@@ -100,8 +102,12 @@ class Lookahead:
         order = conf.topk(min(S, L - gs), dim=-1).indices  # [B, S] generated positions, best first
         if order.shape[1] < S:  # a canvas shorter than the widest draft: those ranks never exist
             order = torch.cat([order, order[:, :1].expand(-1, S - order.shape[1])], dim=1)
-        # a draft needs its ranks and one mask left over; a finished request (done) drafts nothing
-        valid = ~s.per_request(s.done)[:, :1] & (open_.sum(-1, keepdim=True) >= need)  # [B, K]
+        # a draft needs its ranks and one mask left over; a finished request (done) drafts nothing;
+        # a window with many masks left commits several next, which a draft of one or two rarely is
+        n_open = open_.sum(-1, keepdim=True)
+        valid = ~s.per_request(s.done)[:, :1] & (n_open >= need)  # [B, K]
+        if self.max_masks is not None:
+            valid &= n_open <= self.max_masks
         at = order + gs
         guessed = s.per_request(s.prob_ids)[:, 0, :, 0].gather(1, order)  # [B, S] top-1 tokens
         tokens = torch.where(valid[:, :, None] & ranks, guessed[:, None], main.gather(1, at)[:, None])  # [B, K, S]
