@@ -152,7 +152,12 @@ class DecodeState:
 
     def decoded(self) -> torch.Tensor:
         """[R] non-mask tokens in each row's generated region."""
-        return (self.canvas[:, self.gen_start :] != self.mask_id).sum(-1)
+        return self.decoded_rows(None)
+
+    def decoded_rows(self, rows: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`decoded` of ``rows`` only (all when ``None``)."""
+        gen = self.canvas[:, self.gen_start :] if rows is None else self.canvas[rows, self.gen_start :]
+        return (gen != self.mask_id).sum(-1)
 
     def advance(self) -> None:
         """Move every row's window to the block (of its own size) holding its first mask; rows

@@ -55,9 +55,10 @@ if TYPE_CHECKING:
 
 __all__ = ["DRAFT_SHAPES", "Lookahead"]
 
-#: what draft ``j`` commits: ranks of the main row's remaining window masks by confidence. Chosen by
-#: replaying Fast-dLLM's steps on training items (benchmarks/RESULTS.md §12): most steps commit one
-#: token, the next most confident (rank 0) or the one after it (rank 1); (0, 1) chains two of them.
+#: what draft ``j`` commits: ranks of the main row's remaining window masks by confidence, in the
+#: order they were adopted on training items (``benchmarks/lookahead_shapes.py``, RESULTS §12): most
+#: adopted steps commit one token, the next most confident (rank 0) or the one after it (rank 1);
+#: (0, 1) chains two of them.
 DRAFT_SHAPES: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 1), (0, 1, 2), (2,), (1, 2))
 
 _COPIED = ("canvas", "prob_p", "prob_ids", "eos_hit", "eos_prob", "commit_prob")
@@ -163,9 +164,9 @@ class Lookahead:
                 requests = source.nonzero().squeeze(1)
                 dst = requests * s.branches
                 src = dst + source[requests]
-                before = s.decoded()[dst]
+                before = s.decoded_rows(dst)
                 s.copy_rows(src, dst, _COPIED)
-                s.committed.index_add_(0, dst, s.decoded()[dst] - before)
+                s.committed.index_add_(0, dst, s.decoded_rows(dst) - before)
                 s.adopted.index_add_(0, dst, took[requests])
                 if ctx.recorder.tracing:
                     leaders = torch.arange(s.num_rows, device=dst.device).index_copy_(0, dst, src)
