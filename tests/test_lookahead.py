@@ -204,3 +204,23 @@ def test_a_window_with_more_masks_than_max_masks_gets_no_draft():
 def test_lookahead_max_masks_errors(options, message):
     with pytest.raises(ValueError, match=message):
         hb.FastDLLMConfig(max_new_tokens=32, **options).validate()
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_lookahead_is_exact_on_random_settings(family):
+    """Seeded random settings, the edges included (one-token canvases and blocks, threshold 1, blocks
+    that do not divide the canvas, the gate at its smallest): Fast-dLLM's tokens, NFE + adopted = its NFE."""
+    import random
+
+    rng = random.Random(7)
+    model = peaked(family)
+    for _ in range(12):
+        options = dict(max_new_tokens=rng.choice([1, 3, 5, 13, 24]), block_length=rng.choice([1, 3, 4, 8, 16]),
+                       threshold=rng.choice([0.3, 0.6, 0.9, 1.0]), early_stop=rng.random() < 0.5,
+                       skip_completed_block_step=rng.random() < 0.3)  # fmt: skip
+        prompts = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 4))]
+        base = run_padded(model, prompts, hb.FastDLLMConfig(**options))
+        drafts, max_masks = rng.randint(1, len(DRAFT_SHAPES)), rng.choice([None, 2, 8])
+        out = run_padded(model, prompts, hb.FastDLLMConfig(**options, lookahead=drafts, lookahead_max_masks=max_masks))
+        assert torch.equal(out.sequences, base.sequences), (options, drafts, max_masks)
+        assert torch.equal(out.nfe + _adopted(out), base.nfe), (options, drafts, max_masks)
