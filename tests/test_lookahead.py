@@ -65,6 +65,8 @@ def test_lookahead_decodes_fast_dllms_tokens_in_fewer_forwards(trained, options,
     qt, base_qt = (torch.tensor([st["query_tokens"] for st in o.stats]) for o in (out, base))
     assert bool((qt >= base_qt).all()) and int(qt.sum()) > int(base_qt.sum())
     assert all(st["winner_branch"] == 0 and len(st["branches"]) == 1 + drafts for st in out.stats)
+    # draft rows are reported as drafts, not as pruned branches
+    assert all(st["pruned"] == 0 and [b["draft"] for b in st["branches"]] == [False] + [True] * drafts for st in out.stats)
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])

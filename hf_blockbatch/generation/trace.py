@@ -164,7 +164,8 @@ class Recorder:
         req = ending.requests
         self.nfe_block[req] = self.block_steps
         cols = {"request": state.request, "branch": state.branch, "block": state.block, "decoded": state.decoded(),
-                **({} if state.pruned is None else {"pruned": state.pruned.long()}),
+                # Lookahead parks its draft rows with ``pruned``: they are drafts, not pruned branches
+                **({} if state.pruned is None or state.adopted is not None else {"pruned": state.pruned.long()}),
                 **({} if state.adopted is None else {"adopted": state.adopted}),
                 **{k: getattr(state, k) for k in _COUNTS}}  # fmt: skip
         host = dict(zip(cols, torch.stack(list(cols.values())).tolist()))
@@ -179,7 +180,8 @@ class Recorder:
         for r_i, w, e in zip(req.tolist(), ending.winners.tolist(), ending.by_eos.tolist()):
             rows = rows_of[r_i]
             branches = [{"block_size": host["block"][i], **{k: host[k][i] for k in keys},
-                         "pruned": bool(host["pruned"][i]) if "pruned" in host else False} for i in rows]  # fmt: skip
+                         "pruned": bool(host["pruned"][i]) if "pruned" in host else False,
+                         **({"draft": host["branch"][i] > 0} if "adopted" in host else {})} for i in rows]  # fmt: skip
             if self.eos_rank is not None:
                 for b, i in zip(branches, rows):
                     ranked = eos_hit[i] and self.eos_rank != "widest"  # "widest" reads no probability
