@@ -323,6 +323,14 @@ class BranchCache(Cache):
             self.key_mask.index_copy_(0, dst, self.key_mask.index_select(0, src))
             self.position_ids.index_copy_(0, dst, self.position_ids.index_select(0, src))
 
+    def copy_spans(self, src: torch.Tensor, dst: torch.Tensor, positions: torch.Tensor) -> None:
+        """``row[dst[i]][p] = row[src[i]][p]`` for every layer and every ``p`` in ``positions[i]``
+        (``[n, W]``, repeats allowed): a lookahead draft row takes its main row's window before a
+        sparse step, and the main row takes an adopted draft's after it. Only K/V; ``dst`` and
+        ``src`` must be disjoint. One gather and one scatter over the whole cache, no host sync."""
+        slabs = self.storage.view(self.storage.shape[0] * 2, self.num_rows, self.length, -1)
+        slabs[:, dst[:, None], positions] = slabs[:, src[:, None], positions]
+
     def broadcast_rows(self, group: int) -> None:
         """Copy the first row of every run of ``group`` consecutive rows into the other rows of the
         run (BlockBatch's initial forward: one row per request, K/V shared by its branches, whose

@@ -49,7 +49,9 @@ def _adopted(out) -> torch.Tensor:
     {"block_length": 32, "early_stop": False, "factor": 1.0},
     {"block_length": 32, "early_stop": True, "rule": "localleap"},
     {"block_length": 64, "early_stop": False, "skip_completed_block_step": True, "threshold": 0.7},
-], ids=["b32-es", "b64-es", "factor", "localleap", "skip-t0.7"])  # fmt: skip
+    {"block_length": 64, "early_stop": True, "window_queries": "sparse", "requery_radius": 6},
+    {"block_length": 32, "early_stop": False, "window_queries": "sparse", "requery_radius": 0},
+], ids=["b32-es", "b64-es", "factor", "localleap", "skip-t0.7", "sparse-r6", "sparse-r0"])  # fmt: skip
 @pytest.mark.parametrize("drafts", [1, 3])
 def test_lookahead_decodes_fast_dllms_tokens_in_fewer_forwards(trained, options, drafts):
     """The same tokens as Fast-dLLM without drafts; each adopted draft is one forward less, exactly;
@@ -70,26 +72,29 @@ def test_lookahead_decodes_fast_dllms_tokens_in_fewer_forwards(trained, options,
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
-def test_lookahead_is_exact_on_random_models(family):
+@pytest.mark.parametrize("queries", [{}, {"window_queries": "sparse", "requery_radius": 2}], ids=["dense", "sparse"])
+def test_lookahead_is_exact_on_random_models(family, queries):
     """A random peaked model (confidences spread over (0, 1)): still Fast-dLLM's tokens, NFE + adopted
-    = its NFE, for every number of drafts."""
+    = its NFE, for every number of drafts (with sparse queries: sparse Fast-dLLM's, chains of drafts
+    three deep included)."""
     model = peaked(family)
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
-    base = run_padded(model, prompts, hb.FastDLLMConfig(max_new_tokens=24, block_length=8, threshold=0.6))
+    base = run_padded(model, prompts, hb.FastDLLMConfig(max_new_tokens=24, block_length=8, threshold=0.6, **queries))
     for drafts in range(1, len(DRAFT_SHAPES) + 1):
-        cfg = hb.FastDLLMConfig(max_new_tokens=24, block_length=8, threshold=0.6, lookahead=drafts)
+        cfg = hb.FastDLLMConfig(max_new_tokens=24, block_length=8, threshold=0.6, lookahead=drafts, **queries)
         out = run_padded(model, prompts, cfg)
         assert torch.equal(out.sequences, base.sequences), drafts
         assert torch.equal(out.nfe + _adopted(out), base.nfe), drafts
 
 
-def test_lookahead_padded_batch_equals_alone(trained):
+@pytest.mark.parametrize("queries", [{}, {"window_queries": "sparse", "requery_radius": 6}], ids=["dense", "sparse"])
+def test_lookahead_padded_batch_equals_alone(trained, queries):
     """Drafts, adoptions and their query tokens are per request: each prompt decodes inside a
     left-padded batch exactly as alone."""
     model, tok = trained
     s = get_suite("lists")
     prompts = [tok(s.prompt(item, tok), add_special_tokens=False).input_ids for item in s.items("train", limit=4)]
-    cfg = hb.FastDLLMConfig(max_new_tokens=64, block_length=32, early_stop=True, lookahead=2)
+    cfg = hb.FastDLLMConfig(max_new_tokens=64, block_length=32, early_stop=True, lookahead=3, **queries)
     batch = run_padded(model, prompts, cfg)
     width = batch.sequences.shape[1] - 64
     for i, p in enumerate(prompts):
@@ -115,7 +120,6 @@ def test_lookahead_trace_records_each_adoption(trained):
 
 @pytest.mark.parametrize("options,message", [
     ({"cache": "prefix"}, "cache='dual'"),
-    ({"window_queries": "sparse"}, "window_queries='all'"),
     ({"temperature": 0.7}, "temperature=0"),
     ({"remasking": "random"}, "remasking='low_confidence'"),
     ({"steps": 16, "threshold": None}, "threshold, factor or LocalLeap rule"),
@@ -216,13 +220,83 @@ def test_lookahead_is_exact_on_random_settings(family):
 
     rng = random.Random(7)
     model = peaked(family)
-    for _ in range(12):
+    for _ in range(16):
         options = dict(max_new_tokens=rng.choice([1, 3, 5, 13, 24]), block_length=rng.choice([1, 3, 4, 8, 16]),
                        threshold=rng.choice([0.3, 0.6, 0.9, 1.0]), early_stop=rng.random() < 0.5,
                        skip_completed_block_step=rng.random() < 0.3)  # fmt: skip
         prompts = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 4))]
+        if rng.random() < 0.5:  # sparse queries: exact against sparse Fast-dLLM
+            options.update(window_queries="sparse", requery_radius=rng.choice([0, 1, 3, 6]))
         base = run_padded(model, prompts, hb.FastDLLMConfig(**options))
         drafts, max_masks = rng.randint(1, len(DRAFT_SHAPES)), rng.choice([None, 2, 8])
         out = run_padded(model, prompts, hb.FastDLLMConfig(**options, lookahead=drafts, lookahead_max_masks=max_masks))
         assert torch.equal(out.sequences, base.sequences), (options, drafts, max_masks)
         assert torch.equal(out.nfe + _adopted(out), base.nfe), (options, drafts, max_masks)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_echoed_queries_read_as_if_cached_first(family):
+    """``forward_positions(echo=...)``: a row that receives another row's fresh K/V (where it does not
+    query itself) computes what it would after that row's forward had been cached, and its cache then
+    holds that row's K/V there, its own elsewhere. This is how a sparse draft row sees the cache its
+    main row will hold."""
+    from _generation_helpers import MASK_ID
+
+    model = peaked(family)
+    L = 14
+    canvas = torch.tensor([[1, 2, 3, 4, 5, 6] + [MASK_ID] * 8] * 2)
+    canvas[1, 7] = 40  # row 1: one guess more
+    first = torch.zeros(2, L, dtype=torch.bool)
+    first[:, 8:] = True
+    q0 = torch.zeros(L, dtype=torch.bool)
+    q0[[2, 3, 6, 7, 9, 10, 11]] = True
+    q1 = torch.zeros(L, dtype=torch.bool)
+    q1[[7, 8, 10, 12, 13]] = True
+    predict = torch.zeros(2, L, dtype=torch.bool)
+    predict[:, 12:] = True
+    start = canvas.clone()
+    start[1] = canvas[0]  # both rows' K/V start as row 0's canvas
+    # sequentially: row 0 writes its queries, row 1 then starts from row 0's cache
+    seq = model.new_cache(2, L)
+    model(start, cache=seq)
+    model.forward_positions(canvas, predict[:1], q0[None], seq, rows=torch.tensor([0]))
+    seq.copy_rows(torch.tensor([0]), torch.tensor([1]))
+    alone = model.forward_positions(canvas, predict[1:], q1[None], seq, rows=torch.tensor([1]))
+    # together, with row 0's K/V echoed into row 1
+    cache = model.new_cache(2, L)
+    model(start, cache=cache)
+    echo = torch.where(q0 & ~q1, 0, -1).expand(2, L).clone()
+    echo[0] = -1
+    both = model.forward_positions(canvas, predict, torch.stack([q0, q1]), cache, echo=echo)
+    n = int(predict[0].sum())
+    torch.testing.assert_close(both.logits[n:], alone.logits)
+    for layer, ref in zip(cache.layers, seq.layers):
+        torch.testing.assert_close(layer.keys, ref.keys)
+        torch.testing.assert_close(layer.values, ref.values)
+    with pytest.raises(ValueError, match="echo must be a long"):
+        model.forward_positions(canvas, predict, torch.stack([q0, q1]), cache, echo=echo[:, :3])
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_with_sparse_queries_a_draft_stands_only_for_its_parents_next_step(sparse):
+    """Draft (0, 1) extends draft (0,). When the main row commits both ranks at once, (0, 1) holds its
+    next canvas: dense steps adopt it (its window was recomputed whole), sparse steps must not (its
+    K/V outside its queries are (0,)'s after this forward, not the main row's)."""
+    from types import SimpleNamespace
+
+    from hf_blockbatch.generation.policies import StepContext
+    from hf_blockbatch.generation.policies.lookahead import Lookahead
+    from hf_blockbatch.generation.state import DecodeState
+
+    mask = 9
+    ids = torch.tensor([[1, 2]])
+    features = frozenset(Lookahead.needs) | ({"kv_tokens"} if sparse else frozenset())
+    s = DecodeState.start(ids, torch.ones_like(ids), [4] * 4, 8, mask, map_k=1, features=features)
+    s.prob_p[:, :, 0] = torch.tensor([0.2, 0.9, 0.5, 0.7, 0.1, 0.1, 0.1, 0.1]).repeat(4, 1)
+    s.prob_ids[:, :, 0] = torch.arange(20, 28).repeat(4, 1)
+    Lookahead(3).draft(SimpleNamespace(state=s, cache=None))
+    assert s.draft_parent.tolist() == [-1, 0, 0, 1]
+    s.canvas[0, 2:6] = torch.tensor([mask, 21, mask, 23])  # the main row commits ranks 0 and 1
+    ctx = StepContext(s, None, SimpleNamespace(tracing=False), False, True)
+    adopted = Lookahead(3).apply(ctx)
+    assert adopted != sparse and int(s.adopted[0]) == (0 if sparse else 1)

@@ -423,7 +423,6 @@ def _check_lookahead(cfg: FastDLLMConfig) -> None:
     wrong = [
         why for bad, why in (
             (cfg.cache != "dual", f"cache='dual' (got {cfg.cache!r})"),
-            (cfg.window_queries != "all", "window_queries='all' (a sparse step reuses K/V a draft row never wrote)"),
             (float(cfg.temperature or 0) > 0, f"temperature=0 (got {cfg.temperature}: a sampled step cannot be drafted)"),
             (cfg.remasking != "low_confidence", f"remasking='low_confidence' (got {cfg.remasking!r})"),
             (cfg.steps is not None, "a threshold, factor or LocalLeap rule (steps= keeps a per-block schedule)"),

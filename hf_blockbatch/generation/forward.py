@@ -54,8 +54,9 @@ class Forwards:
     from the policy."""
 
     def __init__(self, model, state: DecodeState, cache, cache_mode: str, pad_id: int, eos_ids: torch.Tensor,
-                 masked_only: bool, eos_slot: bool, requery_radius: int = 0) -> None:  # fmt: skip
+                 masked_only: bool, eos_slot: bool, requery_radius: int = 0, draft_depth: int = 0) -> None:  # fmt: skip
         self.requery_radius = requery_radius
+        self.draft_depth = draft_depth  # lookahead with sparse steps: the longest chain of drafts
         self.model, self.cache, self.cache_mode, self.pad_id, self.eos_ids = model, cache, cache_mode, pad_id, eos_ids
         self.masked_only, self.eos_slot = masked_only, eos_slot
         self.L, self.gs = state.length, state.gen_start
@@ -195,22 +196,63 @@ class Forwards:
         within r of a read slot (their K/V predate their neighbours' latest commits, and the read slots
         attend to them most); every other position's K/V stay as the cache holds them. Returns the
         packed logits of the read slots, as :meth:`windows` does, and counts each row's query tokens
-        for this step (the layout changes every step)."""
+        for this step (the layout changes every step).
+
+        With lookahead (``state.drafted``), a draft row stands for its main row's *next* step: its
+        queries are chosen against the K/V its main row's cache will hold after this forward (the
+        main row's K/V records, updated with its queries of this step), and it receives the main
+        row's fresh K/V as cached ones (``forward_positions``' ``echo``)."""
         rows, read = span.rows, span.read
         want = torch.zeros(rows.shape[0], self.L + 1, dtype=torch.bool, device=rows.device)
         want.scatter_(1, span.positions, True if read is None else read)
         want = want[:, : self.L]
-        refresh = state.stale_kv(rows)
-        if self.requery_radius:
-            r = self.requery_radius
-            refresh |= F.max_pool1d(want[:, None].float(), 2 * r + 1, stride=1, padding=r)[:, 0] > 0
         ws, we = state.take(state.win_start, rows), state.take(state.win_end, rows)
         pos = self.offsets[: self.L]
-        refresh &= (pos >= ws[:, None]) & (pos < we[:, None])
-        out = self.timed(self.model.forward_positions, state.canvas, want, refresh, self.cache, rows=rows)
+        in_win = (pos >= ws[:, None]) & (pos < we[:, None])
+        near = in_win
+        if self.requery_radius:
+            r = self.requery_radius
+            near = in_win & (F.max_pool1d(want[:, None].float(), 2 * r + 1, stride=1, padding=r)[:, 0] > 0)
+        shift = self.model.logit_shift
+        heads = want if not shift else torch.cat([want[:, shift:], want.new_zeros(want.shape[0], shift)], 1)
+
+        def queried() -> torch.Tensor:  # [A, L] the positions each row queries, by its K/V records
+            stale = state.stale_kv(rows) & in_win  # masks (recorded as -1) and tokens committed since their K/V
+            return heads | stale | near if self.requery_radius else heads | stale
+
+        queries, echo = queried(), None
+        if self.draft_depth:
+            queries, echo = self._draft_records(state, rows, queries, queried)
+        out = self.timed(self.model.forward_positions, state.canvas, want, queries, self.cache, rows=rows, echo=echo)
         state.kv_written(rows, out.query_mask)
         self._layouts.append([rows, out.query_mask.sum(-1), 1])
         return out.logits
+
+    def _draft_records(self, state: DecodeState, rows: torch.Tensor, queries: torch.Tensor,
+                       queried) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Lookahead's draft rows in a sparse step. A draft row stands for its parent's next step (its
+        main row's, or in a chain another draft's), so its cache must read as the parent's will after
+        this forward: its K/V records become the parent's, updated with the parent's queries (then its
+        own queries follow from them), and every position it does not query takes the K/V of the
+        nearest ancestor that queries it (``forward_positions``' ``echo``). Chains resolve in
+        ``draft_depth`` rounds, a level each. Returns ``(queries, echo)``."""
+        A = rows.shape[0]
+        local = torch.full((state.num_rows,), -1, dtype=torch.long, device=rows.device)
+        local[rows] = self.offsets[:A]
+        up = state.take(state.draft_parent, rows)  # the parent's branch, -1 for main rows
+        draft = up >= 0
+        parent = local[rows - state.take(state.branch, rows) + up.clamp_min(0)].clamp_min(0)  # a live draft's parent steps
+        written = state.kv_record(state.take(state.canvas, rows))
+        records = state.take(state.kv_tokens, rows).clone()
+        echo = torch.full_like(records, -1)
+        for _ in range(self.draft_depth):
+            took = queries[parent]
+            records = torch.where(draft[:, None], torch.where(took, written[parent], records[parent]), records)
+            via = torch.where(took, parent[:, None], echo[parent])
+            state.kv_tokens[rows] = records
+            queries = queried()
+            echo = torch.where(draft[:, None] & ~queries, via, -1)
+        return queries, echo
 
     def slots(self, valid: torch.Tensor | None, A: int, W: int) -> torch.Tensor:
         """``[A, W]`` row of the packed logits for each slot when every slot is read: ``a * W + w``

@@ -84,6 +84,9 @@ class DecodeState:
     kv_from: torch.Tensor | None = None
     adopted: torch.Tensor | None = None
     draft_parked: torch.Tensor | None = None  # [R] bool: the draft row was parked for the last block step
+    # [R] the branch whose next state a draft row extends (0: the main row; another draft: a chain),
+    # -1 for main rows; sparse steps build a draft's K/V from it (forward.Forwards.positions)
+    draft_parent: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         R, dev, G = self.canvas.shape[0], self.canvas.device, self.canvas.shape[1] - self.gen_start
@@ -105,6 +108,7 @@ class DecodeState:
             self.kv_from = torch.ones(R, dtype=torch.long, device=dev)  # the initial forward's K/V, broadcast
             self.adopted = _zeros(R, dev)
             self.draft_parked = _zeros(R, dev, torch.bool)
+            self.draft_parent = torch.full((R,), -1, dtype=torch.long, device=dev)
         if "kv_tokens" in self.features and self.kv_tokens is None:
             self.kv_tokens = torch.full_like(self.canvas, -1)  # nothing written yet
         if (self.keep_commit_prob or "commit_prob" in self.features) and self.commit_prob is None:
@@ -206,12 +210,15 @@ class DecodeState:
         is recorded as -1, so that :meth:`stale_kv` always names it."""
         if self.kv_tokens is None:
             return
-        canvas = self.canvas if rows is None else self.take(self.canvas, rows)
-        written = canvas.masked_fill(canvas == self.mask_id, -1)
+        written = self.kv_record(self.canvas if rows is None else self.take(self.canvas, rows))
         if rows is None:
             self.kv_tokens.copy_(written)
         else:
             self.kv_tokens[rows] = written if where is None else torch.where(where, written, self.take(self.kv_tokens, rows))
+
+    def kv_record(self, canvas: torch.Tensor) -> torch.Tensor:
+        """What :attr:`kv_tokens` records for K/V computed from ``canvas``: its tokens, -1 for a mask."""
+        return canvas.masked_fill(canvas == self.mask_id, -1)
 
     def stale_kv(self, rows: torch.Tensor) -> torch.Tensor:
         """``[A, L]`` bool: the positions of ``rows`` whose cached K/V a sparse step recomputes:

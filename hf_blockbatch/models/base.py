@@ -313,6 +313,7 @@ class DiffusionLMMixin:
         refresh: torch.Tensor | None,
         cache: BranchCache,
         rows: torch.Tensor | None = None,
+        echo: torch.Tensor | None = None,
     ) -> PositionOutput:
         """Logits predicting the ``predict`` positions of cache rows ``rows`` (see module docstring).
 
@@ -321,6 +322,12 @@ class DiffusionLMMixin:
         they attend to the row's whole cache and their K/V are written into it in place. Returns
         the packed logits ``[Σ predict, V]`` in row-major order, and the query mask used (the
         positions whose K/V this forward wrote).
+
+        ``echo`` (``[A, L]`` long, -1 for none): row ``i`` also receives at position ``p`` the K/V
+        that row ``echo[i, p]`` (a local index) computes in this forward, layer by layer before
+        attention, as if they had been cached; read only where that row queries ``p`` and row ``i``
+        does not (a row's own queries keep their own K/V). A lookahead draft
+        row so attends to exactly the cache its main row will hold after this forward.
         """
         self._check_window_inputs(input_ids, cache)
         shift = self.logit_shift
@@ -331,6 +338,21 @@ class DiffusionLMMixin:
         heads = predict if not shift else torch.cat([predict[:, shift:], predict.new_zeros(predict.shape[0], shift)], 1)
         queries = heads if refresh is None else heads | refresh
         wb = build_query_batch(cache, queries, rows)
+        if echo is not None:
+            _add_echo(wb, queries, echo)
         ctx = self._context("window", wb.rope_pos, input_ids.shape[1], cache=cache, wb=wb)
         hidden = self._run(self._embed(input_ids[wb.token_rows, wb.token_pos]), ctx)
         return PositionOutput(logits=self._head(hidden[heads[queries]]), query_mask=queries)
+
+
+def _add_echo(wb, queries: torch.Tensor, echo: torch.Tensor) -> None:
+    """Fill ``wb.echo_src`` / ``echo_slots`` (see :meth:`DiffusionLMMixin.forward_positions`)."""
+    A, L = queries.shape
+    if echo.shape != (A, L) or echo.dtype != torch.long:
+        raise ValueError(f"echo must be a long [{A}, {L}] (a source row per position, -1 for none), got "
+                         f"{echo.dtype} {tuple(echo.shape)}.")  # fmt: skip
+    packed = (queries.reshape(-1).cumsum(0) - 1).view(A, L)  # packed token of each query
+    source = echo.clamp_min(0)
+    i, p = ((echo >= 0) & ~queries & queries.gather(0, source)).nonzero(as_tuple=True)
+    wb.echo_src = packed[source[i, p], p]
+    wb.echo_slots = wb.rows[i] * L + p

@@ -150,6 +150,8 @@ def self_attention(
     else:
         # write first, so the window's queries see the window's own fresh keys
         ctx.cache.write_tokens(layer_idx, ctx.wb.flat_slots, k, v)
+        if ctx.wb.echo_src is not None:  # the K/V of some queries also go to other rows (lookahead drafts)
+            ctx.cache.write_tokens(layer_idx, ctx.wb.echo_slots, k[ctx.wb.echo_src], v[ctx.wb.echo_src])
         layer = ctx.cache.layers[layer_idx]
         out = ctx.backend.window(q, layer.keys, layer.values, ctx.wb, scale)
     return o_proj(out.reshape(*lead, num_heads * head_dim))

@@ -64,16 +64,31 @@ DRAFT_SHAPES: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 1), (0, 1, 2), (2,)
 _COPIED = ("canvas", "prob_p", "prob_ids", "eos_hit", "eos_prob", "commit_prob")
 
 
+def _parents(drafts: int) -> list[int]:
+    """The branch each draft extends: the draft holding its shape without its last rank, when one of
+    the first ``drafts`` does ((0, 1) extends (0,)), else the main row (0)."""
+    shapes = DRAFT_SHAPES[:drafts]
+    return [shapes.index(s[:-1]) + 1 if s[:-1] in shapes else 0 for s in shapes]
+
+
 @functools.cache
-def _shapes(drafts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _shapes(drafts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[K, S]`` bool: rank r in draft j; ``[K]``: open masks a draft needs (its ranks, and one left
-    over: a draft that fills the window stands in for no block step). Built once per device."""
+    over: a draft that fills the window stands in for no block step); ``[K]``: its parent's branch.
+    Built once per device."""
     shapes = DRAFT_SHAPES[:drafts]
     ranks = torch.zeros(len(shapes), 1 + max(max(s) for s in shapes), dtype=torch.bool)
     for j, shape in enumerate(shapes):
         ranks[j, list(shape)] = True
     need = torch.tensor([max(max(shape) + 1, len(shape) + 1) for shape in shapes])
-    return ranks.to(device), need.to(device)
+    return ranks.to(device), need.to(device), torch.tensor(_parents(drafts), device=device)
+
+
+def _span(s, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """``[n, width + 1]`` the positions a sparse step of ``rows`` may write: the window, and the
+    position before it (a shifted model's query for the window's first slot), clamped to the canvas."""
+    start = s.win_start[rows] - 1
+    return (start[:, None] + torch.arange(width + 1, device=rows.device)).clamp(0, s.length - 1)
 
 
 @dataclass(frozen=True)
@@ -86,13 +101,22 @@ class Lookahead:
     drafts: int = 2
     max_masks: int | None = None
 
+    @property
+    def depth(self) -> int:
+        """The longest chain of drafts, each extending the one before (sparse steps resolve a draft's
+        K/V a level at a time)."""
+        parents, depth = _parents(self.drafts), [0]
+        for p in parents:
+            depth.append(depth[p] + 1)
+        return max(depth)
+
     def draft(self, run: Run) -> bool:
         """Before a block step: write each live request's drafts into its draft rows, park the
         rest, and give drafts whose main row was refreshed since their last copy its K/V. Returns
         whether the rows the step carries changed since the previous draft (else the engine keeps
         its step layout). Works on ``[requests, branches, ...]`` views: branch 0 is the main row."""
         s = run.state
-        ranks, need = _shapes(self.drafts, s.canvas.device)
+        ranks, need, parents = _shapes(self.drafts, s.canvas.device)
         L, gs, S = s.length, s.gen_start, ranks.shape[1]
         canvas = s.per_request(s.canvas)  # [B, N, L]
         main = canvas[:, 0]
@@ -109,6 +133,8 @@ class Lookahead:
         valid = ~s.per_request(s.done)[:, :1] & (n_open >= need)  # [B, K]
         if self.max_masks is not None:
             valid &= n_open <= self.max_masks
+        # (a parent needs no more masks than its child: a valid draft's parent is valid)
+        s.per_request(s.draft_parent)[:, 1:] = parents
         at = order + gs
         guessed = s.per_request(s.prob_ids)[:, 0, :, 0].gather(1, order)  # [B, S] top-1 tokens
         tokens = torch.where(valid[:, :, None] & ranks, guessed[:, None], main.gather(1, at)[:, None])  # [B, K, S]
@@ -132,6 +158,12 @@ class Lookahead:
                 src, dst = b * s.branches, b * s.branches + 1 + j
                 run.cache.copy_rows(src, dst, same_mask=True)
                 s.kv_from[dst] = s.refreshes[src]
+            if s.kv_tokens is not None and not bool(parked.all()):
+                # sparse steps: the main row's window K/V changed since the last step (its own sparse
+                # writes) and so did the draft rows' (theirs): the drafts start from the main row's
+                b, j = valid.nonzero().unbind(1)
+                src = b * s.branches
+                run.cache.copy_spans(src, src + 1 + j, _span(s, src, run.plan.block_sizes[0]))
         return changed
 
     def apply(self, ctx: StepContext) -> bool:
@@ -148,10 +180,15 @@ class Lookahead:
             source = torch.zeros(B, dtype=torch.long, device=live.device)  # branch whose state the main row takes
             took = torch.zeros_like(source)
             branch = torch.arange(1, K + 1, device=live.device)
+            # with sparse steps a draft's K/V are those its parent's row holds after this forward:
+            # it stands only for its parent's next step
+            parents = s.per_request(s.draft_parent)[:, 1:] if s.kv_tokens is not None else None
             for _ in range(K):  # a chain adopts at most every draft once
                 # a draft keeps a mask in the window, so a canvas equal to it does too: a block step
                 # follows it (nothing the decoder does between two steps needs checking)
                 match = live & (drafted == current[:, None]).all(-1)
+                if parents is not None:
+                    match &= parents == source[:, None]
                 hit = match.any(-1)
                 if not bool(hit.any()):
                     break
@@ -166,6 +203,9 @@ class Lookahead:
                 src = dst + source[requests]
                 before = s.decoded_rows(dst)
                 s.copy_rows(src, dst, _COPIED)
+                if s.kv_tokens is not None:  # sparse: the draft's window K/V are the main row's next ones
+                    s.copy_rows(src, dst, ("kv_tokens",))
+                    ctx.cache.copy_spans(src, dst, _span(s, dst, int(s.block[0])))
                 s.committed.index_add_(0, dst, s.decoded_rows(dst) - before)
                 s.adopted.index_add_(0, dst, took[requests])
                 if ctx.recorder.tracing:
