@@ -170,6 +170,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # matches a step that commits several)
     **{f"fd_es_b64_la{k}_m{m}": {**_FD, "block_length": 64, "lookahead": k, "lookahead_max_masks": m}
        for k in (1, 2, 3, 6) for m in (4, 8, 16)},
+    # ... with sparse window queries at radius 6 (fifth pass): a draft row reads its parent's K/V as
+    # they will be cached after the forward, so it queries only what sparse Fast-dLLM's next step would
+    **{f"fd_es_b{b}_sq_r6_la{k}{'' if m is None else f'_m{m}'}": {
+        **_FD, "block_length": b, **_SQ, "requery_radius": 6, "lookahead": k,
+        **({} if m is None else {"lookahead_max_masks": m})}
+       for b in (32, 64) for k in range(1, 7) for m in (None, 8, 16)},
+    "fd_es_b32_sq_r6": {**_FD, "block_length": 32, **_SQ, "requery_radius": 6},
     # LocalLeap inside branches whose merges take only confident tokens
     "bb_4_16_64_a2_w_sq_c07_ll": {**_LEAN3, **_SQ, "merge_source_confidence": 0.7, "rule": "localleap"},
     "bb_default_a2_w_sq_c07_ll": {**_BB, "merge_agreement": 2, "eos_prefer_widest": True, **_SQ,

@@ -163,6 +163,11 @@ def decoding(device: torch.device, dtype: torch.dtype, layers: int, width: int, 
         # lookahead draft rows (RESULTS §12): Fast-dLLM's tokens in fewer forwards (bf16 may round a
         # draft row differently from the row alone: reported as same_tokens_as_fast_dllm_dual)
         "fast_dllm_dual_lookahead2": hb.FastDLLMConfig(max_new_tokens=G, threshold=threshold, lookahead=2),
+        # ... with sparse queries (RESULTS §13): sparse Fast-dLLM's tokens, the parents' K/V echoed
+        "fast_dllm_dual_sparse_lookahead3": hb.FastDLLMConfig(max_new_tokens=G, threshold=threshold, lookahead=3,
+                                                              window_queries="sparse", requery_radius=6),
+        "fast_dllm_dual_sparse_r6": hb.FastDLLMConfig(max_new_tokens=G, threshold=threshold, window_queries="sparse",
+                                                      requery_radius=6),
     }
     backends = [b for b in available_backends(device, dtype) if b != "reference"]
     out: dict = {"params_billion": sum(p.numel() for p in model.parameters()) / 1e9, "backends": backends}
@@ -193,6 +198,10 @@ def decoding(device: torch.device, dtype: torch.dtype, layers: int, width: int, 
             dual_tokens = first
         if name.startswith("fast_dllm_dual_lookahead"):
             runs["same_tokens_as_fast_dllm_dual"] = bool(torch.equal(first, dual_tokens))
+        if name == "fast_dllm_dual_sparse_lookahead3":
+            sparse_lookahead_tokens = first
+        if name == "fast_dllm_dual_sparse_r6":
+            runs["same_tokens_as_fast_dllm_dual_sparse_lookahead3"] = bool(torch.equal(first, sparse_lookahead_tokens))
         print(name, json.dumps(runs), flush=True)
     return out
 

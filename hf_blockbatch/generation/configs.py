@@ -346,9 +346,11 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             is likely to make); when the step's own commit shows a draft was exact, the request
             takes the draft's result and skips a forward. Decodes the same tokens as without
             drafts, in fewer forwards, for K windows' more query tokens per step (1 to 6; the
-            measured trade is in benchmarks/RESULTS.md §12). Needs ``cache="dual"``,
-            ``window_queries="all"``, greedy decoding (temperature 0, ``low_confidence``) and a
-            threshold, factor or LocalLeap rule: what makes a draft exact.
+            measured trade is in benchmarks/RESULTS.md §12–13). With ``window_queries="sparse"``
+            a draft queries only what the next sparse step would (its K/V are its main row's after
+            the forward), and the tokens are sparse Fast-dLLM's. Needs ``cache="dual"``, greedy
+            decoding (temperature 0, ``low_confidence``) and a threshold, factor or LocalLeap rule:
+            what makes a draft exact.
         lookahead_max_masks: draft only while the request's window has at most this many masks left
             (``None``, the default: at every block step). A window with many masks left mostly
             commits several tokens next, which a draft of one or two rarely matches: at 8, lookahead

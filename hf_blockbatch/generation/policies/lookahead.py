@@ -29,6 +29,12 @@ The parts:
 * cache: dense window queries recompute a row's whole window each step, so a draft row needs only
   its main row's K/V outside the window: copied from the main row after every refresh of it
   (``kv_from``); the initial forward broadcasts them to every row;
+* sparse window queries: the step a draft stands for reuses its parent's K/V *as cached after this
+  forward*; the draft's K/V records are set to those (``Forwards._draft_records``), the parent's
+  fresh K/V are echoed into the draft's cache row before attention (``forward_positions(echo=...)``),
+  each step starts a draft from its main row's window (``BranchCache.copy_spans``), and an adopted
+  draft hands its window K/V and records over; a draft is adopted only as its parent's next step
+  (``draft_parent``: ``(0, 1)`` extends ``(0,)``), so chains follow parents;
 * exactness: adoption compares whole canvases (``drafted`` == the main row's canvas after its
   commit). A draft keeps a mask in the window, so a canvas equal to it does too: the decoder
   without drafts passes through that canvas and runs a block step on it next (advance, stop and
@@ -61,6 +67,10 @@ __all__ = ["DRAFT_SHAPES", "Lookahead"]
 #: (0, 1) chains two of them.
 DRAFT_SHAPES: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 1), (0, 1, 2), (2,), (1, 2))
 
+#: a sparse step writes K/V in its window and at the position before it (a shifted model's query
+#: for the window's first slot): the span a draft row and its main row exchange is the block and one
+_SPAN = 1
+
 _COPIED = ("canvas", "prob_p", "prob_ids", "eos_hit", "eos_prob", "commit_prob")
 
 
@@ -82,13 +92,6 @@ def _shapes(drafts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tens
         ranks[j, list(shape)] = True
     need = torch.tensor([max(max(shape) + 1, len(shape) + 1) for shape in shapes])
     return ranks.to(device), need.to(device), torch.tensor(_parents(drafts), device=device)
-
-
-def _span(s, rows: torch.Tensor, width: int) -> torch.Tensor:
-    """``[n, width + 1]`` the positions a sparse step of ``rows`` may write: the window, and the
-    position before it (a shifted model's query for the window's first slot), clamped to the canvas."""
-    start = s.win_start[rows] - 1
-    return (start[:, None] + torch.arange(width + 1, device=rows.device)).clamp(0, s.length - 1)
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ class Lookahead:
                 # writes) and so did the draft rows' (theirs): the drafts start from the main row's
                 b, j = valid.nonzero().unbind(1)
                 src = b * s.branches
-                run.cache.copy_spans(src, src + 1 + j, _span(s, src, run.plan.block_sizes[0]))
+                run.cache.copy_spans(src, src + 1 + j, s.win_start[src] - 1, _SPAN + run.plan.block_sizes[0])
         return changed
 
     def apply(self, ctx: StepContext) -> bool:
@@ -205,7 +208,7 @@ class Lookahead:
                 s.copy_rows(src, dst, _COPIED)
                 if s.kv_tokens is not None:  # sparse: the draft's window K/V are the main row's next ones
                     s.copy_rows(src, dst, ("kv_tokens",))
-                    ctx.cache.copy_spans(src, dst, _span(s, dst, int(s.block[0])))
+                    ctx.cache.copy_spans(src, dst, s.win_start[dst] - 1, _SPAN + int(s.block[0]))
                 s.committed.index_add_(0, dst, s.decoded_rows(dst) - before)
                 s.adopted.index_add_(0, dst, took[requests])
                 if ctx.recorder.tracing:
