@@ -8,7 +8,7 @@ and the output. Target (issue 3): policy ≤ 5 % of decoding time on the tiny mo
 own ``stats["seconds"]`` times; earlier sessions reported this one).
 
 Usage: ``python benchmarks/policy_overhead.py [--model tiny-llada] [--random] [--prompts 16]``
-(``--lookahead K`` adds Fast-dLLM with K lookahead draft rows).
+(``--lookahead K`` adds Fast-dLLM with K lookahead draft rows; with ``--sparse``, of sparse steps).
 ``--random`` uses a random model at the tiny checkpoints' geometry (no weights needed); a random
 model commits about one token per step, the worst case for per-step policy cost.
 Each strategy runs ``--repeats`` times over the same prompts; the run with the median policy share
@@ -127,9 +127,9 @@ def main() -> None:
                                                       threshold=threshold, **sparse),
         f"blockbatch_default{tag}": hb.BlockBatchConfig(max_new_tokens=args.max_new_tokens, threshold=threshold, **sparse),
     }  # fmt: skip
-    if args.lookahead:
-        strategies[f"fast_dllm_dual_b32_la{args.lookahead}"] = hb.FastDLLMConfig(
-            max_new_tokens=args.max_new_tokens, block_length=32, threshold=threshold, lookahead=args.lookahead)
+    if args.lookahead:  # with --sparse, the drafts of sparse steps
+        strategies[f"fast_dllm_dual_b32_la{args.lookahead}{tag}"] = hb.FastDLLMConfig(
+            max_new_tokens=args.max_new_tokens, block_length=32, threshold=threshold, lookahead=args.lookahead, **sparse)
     model_name = f"random d{args.d_model} L{args.layers} V{args.vocab}" if args.random else args.model
     report = {"model": model_name, "threads": args.threads, "prompts": args.prompts,
               "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "strategies": {}}  # fmt: skip

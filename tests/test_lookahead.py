@@ -300,3 +300,25 @@ def test_with_sparse_queries_a_draft_stands_only_for_its_parents_next_step(spars
     ctx = StepContext(s, None, SimpleNamespace(tracing=False), False, True)
     adopted = Lookahead(3).apply(ctx)
     assert adopted != sparse and int(s.adopted[0]) == (0 if sparse else 1)
+
+
+def test_drafted_preset_is_the_benchmarked_point_and_saves_whole(tmp_path):
+    """``FastDLLMConfig.drafted()`` is :data:`DRAFTED` on top of the defaults, equal to the benchmark
+    entry it was measured as (``fd_es_b64_sq_r6_la3_m8``, less its block), and saves and loads whole."""
+    import json
+    from pathlib import Path
+
+    from hf_blockbatch.generation.configs import DRAFTED
+
+    cfg = hb.FastDLLMConfig.drafted(max_new_tokens=64, block_length=64)
+    cfg.validate()
+    assert {k: getattr(cfg, k) for k in DRAFTED} == DRAFTED and cfg.block_length == 64
+    root = Path(__file__).resolve().parents[1]
+    bench = json.loads((root / "benchmarks" / "beyond_paper_configs.json").read_text())["fd_es_b64_sq_r6_la3_m8"]
+    assert {k: v for k, v in bench.items() if k not in ("strategy", "block_length")} == {
+        "cache": "dual", "threshold": 0.9, **DRAFTED}  # fmt: skip
+    cfg.save_pretrained(tmp_path)
+    loaded = hb.FastDLLMConfig.from_pretrained(tmp_path)
+    loaded.validate()
+    assert {k: getattr(loaded, k) for k in DRAFTED} == DRAFTED
+    assert hb.FastDLLMConfig.drafted(lookahead=1).lookahead == 1  # overrides win

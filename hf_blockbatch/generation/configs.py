@@ -24,6 +24,7 @@ __all__ = [
     "VanillaDiffusionConfig",
     "FastDLLMConfig",
     "BlockBatchConfig",
+    "DRAFTED",
     "LEAN",
     "LEAN_GUARDS",
     "config_from_dict",
@@ -384,6 +385,19 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         _pop_rule_options(self, kwargs)
         super().__init__(**kwargs)
 
+    @classmethod
+    def drafted(cls, **kwargs: Any) -> FastDLLMConfig:
+        """The lookahead point of issue 16: :data:`DRAFTED` (early stop, sparse window queries at
+        radius 6, three exact draft rows of the next sparse step, drafted while at most 8 masks are
+        left), with ``kwargs`` on top (``FastDLLMConfig.drafted(max_new_tokens=256, block_length=64)``:
+        keep the block size you tuned).
+
+        Why a preset rather than the defaults: its tokens are sparse Fast-dLLM's, which are not the
+        official decoder's, and it was chosen on 500 training items per suite (``benchmarks/RESULTS.md``
+        §13). On the test splits, at the tuned block, it is within 1 point of a tuned dense Fast-dLLM on
+        every suite at 0.75-0.83x its forwards and 0.74-0.94x its query tokens (1.10x on one suite)."""
+        return cls(**{**DRAFTED, **kwargs})
+
     def validate(self, **kwargs: Any) -> None:
         super().validate()
         _check_rule(self)
@@ -447,6 +461,11 @@ LEAN_GUARDS: dict[str, Any] = {"merge_agreement": 2, "merge_source_confidence": 
                                "prune_after_syncs": 1}  # fmt: skip
 #: that point whole: three branches and sparse window queries at re-query radius 6, with the guards
 LEAN: dict[str, Any] = {"block_sizes": [4, 16, 64], "window_queries": "sparse", "requery_radius": 6, **LEAN_GUARDS}
+#: the lookahead point (benchmarks/RESULTS.md §13; ``FastDLLMConfig.drafted``): Fast-dLLM with early
+#: stop and sparse window queries at radius 6, three exact draft rows of its next sparse step, drafted
+#: while the window has at most 8 masks left
+DRAFTED: dict[str, Any] = {"early_stop": True, "window_queries": "sparse", "requery_radius": 6, "lookahead": 3,
+                           "lookahead_max_masks": 8}  # fmt: skip
 
 
 def _check_beyond(cfg: Any) -> None:

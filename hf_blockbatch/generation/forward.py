@@ -198,10 +198,9 @@ class Forwards:
         packed logits of the read slots, as :meth:`windows` does, and counts each row's query tokens
         for this step (the layout changes every step).
 
-        With lookahead (``state.drafted``), a draft row stands for its main row's *next* step: its
-        queries are chosen against the K/V its main row's cache will hold after this forward (the
-        main row's K/V records, updated with its queries of this step), and it receives the main
-        row's fresh K/V as cached ones (``forward_positions``' ``echo``)."""
+        With lookahead (``draft_depth`` > 0), a draft row stands for its parent's *next* step: its
+        queries are chosen against the K/V its parent's cache will hold after this forward, and it
+        receives the parent's fresh K/V as cached ones (:meth:`_draft_records`)."""
         rows, read = span.rows, span.read
         want = torch.zeros(rows.shape[0], self.L + 1, dtype=torch.bool, device=rows.device)
         want.scatter_(1, span.positions, True if read is None else read)
@@ -209,7 +208,7 @@ class Forwards:
         ws, we = state.take(state.win_start, rows), state.take(state.win_end, rows)
         pos = self.offsets[: self.L]
         in_win = (pos >= ws[:, None]) & (pos < we[:, None])
-        near = in_win
+        near = None  # the decoded positions within r of a read slot
         if self.requery_radius:
             r = self.requery_radius
             near = in_win & (F.max_pool1d(want[:, None].float(), 2 * r + 1, stride=1, padding=r)[:, 0] > 0)
@@ -218,7 +217,7 @@ class Forwards:
 
         def queried() -> torch.Tensor:  # [A, L] the positions each row queries, by its K/V records
             stale = state.stale_kv(rows) & in_win  # masks (recorded as -1) and tokens committed since their K/V
-            return heads | stale | near if self.requery_radius else heads | stale
+            return heads | stale if near is None else heads | stale | near
 
         queries, echo = queried(), None
         if self.draft_depth:
