@@ -140,14 +140,6 @@ class BranchCacheLayer(CacheLayerMixin):
         return self.keys.shape[1]
 
 
-def _copy_spans_indexed(slabs: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, starts: torch.Tensor,
-                        width: int) -> None:  # fmt: skip
-    """:meth:`BranchCache.copy_spans` on ``[layers * 2, R, L, H * D]`` slabs as one gather and one
-    scatter (the accelerator path; a span reaching past the canvas repeats its last position)."""
-    positions = (starts[:, None] + torch.arange(width, device=starts.device)).clamp(0, slabs.shape[2] - 1)
-    slabs[:, dst[:, None], positions] = slabs[:, src[:, None], positions]
-
-
 class BranchCache(Cache):
     """Preallocated K/V for ``num_rows`` canvases of ``length`` positions.
 
@@ -331,19 +323,17 @@ class BranchCache(Cache):
             self.key_mask.index_copy_(0, dst, self.key_mask.index_select(0, src))
             self.position_ids.index_copy_(0, dst, self.position_ids.index_select(0, src))
 
-    def copy_spans(self, src: torch.Tensor, dst: torch.Tensor, starts: torch.Tensor, width: int) -> None:
-        """``row[dst[i]][p] = row[src[i]][p]`` for every layer and ``p`` in ``[starts[i], starts[i] +
-        width)`` (clamped to the canvas): a lookahead draft row takes its main row's window before a
-        sparse step, and the main row takes an adopted draft's after it. Only K/V; ``dst`` must not
-        repeat and no row may be both a source and a destination. On CPUs one strided copy per span
-        (a gather and a scatter through index tensors cost ten times as much there); elsewhere one
-        gather and one scatter, with no host sync."""
-        slabs = self.storage.view(self.storage.shape[0] * 2, self.num_rows, self.length, -1)
-        if slabs.device.type == "cpu":
-            for s_row, d_row, a in zip(src.tolist(), dst.tolist(), starts.clamp(0, self.length).tolist()):
-                slabs[:, d_row, a : a + width].copy_(slabs[:, s_row, a : a + width])
-            return
-        _copy_spans_indexed(slabs, src, dst, starts, width)
+    def copy_positions(self, src: torch.Tensor, dst: torch.Tensor, where: torch.Tensor) -> None:
+        """``row[dst[i]][p] = row[src[i]][p]`` for every layer and every position ``p`` where the
+        ``[n, L]`` bool ``where[i]`` holds: a lookahead draft row takes back its main row's K/V where
+        it wrote its own, and a main row takes an adopted draft's. Only K/V; no position of a ``dst``
+        row may also be read from it as a ``src`` (rows of one call are disjoint). One gather and one
+        scatter over flat ``row * L + position`` slots: the data moved is the positions, not rows."""
+        i, p = where.nonzero(as_tuple=True)
+        flat = self.storage.view(self.storage.shape[0] * 2, self.num_rows * self.length, -1)
+        taken = flat.index_select(1, src[i] * self.length + p)
+        # along dim 0 of the transposed view: 1.6x faster on CPUs than along dim 1
+        flat.transpose(0, 1).index_copy_(0, dst[i] * self.length + p, taken.transpose(0, 1))
 
     def broadcast_rows(self, group: int) -> None:
         """Copy the first row of every run of ``group`` consecutive rows into the other rows of the

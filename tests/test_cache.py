@@ -90,28 +90,24 @@ def test_copy_rows_exact() -> None:
     assert cache.position_ids[4].tolist() == [0, 0, 1, 2, 3, 4, 5, 6, 7, 8]
 
 
-@pytest.mark.parametrize("indexed", [False, True], ids=["cpu-slices", "indexed"])
-def test_copy_spans_copies_only_the_spans(indexed: bool) -> None:
-    """``copy_spans``: each destination row takes its source's K/V at ``[start, start + width)`` of
-    every layer (clamped to the canvas), nothing else changes; the CPU path (a slice per span) and
-    the accelerator path (one gather and one scatter) agree."""
-    from hf_blockbatch.cache import _copy_spans_indexed
-
+def test_copy_positions_copies_only_those_positions() -> None:
+    """``copy_positions``: each destination row takes its source's K/V of every layer at the positions
+    its mask row names (one source into two rows included); nothing else changes."""
     cache = random_cache()
     before = state(cache)
-    src, dst, starts, width = torch.tensor([0, 0, 4]), torch.tensor([1, 2, 3]), torch.tensor([2, 7, 0]), 4
-    if indexed:
-        slabs = cache.storage.view(LAYERS * 2, R, L, -1)
-        _copy_spans_indexed(slabs, src, dst, starts, width)
-    else:
-        cache.copy_spans(src, dst, starts, width)
+    src, dst = torch.tensor([0, 0, 4]), torch.tensor([1, 2, 3])
+    where = torch.zeros(3, L, dtype=torch.bool)
+    where[0, [2, 3, 9]] = True
+    where[1, 7:] = True  # row 2 takes 7..9; row 3 takes nothing
+    cache.copy_positions(src, dst, where)
     after = state(cache)
     for i in range(LAYERS):
         for name in (f"k{i}", f"v{i}"):
             want = before[name].clone()
-            for s_, d_, a in zip(src.tolist(), dst.tolist(), starts.tolist()):
-                want[d_, a : min(a + width, L)] = before[name][s_, a : min(a + width, L)]
+            for j, (s_, d_) in enumerate(zip(src.tolist(), dst.tolist())):
+                want[d_, where[j]] = before[name][s_, where[j]]
             assert torch.equal(after[name], want), name
+    assert torch.equal(after["mask"], before["mask"]) and torch.equal(after["pos"], before["pos"])
 
 
 def test_copy_rows_overlapping_reads_old_rows() -> None:

@@ -160,7 +160,7 @@ def test_drafts_commit_the_ranked_masks_and_park_when_too_few_remain():
     s.prob_p[:, :, 0] = torch.tensor([0.2, 0.9, 0.5, 0.7, 0.1, 0.1, 0.1, 0.1]).repeat(8, 1)
     s.prob_ids[:, :, 0] = torch.arange(20, 28).repeat(8, 1)
     s.canvas[4:8, 2:6] = torch.tensor([5, 5, mask, 5])  # request 1: one open mask in its window
-    changed = Lookahead(3).draft(SimpleNamespace(state=s, cache=None))
+    changed = Lookahead(3).draft(SimpleNamespace(state=s, cache=None, fwd=SimpleNamespace()))
     gen = s.canvas[:, 2:6]
     # request 0, ranks by confidence: position 1 (0.9), 3 (0.7), 2 (0.5), 0 (0.2)
     assert gen[1].tolist() == [mask, 21, mask, mask]  # (0,)
@@ -197,7 +197,7 @@ def test_a_window_with_more_masks_than_max_masks_gets_no_draft():
     ids = torch.tensor([[1, 2]])
     for max_masks, parked in ((3, True), (4, False)):
         s = DecodeState.start(ids, torch.ones_like(ids), [4] * 3, 8, 9, map_k=1, features=frozenset(Lookahead.needs))
-        Lookahead(2, max_masks).draft(SimpleNamespace(state=s, cache=None))  # 4 masks in the first window
+        Lookahead(2, max_masks).draft(SimpleNamespace(state=s, cache=None, fwd=SimpleNamespace()))  # 4 masks in the first window
         assert s.pruned[1:].tolist() == [parked, parked]
 
 
@@ -294,7 +294,7 @@ def test_with_sparse_queries_a_draft_stands_only_for_its_parents_next_step(spars
     s = DecodeState.start(ids, torch.ones_like(ids), [4] * 4, 8, mask, map_k=1, features=features)
     s.prob_p[:, :, 0] = torch.tensor([0.2, 0.9, 0.5, 0.7, 0.1, 0.1, 0.1, 0.1]).repeat(4, 1)
     s.prob_ids[:, :, 0] = torch.arange(20, 28).repeat(4, 1)
-    Lookahead(3).draft(SimpleNamespace(state=s, cache=None))
+    Lookahead(3).draft(SimpleNamespace(state=s, cache=None, fwd=SimpleNamespace()))
     assert s.draft_parent.tolist() == [-1, 0, 0, 1]
     s.canvas[0, 2:6] = torch.tensor([mask, 21, mask, 23])  # the main row commits ranks 0 and 1
     ctx = StepContext(s, None, SimpleNamespace(tracing=False), False, True)

@@ -187,7 +187,8 @@ def test_the_readme_example_prompt_is_one_the_tiny_models_answer():
     ids = _ids(tok, prompt)
     for cfg in (hb.BlockBatchConfig(max_new_tokens=64), hb.FastDLLMConfig(max_new_tokens=64, block_length=32, threshold=0.9),
                 hb.VanillaDiffusionConfig(max_new_tokens=64, steps=64, block_length=32),
-                hb.FastDLLMConfig(max_new_tokens=64, block_length=64, early_stop=True, lookahead=2)):
+                hb.FastDLLMConfig(max_new_tokens=64, block_length=64, early_stop=True, lookahead=2),
+                hb.FastDLLMConfig.drafted(max_new_tokens=64, block_length=64)):
         text = hb.answer_texts(tok, model.generate(ids, generation_config=cfg)[:, ids.shape[1] :],
                                hb.end_token_ids(tok, model.config))[0]  # fmt: skip
         assert task.score(item, text).correct, (cfg.strategy, text)

@@ -57,6 +57,7 @@ class Forwards:
                  masked_only: bool, eos_slot: bool, requery_radius: int = 0, draft_depth: int = 0) -> None:  # fmt: skip
         self.requery_radius = requery_radius
         self.draft_depth = draft_depth  # lookahead with sparse steps: the longest chain of drafts
+        self.drafting = True  # some draft row rides in the next step (Lookahead.draft sets it each step)
         self.model, self.cache, self.cache_mode, self.pad_id, self.eos_ids = model, cache, cache_mode, pad_id, eos_ids
         self.masked_only, self.eos_slot = masked_only, eos_slot
         self.L, self.gs = state.length, state.gen_start
@@ -220,10 +221,12 @@ class Forwards:
             return heads | stale if near is None else heads | stale | near
 
         queries, echo = queried(), None
-        if self.draft_depth:
+        if self.draft_depth and self.drafting:
             queries, echo = self._draft_records(state, rows, queries, queried)
         out = self.timed(self.model.forward_positions, state.canvas, want, queries, self.cache, rows=rows, echo=echo)
         state.kv_written(rows, out.query_mask)
+        if self.draft_depth:
+            self._mark_dirty(state, rows, out.query_mask, echo)
         self._layouts.append([rows, out.query_mask.sum(-1), 1])
         return out.logits
 
@@ -251,7 +254,32 @@ class Forwards:
             state.kv_tokens[rows] = records
             queries = queried()
             echo = torch.where(draft[:, None] & ~queries, via, -1)
+        # a draft row's cache differs from its main row's where it wrote its own K/V before (kv_dirty);
+        # what this step neither queries nor echoes there is taken back from the main row, which does
+        # not write it in this forward (most of it is queried again: the masks and their neighbours)
+        restore = state.take(state.kv_dirty, rows) & draft[:, None] & ~queries & (echo < 0)
+        main = local[rows - state.take(state.branch, rows)]
+        self.cache.copy_positions(rows[main], rows, restore)
         return queries, echo
+
+    @staticmethod
+    def _mark_dirty(state: DecodeState, rows: torch.Tensor, queries: torch.Tensor, echo: torch.Tensor | None) -> None:
+        """After a sparse step with lookahead: where each draft row's cache now differs from its main
+        row's (``state.kv_dirty``). A draft row that stepped differs at its own queries and where a
+        draft ancestor's K/V were echoed into it (everything else was its main row's for the step:
+        taken back, echoed, or never different); a parked one also misses every position its main
+        row wrote."""
+        R = state.num_rows
+        wrote = torch.zeros(R, state.length, dtype=torch.bool, device=rows.device)
+        stepped = torch.zeros(R, dtype=torch.bool, device=rows.device)
+        own = queries
+        if echo is not None:  # echoes from draft ancestors (main rows' echoes match the main row)
+            from_draft = (echo >= 0) & (state.take(state.branch, rows)[echo.clamp_min(0)] > 0)
+            own = own | from_draft
+        wrote[rows] = own
+        stepped[rows] = True
+        wrote, stepped, dirty = state.per_request(wrote), state.per_request(stepped), state.per_request(state.kv_dirty)
+        dirty[:, 1:] = torch.where(stepped[:, 1:, None], wrote[:, 1:], dirty[:, 1:] | wrote[:, :1])
 
     def slots(self, valid: torch.Tensor | None, A: int, W: int) -> torch.Tensor:
         """``[A, W]`` row of the packed logits for each slot when every slot is read: ``a * W + w``

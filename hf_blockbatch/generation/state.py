@@ -87,6 +87,10 @@ class DecodeState:
     # [R] the branch whose next state a draft row extends (0: the main row; another draft: a chain),
     # -1 for main rows; sparse steps build a draft's K/V from it (forward.Forwards.positions)
     draft_parent: torch.Tensor | None = None
+    # [R, L] bool, lookahead with sparse steps: the positions where a draft row's cached K/V may differ
+    # from its main row's (it wrote its own there, or missed the main row's writes while parked);
+    # restored from the main row before the draft's next step (policies/lookahead.py)
+    kv_dirty: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         R, dev, G = self.canvas.shape[0], self.canvas.device, self.canvas.shape[1] - self.gen_start
@@ -111,6 +115,8 @@ class DecodeState:
             self.draft_parent = torch.full((R,), -1, dtype=torch.long, device=dev)
         if "kv_tokens" in self.features and self.kv_tokens is None:
             self.kv_tokens = torch.full_like(self.canvas, -1)  # nothing written yet
+            if "lookahead" in self.features:
+                self.kv_dirty = torch.zeros_like(self.canvas, dtype=torch.bool)  # the initial forward's K/V, broadcast
         if (self.keep_commit_prob or "commit_prob" in self.features) and self.commit_prob is None:
             self.commit_prob = torch.zeros(R, G, dtype=torch.float64, device=dev)
 

@@ -32,8 +32,8 @@ The parts:
 * sparse window queries: the step a draft stands for reuses its parent's K/V *as cached after this
   forward*; the draft's K/V records are set to those (``Forwards._draft_records``), the parent's
   fresh K/V are echoed into the draft's cache row before attention (``forward_positions(echo=...)``),
-  each step starts a draft from its main row's window (``BranchCache.copy_spans``), and an adopted
-  draft hands its window K/V and records over; a draft is adopted only as its parent's next step
+  a draft row takes back its main row's K/V where it differs and the step does not rewrite them
+  (``kv_dirty``, ``BranchCache.copy_positions``), and an adopted draft hands its K/V and records over; a draft is adopted only as its parent's next step
   (``draft_parent``: ``(0, 1)`` extends ``(0,)``), so chains follow parents;
 * exactness: adoption compares whole canvases (``drafted`` == the main row's canvas after its
   commit). A draft keeps a mask in the window, so a canvas equal to it does too: the decoder
@@ -66,10 +66,6 @@ __all__ = ["DRAFT_SHAPES", "Lookahead"]
 #: adopted steps commit one token, the next most confident (rank 0) or the one after it (rank 1);
 #: (0, 1) chains two of them.
 DRAFT_SHAPES: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 1), (0, 1, 2), (2,), (1, 2))
-
-#: a sparse step writes K/V in its window and at the position before it (a shifted model's query
-#: for the window's first slot): the span a draft row and its main row exchange is the block and one
-_SPAN = 1
 
 _COPIED = ("canvas", "prob_p", "prob_ids", "eos_hit", "eos_prob", "commit_prob")
 
@@ -136,6 +132,15 @@ class Lookahead:
         valid = ~s.per_request(s.done)[:, :1] & (n_open >= need)  # [B, K]
         if self.max_masks is not None:
             valid &= n_open <= self.max_masks
+        was = s.per_request(s.draft_parked)[:, 1:]
+        run.fwd.drafting = bool(valid.any())
+        if not run.fwd.drafting:  # no draft this step: every draft row parked, mirroring its main row
+            canvas[:, 1:] = main[:, None]
+            for name in ("pruned", "done"):
+                s.per_request(getattr(s, name))[:, 1:] = True
+            changed = not bool(was.all())
+            was.fill_(True)
+            return changed
         # (a parent needs no more masks than its child: a valid draft's parent is valid)
         s.per_request(s.draft_parent)[:, 1:] = parents
         at = order + gs
@@ -148,7 +153,6 @@ class Lookahead:
         s.per_request(s.win_start)[:, 1:] = ws
         s.per_request(s.win_end)[:, 1:] = we
         parked = ~valid
-        was = s.per_request(s.draft_parked)[:, 1:]
         changed = not torch.equal(parked, was)
         was.copy_(parked)
         s.per_request(s.pruned)[:, 1:] = parked
@@ -161,12 +165,8 @@ class Lookahead:
                 src, dst = b * s.branches, b * s.branches + 1 + j
                 run.cache.copy_rows(src, dst, same_mask=True)
                 s.kv_from[dst] = s.refreshes[src]
-            if s.kv_tokens is not None and not bool(parked.all()):
-                # sparse steps: the main row's window K/V changed since the last step (its own sparse
-                # writes) and so did the draft rows' (theirs): the drafts start from the main row's
-                b, j = valid.nonzero().unbind(1)
-                src = b * s.branches
-                run.cache.copy_spans(src, src + 1 + j, s.win_start[src] - 1, _SPAN + run.plan.block_sizes[0])
+                if s.kv_dirty is not None:
+                    s.kv_dirty[dst] = False
         return changed
 
     def apply(self, ctx: StepContext) -> bool:
@@ -174,8 +174,10 @@ class Lookahead:
         its next canvas, then every draft row is parked. Returns whether a window may have moved."""
         s = ctx.state
         live = ~s.per_request(s.pruned)[:, 1:]  # [B, K]
+        if not bool(live.any()):  # no draft rode in this step: they are parked already
+            return False
         adopted = False
-        if not ctx.full and bool(live.any()):
+        if not ctx.full:
             B, K = live.shape
             canvas = s.per_request(s.canvas)
             current, after = canvas[:, 0], canvas[:, 1:]  # [B, L], [B, K, L]
@@ -206,9 +208,13 @@ class Lookahead:
                 src = dst + source[requests]
                 before = s.decoded_rows(dst)
                 s.copy_rows(src, dst, _COPIED)
-                if s.kv_tokens is not None:  # sparse: the draft's window K/V are the main row's next ones
+                if s.kv_dirty is not None:  # sparse: the draft's K/V are the main row's next ones
                     s.copy_rows(src, dst, ("kv_tokens",))
-                    ctx.cache.copy_spans(src, dst, s.win_start[dst] - 1, _SPAN + int(s.block[0]))
+                    took_kv = s.kv_dirty[src]  # where the adopted draft differs from the main row
+                    ctx.cache.copy_positions(src, dst, took_kv)
+                    # the request's other drafts now differ from it there too; the adopted one nowhere
+                    s.per_request(s.kv_dirty)[requests, 1:] |= took_kv[:, None]
+                    s.kv_dirty[src] = False
                 s.committed.index_add_(0, dst, s.decoded_rows(dst) - before)
                 s.adopted.index_add_(0, dst, took[requests])
                 if ctx.recorder.tracing:
