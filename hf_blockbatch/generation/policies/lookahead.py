@@ -33,8 +33,9 @@ The parts:
   forward*; the draft's K/V records are set to those (``Forwards._draft_records``), the parent's
   fresh K/V are echoed into the draft's cache row before attention (``forward_positions(echo=...)``),
   a draft row takes back its main row's K/V where it differs and the step does not rewrite them
-  (``kv_dirty``, ``BranchCache.copy_positions``), and an adopted draft hands its K/V and records over; a draft is adopted only as its parent's next step
-  (``draft_parent``: ``(0, 1)`` extends ``(0,)``), so chains follow parents;
+  (``kv_dirty``, ``BranchCache.copy_positions``), and an adopted draft hands its K/V and records
+  over; a draft is adopted only as its parent's next step (``draft_parent``: ``(0, 1)`` extends
+  ``(0,)``), so chains follow parents;
 * exactness: adoption compares whole canvases (``drafted`` == the main row's canvas after its
   commit). A draft keeps a mask in the window, so a canvas equal to it does too: the decoder
   without drafts passes through that canvas and runs a block step on it next (advance, stop and
