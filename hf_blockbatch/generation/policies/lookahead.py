@@ -222,7 +222,8 @@ class Lookahead:
                     leaders = torch.arange(s.num_rows, device=dst.device).index_copy_(0, dst, src)
                     synced = torch.zeros(s.num_rows, dtype=torch.bool, device=dst.device).index_fill_(0, dst, True)
                     ctx.recorder.sync(s, synced, leaders)
-                s.advance()
+                # no advance here: a draft that completed its window made the step's ``completed``
+                # true, and the Advance policy after this one moves every completed window
                 adopted = True
         for name in ("pruned", "done"):
             s.per_request(getattr(s, name))[:, 1:] = True
