@@ -213,8 +213,7 @@ class Forwards:
         if self.requery_radius:
             r = self.requery_radius
             near = in_win & (F.max_pool1d(want[:, None].float(), 2 * r + 1, stride=1, padding=r)[:, 0] > 0)
-        shift = self.model.logit_shift
-        heads = want if not shift else torch.cat([want[:, shift:], want.new_zeros(want.shape[0], shift)], 1)
+        heads = self.model.predicting_queries(want)
 
         def queried() -> torch.Tensor:  # [A, L] the positions each row queries, by its K/V records
             stale = state.stale_kv(rows) & in_win  # masks (recorded as -1) and tokens committed since their K/V
@@ -243,7 +242,8 @@ class Forwards:
         local[rows] = self.offsets[:A]
         up = state.take(state.draft_parent, rows)  # the parent's branch, -1 for main rows
         draft = up >= 0
-        parent = local[rows - state.take(state.branch, rows) + up.clamp_min(0)].clamp_min(0)  # a live draft's parent steps
+        first = rows - state.take(state.branch, rows)  # each row's main row
+        parent = local[first + up.clamp_min(0)].clamp_min(0)  # a live draft's parent steps
         written = state.kv_record(state.take(state.canvas, rows))
         records = state.take(state.kv_tokens, rows).clone()
         echo = torch.full_like(records, -1)
@@ -258,8 +258,7 @@ class Forwards:
         # what this step neither queries nor echoes there is taken back from the main row, which does
         # not write it in this forward (most of it is queried again: the masks and their neighbours)
         restore = state.take(state.kv_dirty, rows) & draft[:, None] & ~queries & (echo < 0)
-        main = local[rows - state.take(state.branch, rows)]
-        self.cache.copy_positions(rows[main], rows, restore)
+        self.cache.copy_positions(first, rows, restore)
         return queries, echo
 
     @staticmethod

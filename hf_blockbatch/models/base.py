@@ -306,6 +306,12 @@ class DiffusionLMMixin:
         cu[1:] = (ends - starts).cumsum(0)
         return WindowOutput(logits=self._head(hidden), cu_seqlens=cu)
 
+    def predicting_queries(self, predict: torch.Tensor) -> torch.Tensor:
+        """``[A, L]`` bool: the query positions whose hidden states predict the ``predict`` positions
+        (``p - logit_shift`` for each predicted ``p``)."""
+        shift = self.logit_shift
+        return predict if not shift else torch.cat([predict[:, shift:], predict.new_zeros(predict.shape[0], shift)], 1)
+
     def forward_positions(
         self,
         input_ids: torch.LongTensor,
@@ -335,7 +341,7 @@ class DiffusionLMMixin:
             raise ValueError(f"predict must be a bool [rows, {cache.length}], got {predict.dtype} {tuple(predict.shape)}.")
         if shift and bool(predict[:, :shift].any()):
             raise ValueError("A shifted model (Dream) cannot predict position 0: predict positions 1 or later.")
-        heads = predict if not shift else torch.cat([predict[:, shift:], predict.new_zeros(predict.shape[0], shift)], 1)
+        heads = self.predicting_queries(predict)
         queries = heads if refresh is None else heads | refresh
         wb = build_query_batch(cache, queries, rows)
         if echo is not None:

@@ -68,7 +68,14 @@ __all__ = ["DRAFT_SHAPES", "Lookahead"]
 #: (0, 1) chains two of them.
 DRAFT_SHAPES: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 1), (0, 1, 2), (2,), (1, 2))
 
-_COPIED = ("canvas", "prob_p", "prob_ids", "eos_hit", "eos_prob", "commit_prob")
+#: what a main row takes from the draft it adopts (``kv_tokens`` exists with sparse steps only)
+_COPIED = ("canvas", "prob_p", "prob_ids", "eos_hit", "eos_prob", "commit_prob", "kv_tokens")
+
+
+def _park(s) -> None:
+    """Every draft row out of the steps (pruned-like and done) until the next draft."""
+    for name in ("pruned", "done"):
+        s.per_request(getattr(s, name))[:, 1:] = True
 
 
 def _parents(drafts: int) -> list[int]:
@@ -137,8 +144,7 @@ class Lookahead:
         run.fwd.drafting = bool(valid.any())
         if not run.fwd.drafting:  # no draft this step: every draft row parked, mirroring its main row
             canvas[:, 1:] = main[:, None]
-            for name in ("pruned", "done"):
-                s.per_request(getattr(s, name))[:, 1:] = True
+            _park(s)
             changed = not bool(was.all())
             was.fill_(True)
             return changed
@@ -188,7 +194,7 @@ class Lookahead:
             branch = torch.arange(1, K + 1, device=live.device)
             # with sparse steps a draft's K/V are those its parent's row holds after this forward:
             # it stands only for its parent's next step
-            parents = s.per_request(s.draft_parent)[:, 1:] if s.kv_tokens is not None else None
+            parents = s.per_request(s.draft_parent)[:, 1:] if s.kv_dirty is not None else None
             for _ in range(K):  # a chain adopts at most every draft once
                 # a draft keeps a mask in the window, so a canvas equal to it does too: a block step
                 # follows it (nothing the decoder does between two steps needs checking)
@@ -210,7 +216,6 @@ class Lookahead:
                 before = s.decoded_rows(dst)
                 s.copy_rows(src, dst, _COPIED)
                 if s.kv_dirty is not None:  # sparse: the draft's K/V are the main row's next ones
-                    s.copy_rows(src, dst, ("kv_tokens",))
                     took_kv = s.kv_dirty[src]  # where the adopted draft differs from the main row
                     ctx.cache.copy_positions(src, dst, took_kv)
                     # the request's other drafts now differ from it there too; the adopted one nowhere
@@ -225,7 +230,6 @@ class Lookahead:
                 # no advance here: a draft that completed its window made the step's ``completed``
                 # true, and the Advance policy after this one moves every completed window
                 adopted = True
-        for name in ("pruned", "done"):
-            s.per_request(getattr(s, name))[:, 1:] = True
+        _park(s)
         s.per_request(s.eos_hit)[:, 1:] = False
         return adopted
