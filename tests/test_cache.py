@@ -110,6 +110,27 @@ def test_copy_positions_copies_only_those_positions() -> None:
     assert torch.equal(after["mask"], before["mask"]) and torch.equal(after["pos"], before["pos"])
 
 
+def test_row_copies_after_dropping_rows() -> None:
+    """After ``keep_rows`` drops the last rows (the storage becomes a prefix of its allocation), the
+    copies across rows still move exactly the named rows and positions of the kept rows (they index
+    the allocation, where a kept row sits at the same place)."""
+    cache = random_cache(rows=6)
+    cache.keep_rows(torch.tensor([0, 2, 3, 4]))  # ascending: moved down inside the same storage
+    before = state(cache)
+    where = torch.zeros(2, L, dtype=torch.bool)
+    where[0, [1, 5]] = True
+    where[1, 8:] = True
+    cache.copy_positions(torch.tensor([3, 0]), torch.tensor([1, 2]), where)
+    cache.copy_rows([0, 1], [1, 3])  # overlapping: the strided path, reading the old rows
+    for name, old in before.items():
+        want = old.clone()
+        if name.startswith(("k", "v")):
+            want[1, where[0]] = old[3, where[0]]
+            want[2, where[1]] = old[0, where[1]]
+        want[1], want[3] = old[0], want[1].clone()
+        assert torch.equal(state(cache)[name], want), name
+
+
 def test_copy_rows_overlapping_reads_old_rows() -> None:
     cache = random_cache()
     before = state(cache)
