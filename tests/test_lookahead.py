@@ -11,6 +11,8 @@ which a draft cannot be exact; the option saves and loads.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from _generation_helpers import peaked, run_padded
@@ -19,6 +21,12 @@ import hf_blockbatch as hb
 from hf_blockbatch.generation.policies.lookahead import DRAFT_SHAPES
 from hf_blockbatch.generation.trace import SyncEvent
 from hf_blockbatch.tasks import get_suite
+
+
+def _run(s) -> SimpleNamespace:
+    """The parts of an engine run that ``Lookahead.draft`` reads: the state, no cache, and the
+    forwards' column offsets (built once per run)."""
+    return SimpleNamespace(state=s, cache=None, fwd=SimpleNamespace(offsets=torch.arange(s.length + 1)))
 
 
 @pytest.fixture(scope="module", params=["tiny-llada", "tiny-dream"])
@@ -149,8 +157,6 @@ def test_drafts_commit_the_ranked_masks_and_park_when_too_few_remain():
     """Draft j holds the main row's canvas plus ranks DRAFT_SHAPES[j] of its open window masks (by
     the probability map, with its top-1 tokens); a draft that would fill the window or needs more
     masks than remain is parked and mirrors its main row."""
-    from types import SimpleNamespace
-
     from hf_blockbatch.generation.policies.lookahead import Lookahead
     from hf_blockbatch.generation.state import DecodeState
 
@@ -160,7 +166,7 @@ def test_drafts_commit_the_ranked_masks_and_park_when_too_few_remain():
     s.prob_p[:, :, 0] = torch.tensor([0.2, 0.9, 0.5, 0.7, 0.1, 0.1, 0.1, 0.1]).repeat(8, 1)
     s.prob_ids[:, :, 0] = torch.arange(20, 28).repeat(8, 1)
     s.canvas[4:8, 2:6] = torch.tensor([5, 5, mask, 5])  # request 1: one open mask in its window
-    changed = Lookahead(3).draft(SimpleNamespace(state=s, cache=None, fwd=SimpleNamespace()))
+    changed = Lookahead(3).draft(_run(s))
     gen = s.canvas[:, 2:6]
     # request 0, ranks by confidence: position 1 (0.9), 3 (0.7), 2 (0.5), 0 (0.2)
     assert gen[1].tolist() == [mask, 21, mask, mask]  # (0,)
@@ -189,15 +195,13 @@ def test_drafting_only_near_the_end_of_a_window_is_still_exact_and_cheaper(train
 
 
 def test_a_window_with_more_masks_than_max_masks_gets_no_draft():
-    from types import SimpleNamespace
-
     from hf_blockbatch.generation.policies.lookahead import Lookahead
     from hf_blockbatch.generation.state import DecodeState
 
     ids = torch.tensor([[1, 2]])
     for max_masks, parked in ((3, True), (4, False)):
         s = DecodeState.start(ids, torch.ones_like(ids), [4] * 3, 8, 9, map_k=1, features=frozenset(Lookahead.needs))
-        Lookahead(2, max_masks).draft(SimpleNamespace(state=s, cache=None, fwd=SimpleNamespace()))  # 4 masks in the first window
+        Lookahead(2, max_masks).draft(_run(s))  # 4 masks in the first window
         assert s.pruned[1:].tolist() == [parked, parked]
 
 
@@ -282,8 +286,6 @@ def test_with_sparse_queries_a_draft_stands_only_for_its_parents_next_step(spars
     """Draft (0, 1) extends draft (0,). When the main row commits both ranks at once, (0, 1) holds its
     next canvas: dense steps adopt it (its window was recomputed whole), sparse steps must not (its
     K/V outside its queries are (0,)'s after this forward, not the main row's)."""
-    from types import SimpleNamespace
-
     from hf_blockbatch.generation.policies import StepContext
     from hf_blockbatch.generation.policies.lookahead import Lookahead
     from hf_blockbatch.generation.state import DecodeState
@@ -294,7 +296,7 @@ def test_with_sparse_queries_a_draft_stands_only_for_its_parents_next_step(spars
     s = DecodeState.start(ids, torch.ones_like(ids), [4] * 4, 8, mask, map_k=1, features=features)
     s.prob_p[:, :, 0] = torch.tensor([0.2, 0.9, 0.5, 0.7, 0.1, 0.1, 0.1, 0.1]).repeat(4, 1)
     s.prob_ids[:, :, 0] = torch.arange(20, 28).repeat(4, 1)
-    Lookahead(3).draft(SimpleNamespace(state=s, cache=None, fwd=SimpleNamespace()))
+    Lookahead(3).draft(_run(s))
     assert s.draft_parent.tolist() == [-1, 0, 0, 1]
     s.canvas[0, 2:6] = torch.tensor([mask, 21, mask, 23])  # the main row commits ranks 0 and 1
     ctx = StepContext(s, None, SimpleNamespace(tracing=False), False, True)

@@ -37,7 +37,7 @@ import torch
 from transformers.utils import ModelOutput
 
 from hf_blockbatch.attention.backends import AttentionBackend, get_backend
-from hf_blockbatch.attention.metadata import build_query_batch, build_window_batch
+from hf_blockbatch.attention.metadata import build_query_batch, build_window_batch, packed_index
 from hf_blockbatch.cache import BranchCache
 from hf_blockbatch.models.layers import ForwardContext, RopeTable
 
@@ -357,7 +357,7 @@ def _add_echo(wb, queries: torch.Tensor, echo: torch.Tensor) -> None:
     if echo.shape != (A, L) or echo.dtype != torch.long:
         raise ValueError(f"echo must be a long [{A}, {L}] (a source row per position, -1 for none), got "
                          f"{echo.dtype} {tuple(echo.shape)}.")  # fmt: skip
-    packed = (queries.reshape(-1).cumsum(0) - 1).view(A, L)  # packed token of each query
+    packed = packed_index(queries)  # packed token of each query
     source = echo.clamp_min(0)
     i, p = ((echo >= 0) & ~queries & queries.gather(0, source)).nonzero(as_tuple=True)
     wb.echo_src = packed[source[i, p], p]

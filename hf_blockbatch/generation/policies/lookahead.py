@@ -128,7 +128,7 @@ class Lookahead:
         canvas = s.per_request(s.canvas)  # [B, N, L]
         main = canvas[:, 0]
         ws, we = s.per_request(s.win_start)[:, :1], s.per_request(s.win_end)[:, :1]  # [B, 1]
-        pos = torch.arange(L, device=main.device)
+        pos = run.fwd.offsets[:L]  # built once per run
         open_ = (main == s.mask_id) & (pos >= ws) & (pos < we)  # [B, L]
         conf = s.per_request(s.prob_p)[:, 0, :, 0].masked_fill(~open_[:, gs:], float("-inf"))  # [B, G]
         order = conf.topk(min(S, L - gs), dim=-1).indices  # [B, S] generated positions, best first
