@@ -249,12 +249,16 @@ def test_decoding_never_reads_unwritten_kv(family: str, monkeypatch) -> None:
         hb.FastDLLMConfig(max_new_tokens=16, block_length=4, threshold=0.5, cache="dual"),
         hb.FastDLLMConfig(max_new_tokens=16, block_length=8, threshold=0.5, cache="prefix"),
         hb.BlockBatchConfig(max_new_tokens=16, block_sizes=[2, 4, 8], threshold=0.5, sync_threshold=2, refresh_interval=4),
+        # draft rows take their main row's K/V only when they first carry a draft
+        hb.FastDLLMConfig(max_new_tokens=16, block_length=8, threshold=0.5, lookahead=2),
+        hb.FastDLLMConfig(max_new_tokens=16, block_length=8, threshold=0.5, lookahead=3, window_queries="sparse"),
     ]
 
     def run():
         return [model.generate(ids, attention_mask=mask, generation_config=c, return_dict_in_generate=True) for c in configs]
 
     want = run()
+    assert all(sum(st.get("lookahead_adopted", 0) for st in w.stats) > 0 for w in want[3:])  # drafts were read
     built = _spy_caches(monkeypatch, fill=float("nan"))
     for w, g in zip(want, run()):
         assert torch.equal(w.sequences, g.sequences)

@@ -155,7 +155,10 @@ class Run:
         span = self.fwd.span(s, first, layout, True, shared=True)
         packed = self.fwd.full(s, span, write_cache=self.cache is not None)
         if self.cache is not None:
-            self.cache.broadcast_rows(self.N)
+            # Lookahead draft rows take their main row's K/V only when they first carry a draft
+            # (``kv_from``): a request may end, or refresh its main row, before it drafts at all.
+            if self.plan.lookahead is None:
+                self.cache.broadcast_rows(self.N)
             s.kv_written(None)
         positions = span.positions.repeat_interleave(self.N, 0)
         in_win = (positions >= s.win_start[:, None]) & (positions < s.win_end[:, None])

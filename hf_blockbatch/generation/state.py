@@ -109,14 +109,14 @@ class DecodeState:
             self.prob_ids = torch.full((R, G, self.map_k), -1, dtype=torch.long, device=dev)
         if "lookahead" in self.features and self.drafted is None:
             self.drafted = self.canvas.clone()
-            self.kv_from = torch.ones(R, dtype=torch.long, device=dev)  # the initial forward's K/V, broadcast
+            self.kv_from = _zeros(R, dev)  # none yet: the initial forward writes main rows only (engine)
             self.adopted = _zeros(R, dev)
             self.draft_parked = _zeros(R, dev, torch.bool)
             self.draft_parent = torch.full((R,), -1, dtype=torch.long, device=dev)
         if "kv_tokens" in self.features and self.kv_tokens is None:
             self.kv_tokens = torch.full_like(self.canvas, -1)  # nothing written yet
             if "lookahead" in self.features:
-                self.kv_dirty = torch.zeros_like(self.canvas, dtype=torch.bool)  # the initial forward's K/V, broadcast
+                self.kv_dirty = torch.zeros_like(self.canvas, dtype=torch.bool)  # set clean when it takes its main row's K/V (kv_from)
         if (self.keep_commit_prob or "commit_prob" in self.features) and self.commit_prob is None:
             self.commit_prob = torch.zeros(R, G, dtype=torch.float64, device=dev)
 
