@@ -19,7 +19,7 @@ from _generation_helpers import peaked, run_padded
 
 import hf_blockbatch as hb
 from hf_blockbatch.generation.policies.lookahead import DRAFT_SHAPES
-from hf_blockbatch.generation.trace import SyncEvent
+from hf_blockbatch.generation.trace import CommitEvent, SyncEvent
 from hf_blockbatch.tasks import get_suite
 
 
@@ -115,15 +115,32 @@ def test_lookahead_padded_batch_equals_alone(trained, queries):
 
 def test_lookahead_trace_records_each_adoption(trained):
     """An adoption is a sync of the main row (branch 0) to the draft it took: the trace shows one per
-    adopting step, from a draft branch, and each saving one forward per draft of its chain."""
+    adopting step, from a draft branch, and each saving one forward per draft of its chain; the tokens
+    it gained follow as an "adopt" commit, so the main row's commits alone replay its answer."""
     model, tok = trained
     enc = _batch(tok, "arith", 4)
     out = _decode(model, enc, block_length=32, early_stop=True, lookahead=3, output_trace=True)
-    for st in out.stats:
+    end = hb.end_token_ids(tok, model.config)
+    for i, st in enumerate(out.stats):
         syncs = [ev for ev in st["trace"] if isinstance(ev, SyncEvent)]
         assert all(ev.branch == 0 and 1 <= ev.leader <= 3 for ev in syncs)
         assert len(syncs) <= st["lookahead_adopted"] <= 3 * len(syncs)  # a chain adopts up to every draft
         assert bool(syncs) == bool(st["lookahead_adopted"])
+        # each adoption's tokens are an "adopt" commit of the main row, right after its sync; replaying
+        # the main row's commits alone rebuilds its answer
+        adopts = [ev for ev in st["trace"] if isinstance(ev, CommitEvent) and ev.phase == "adopt"]
+        assert [ev.step for ev in adopts] == [ev.step for ev in syncs] and all(ev.branch == 0 for ev in adopts)
+        assert all(ev.committed for ev in adopts)
+        canvas = {}
+        for ev in st["trace"]:
+            if isinstance(ev, CommitEvent) and ev.branch == 0:
+                assert not canvas.keys() & set(ev.committed)  # a position is committed once
+                canvas.update(zip(ev.committed, ev.tokens))
+        row = out.sequences[i, enc.input_ids.shape[1] :].tolist()
+        assert all(row[p] == t for p, t in canvas.items())
+        answer = next((p for p, t in enumerate(row) if t in end), len(row))
+        assert set(range(answer + 1 if answer < len(row) else answer)) <= canvas.keys()
+    assert any(st["lookahead_adopted"] for st in out.stats)
 
 
 @pytest.mark.parametrize("options,message", [

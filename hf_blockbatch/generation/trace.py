@@ -26,7 +26,9 @@ __all__ = ["CommitEvent", "MergeEvent", "Recorder", "SyncEvent", "TraceEvent", "
 
 @dataclass
 class CommitEvent:
-    """Tokens the transfer rule committed in one row's window (``phase``: init, block or refresh)."""
+    """Tokens the transfer rule committed in one row's window (``phase``: init, block or refresh), or,
+    with lookahead, the tokens a main row took from the draft it adopted (``phase`` adopt, after the
+    :class:`SyncEvent` that names the draft)."""
 
     step: int
     phase: str

@@ -215,6 +215,7 @@ class Lookahead:
                 dst = requests * s.branches
                 src = dst + source[requests]
                 before = s.decoded_rows(dst)
+                was_masked = s.canvas[dst] == s.mask_id if ctx.recorder.tracing else None
                 s.copy_rows(src, dst, _COPIED)
                 if s.kv_dirty is not None:  # sparse: the draft's K/V are the main row's next ones
                     took_kv = s.kv_dirty[src]  # where the adopted draft differs from the main row
@@ -228,6 +229,11 @@ class Lookahead:
                     leaders = torch.arange(s.num_rows, device=dst.device).index_copy_(0, dst, src)
                     synced = torch.zeros(s.num_rows, dtype=torch.bool, device=dst.device).index_fill_(0, dst, True)
                     ctx.recorder.sync(s, synced, leaders)
+                    # and the tokens it gained, as a commit: a replay cannot rebuild a draft's canvas
+                    # (drafted tokens are written, not committed)
+                    gained = was_masked & (s.canvas[dst] != s.mask_id)
+                    positions = torch.arange(s.length, device=dst.device).expand(dst.shape[0], -1)
+                    ctx.recorder.commit(s, dst, positions, gained, "adopt")
                 # no advance here: a draft that completed its window made the step's ``completed``
                 # true, and the Advance policy after this one moves every completed window
                 adopted = True
