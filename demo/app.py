@@ -51,7 +51,7 @@ _ensure_package()
 
 import hf_blockbatch as hb  # noqa: E402
 from hf_blockbatch.cli import port_number  # noqa: E402
-from hf_blockbatch.generation.configs import LEAN, LEAN_GUARDS  # noqa: E402
+from hf_blockbatch.generation.configs import DRAFTED, LEAN, LEAN_GUARDS  # noqa: E402
 from hf_blockbatch.generation.outputs import answer_lengths  # noqa: E402
 from hf_blockbatch.generation.trace import CommitEvent, MergeEvent, SyncEvent, TraceEvent  # noqa: E402
 
@@ -265,12 +265,16 @@ class Settings:
     #: agree within 2 positions and the source holds its token at >= 0.7, the widest EOS hitter wins,
     #: a branch retires once synced; with sparse queries, the re-query radius 6 of that configuration
     guarded: bool = False
+    #: Fast-dLLM with exact lookahead drafts (benchmarks/RESULTS.md §12-14, ``FastDLLMConfig.drafted``):
+    #: draft rows run its likely next step in the same forward; the same tokens in fewer forwards
+    fast_drafts: bool = False
 
     def fast_config(self) -> hb.FastDLLMConfig:
+        drafts = {k: DRAFTED[k] for k in ("lookahead", "lookahead_max_masks")} if self.fast_drafts else {}
         return hb.FastDLLMConfig(
             max_new_tokens=self.max_new_tokens, block_length=self.fast_block, threshold=self.threshold, cache="dual",
             temperature=self.temperature, early_stop=self.fast_early_stop, output_trace=True,
-            window_queries="sparse" if self.sparse else "all",
+            window_queries="sparse" if self.sparse else "all", **drafts,
         )  # fmt: skip
 
     def blockbatch_config(self) -> hb.BlockBatchConfig:
@@ -336,6 +340,7 @@ def check_settings(
     limits: Limits | None = None,
     sparse: Any = False,
     guarded: Any = False,
+    fast_drafts: Any = False,
 ) -> Settings:
     """Validate raw UI/API values into :class:`Settings`, or raise :class:`InputError` saying what
     to change. An empty prompt is an :class:`InputError` too; the UI turns it into a warning."""
@@ -352,6 +357,9 @@ def check_settings(
     fast = int(_number("Fast-dLLM block length", fast_block, 1, max(BLOCK_CHOICES), integer=True))
     if fast not in BLOCK_CHOICES:
         raise InputError(f"Fast-dLLM block length must be one of {list(BLOCK_CHOICES)}, got {fast}.")
+    temperature = float(_number("Temperature", temperature, 0.0, limits.max_temperature))
+    if fast_drafts and temperature > 0:
+        raise InputError("Fast-dLLM's drafts guess a greedy step: set the temperature to 0, or untick the drafts.")
     return Settings(
         prompt=text,
         max_new_tokens=int(_number("Max new tokens", max_new_tokens, 8, limits.max_new_tokens, integer=True)),
@@ -359,7 +367,7 @@ def check_settings(
         block_sizes=_block_list(block_sizes),
         threshold=float(_number("Confidence threshold τ", threshold, 0.05, 1.0)),
         merge_threshold=float(_number("Merge threshold", merge_threshold, 0.05, 1.0)),
-        temperature=float(_number("Temperature", temperature, 0.0, limits.max_temperature)),
+        temperature=temperature,
         seed=int(_number("Seed", seed, 0, 2**31 - 1, integer=True)),
         sync_threshold=int(_number("Sync threshold", sync_threshold, 0, 256, integer=True)),
         refresh_interval=int(_number("Refresh interval", refresh_interval, 1, 1024, integer=True)),
@@ -368,6 +376,7 @@ def check_settings(
         fast_early_stop=bool(fast_early_stop),
         sparse=bool(sparse),
         guarded=bool(guarded),
+        fast_drafts=bool(fast_drafts),
     )
 
 
@@ -399,7 +408,7 @@ class Frame:
 @dataclass
 class LogLine:
     step: int
-    kind: str  # init | refresh | merge | sync | stop
+    kind: str  # init | refresh | merge | sync | stop | draft
     text: str
 
 
@@ -424,11 +433,14 @@ def _eos_stop_line(stats: dict) -> str:
 
 
 def build_frames(
-    trace: Sequence[TraceEvent], block_sizes: Sequence[int], length: int
+    trace: Sequence[TraceEvent], block_sizes: Sequence[int], length: int, drafts: bool = False
 ) -> tuple[list[Frame], list[LogLine]]:
     """Turn a ``stats["trace"]`` into one :class:`Frame` per forward and a log of merges, syncs and
     refreshes. Frame ``k`` is the state after every event of step ``k``; its ``new``/``merged_now``/
-    ``copied_now`` sets are what step ``k`` changed, which the page highlights."""
+    ``copied_now`` sets are what step ``k`` changed, which the page highlights.
+
+    ``drafts``: Fast-dLLM with lookahead drafts (``block_sizes`` names its main row only): a sync of
+    the main row is an adopted draft, whose tokens follow as an "adopt" commit."""
     n = len(block_sizes)
     decoded: list[set[int]] = [set() for _ in range(n)]
     windows: list[tuple[int, int] | None] = [(0, min(b, length)) for b in block_sizes]
@@ -459,6 +471,8 @@ def build_frames(
                 if event.phase in ("init", "refresh"):
                     badges[b].append(event.phase)
                     refreshed.append(b)
+                elif event.phase == "adopt":
+                    badges[b].append(f"draft +{len(positions)}")
             elif isinstance(event, MergeEvent):
                 positions = set(event.positions)
                 merged[b] |= positions
@@ -468,6 +482,9 @@ def build_frames(
                 merges.append(
                     f"b={block_sizes[b]} +{len(positions)} token{'s' if len(positions) != 1 else ''}"
                 )
+            elif isinstance(event, SyncEvent) and drafts:
+                log.append(LogLine(step, "draft", f"draft {event.leader} had guessed this step's commit: its "
+                                   "forward was the next step, one forward saved"))  # fmt: skip
             elif isinstance(event, SyncEvent):
                 leader = event.leader
                 gained = decoded[leader] - decoded[b]
@@ -533,6 +550,8 @@ class SideResult:
         if self.key == "blockbatch":
             out.update(merged=self.stats.get("merged"), syncs=self.stats.get("syncs"),
                        refreshes=self.stats.get("nfe_refresh"))  # fmt: skip
+        if "lookahead_adopted" in self.stats:  # forwards the drafts saved
+            out.update(drafts_adopted=self.stats["lookahead_adopted"])
         if self.verdict is not None:
             out.update(correct=self.verdict["correct"], reference=self.verdict["reference"])
         return out
@@ -585,8 +604,9 @@ def run_side(loaded: LoadedModel, ids: torch.Tensor, config: Any, key: str, sett
     new = out.sequences[:1, ids.shape[1] :]
     answer = int(answer_lengths(new, end_ids)[0])
     text = _printable(hb.answer_texts(tokenizer, new, end_ids)[0].strip())
-    block_sizes = [int(b["block_size"]) for b in stats.get("branches", [])] or [settings.fast_block]
-    frames, log = build_frames(stats.get("trace", []), block_sizes, len(gen))
+    drafts = key != "blockbatch" and settings.fast_drafts
+    block_sizes = [int(b["block_size"]) for b in stats.get("branches", [])][: 1 if drafts else None] or [settings.fast_block]
+    frames, log = build_frames(stats.get("trace", []), block_sizes, len(gen), drafts=drafts)
     if key == "blockbatch":
         title = "BlockBatch"
         subtitle = f"blocks {'·'.join(map(str, block_sizes))} · τ {settings.threshold:g} · merge {settings.merge_threshold:g}"
@@ -597,6 +617,8 @@ def run_side(loaded: LoadedModel, ids: torch.Tensor, config: Any, key: str, sett
         subtitle = f"dual cache · block {settings.fast_block} · τ {settings.threshold:g}" + (
             " · early stop" if settings.fast_early_stop else " · no early stop"
         )
+        if drafts:
+            subtitle += f" · {DRAFTED['lookahead']} drafts"
     if key == "blockbatch" and settings.guarded:
         subtitle += " · guarded merges"
     if settings.sparse:
@@ -704,7 +726,8 @@ CSS = """
 .bb-log .s { color:#a8a29e; }
 .bb-log .k { font-weight:700; }
 .bb-log .merge .k { color:#a21caf; } .bb-log .sync .k { color:#0f766e; } .bb-log .refresh .k, .bb-log .init .k { color:#0369a1; }
-.bb-log .stop .k { color:var(--bb-bb); }
+.bb-log .stop .k { color:var(--bb-bb); } .bb-log .draft .k { color:var(--bb-fd); }
+.bb-badge.draft { background:#e0e7ff; color:#3730a3; }
 .bb-verdict { display:inline-block; margin-top:.25rem; font-size:.78rem; font-weight:700; padding:1px 8px;
               border-radius:999px; }
 .bb-verdict.right { background:#dcfce7; color:#166534; } .bb-verdict.wrong { background:#fee2e2; color:#991b1b; }
@@ -831,6 +854,8 @@ def render_side(side: SideResult, step: int) -> str:
     stats = [("nfe", f"{done}", "NFE"), ("lat", latency, "latency"), ("tps", tps, "tokens/s")]
     if side.key == "blockbatch":
         stats.append(("win", winner, "winner"))
+    if "lookahead_adopted" in side.stats:  # Fast-dLLM's drafts: the forwards they saved
+        stats.append(("draft", f"{side.stats['lookahead_adopted']}" if final else "…", "saved"))
     stat_html = "".join(f'<div class="bb-stat {k}"><span class="v">{v}</span><span class="l">{label}</span></div>'
                         for k, v, label in stats)  # fmt: skip
     caption = (
@@ -854,6 +879,8 @@ def render_side(side: SideResult, step: int) -> str:
     ]
     if side.key == "blockbatch":
         body.append(render_lanes(side, frame, final))
+        body.append(render_log(side, done))
+    elif "lookahead_adopted" in side.stats:  # Fast-dLLM's drafts: when one was adopted
         body.append(render_log(side, done))
     body.append("</div>")
     return "".join(body)
@@ -946,12 +973,12 @@ def build_demo(
 
     def compare(prompt, max_new_tokens, fast_block, block_sizes, threshold, merge_threshold, temperature, seed,
                 sync_threshold, refresh_interval, chat, speed, fast_early_stop=False, sparse=False,
-                guarded=False) -> Iterator[tuple]:  # fmt: skip
+                guarded=False, fast_drafts=False) -> Iterator[tuple]:  # fmt: skip
         """Validate, decode with both strategies, then replay both traces frame by frame."""
         try:
             settings = check_settings(prompt, max_new_tokens, fast_block, block_sizes, threshold, merge_threshold,
                                       temperature, seed, sync_threshold, refresh_interval, chat, speed,
-                                      fast_early_stop, limits, sparse, guarded)  # fmt: skip
+                                      fast_early_stop, limits, sparse, guarded, fast_drafts)  # fmt: skip
         except InputError as err:
             if prompt is None or not str(prompt).strip():
                 logger.info("input refused: %s", err)
@@ -1016,6 +1043,8 @@ def build_demo(
                     [str(b) for b in BLOCK_CHOICES], value="32", label="Fast-dLLM block length"
                 )
                 fast_early_stop = gr.Checkbox(value=False, label="Fast-dLLM stops at EOS (early stop, as BlockBatch)")
+                fast_drafts = gr.Checkbox(value=False, label="Fast-dLLM drafts its next step (3 exact lookahead rows: "
+                                                             "its own tokens in fewer forwards; greedy only)")  # fmt: skip
                 block_sizes = gr.CheckboxGroup([str(b) for b in BLOCK_CHOICES], value=["4", "8", "16", "32", "64"],
                                                label="BlockBatch block sizes (one branch each)")  # fmt: skip
             with gr.Row():
@@ -1046,7 +1075,8 @@ def build_demo(
                 examples=[[e] for e in examples], inputs=[prompt], label="Examples from the tiny suites"
             )
         inputs = [prompt, max_new_tokens, fast_block, block_sizes, threshold, merge_threshold, temperature, seed,
-                  sync_threshold, refresh_interval, chat, speed, fast_early_stop, sparse, guarded]  # fmt: skip
+                  sync_threshold, refresh_interval, chat, speed, fast_early_stop, sparse, guarded,
+                  fast_drafts]  # fmt: skip
         outputs = [banner, fast_view, block_view, fast_text, block_text, raw]
         # the banner and the replay are the progress display: Gradio's own overlay would hide them
         run.click(compare, inputs, outputs, api_name="compare", show_progress="hidden")

@@ -180,6 +180,30 @@ def test_guarded_merges_are_a_visitor_switch_for_blockbatch(loaded) -> None:
     assert len(block.frames) == block.nfe + 1
 
 
+def test_fast_dllm_drafts_are_a_visitor_switch(loaded) -> None:
+    """The switch gives Fast-dLLM the drafted() lookahead rows (greedy only: a clear refusal
+    otherwise); its answer is the one without drafts, in as many fewer forwards as drafts it adopted,
+    and the replay of its main row ends on the answer's tokens."""
+    assert app.check_settings("hi").fast_config().lookahead == 0
+    with pytest.raises(app.InputError, match="temperature to 0"):
+        app.check_settings("hi", temperature=0.5, fast_drafts=True)
+    plain = app.check_settings(PROMPT, max_new_tokens=32, fast_block="16", fast_early_stop=True)
+    drafted = app.check_settings(PROMPT, max_new_tokens=32, fast_block="16", fast_early_stop=True, fast_drafts=True)
+    cfg = drafted.fast_config()
+    assert (cfg.lookahead, cfg.lookahead_max_masks) == (hb.FastDLLMConfig.drafted().lookahead, 8)
+    fast, _ = app.compare_once(loaded, drafted)
+    base, _ = app.compare_once(loaded, plain)
+    adopted = fast.stats["lookahead_adopted"]
+    assert adopted > 0 and fast.nfe + adopted == base.nfe and fast.text == base.text
+    assert len(fast.frames) == fast.nfe + 1 and len(fast.frames[-1].branches) == 1  # the main row alone
+    assert sum(line.kind == "draft" for line in fast.log) >= 1 and "3 drafts" in fast.subtitle
+    kinds = [kind for _, kind in fast.tokens]
+    answer = kinds.index("eos") + 1 if "eos" in kinds else len(kinds)  # the answer and its end token
+    assert set(range(answer)) <= fast.frames[-1].branches[0].decoded <= {p for p, k in enumerate(kinds) if k != "mask"}
+    assert fast.summary()["drafts_adopted"] == adopted
+    assert 'class="bb-log"' in app.render_side(fast, fast.nfe) and "saved" in app.render_side(fast, fast.nfe)
+
+
 def _compare_fn(demo):
     return next(f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "compare")
 
