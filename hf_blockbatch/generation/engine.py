@@ -127,12 +127,13 @@ class Run:
         """A full forward over ``rows`` (the initial forward, or a refresh): rewrite their cache
         rows, update their probability maps everywhere, commit in their windows."""
         s = self.state
-        if s.prob_p is not None:
+        everywhere = s.prob_p is not None and self.plan.map_everywhere
+        if everywhere:
             starts = torch.full_like(rows, self.gs)
             lengths = torch.full_like(rows, self.L - self.gs)
         else:
             starts, lengths = s.win_start[rows], (s.win_end[rows] - s.win_start[rows]).clamp_min(1)
-        span = self.fwd.span(s, rows, self.fwd.layout(starts, lengths), window_only=s.prob_p is None)
+        span = self.fwd.span(s, rows, self.fwd.layout(starts, lengths), window_only=not everywhere)
         packed = self.fwd.full(s, span, write_cache=self.cache is not None)
         if phase == "refresh":
             self.recorder.count_refresh(s, rows)
@@ -141,11 +142,16 @@ class Run:
         self.commit(span, packed, phase)
 
     def initial_step(self) -> None:
-        """One full forward per request (not per branch): K/V broadcast to every branch's row."""
+        """One full forward per request (not per branch): BlockBatch's branches share its K/V
+        (broadcast to every branch's row) and its logits; Lookahead's draft rows wait for a draft."""
         s = self.state
         first = s.first_rows()
-        if self.N == 1:
+        if self.N == 1 or self.plan.lookahead is not None:
+            # Lookahead's draft rows are written from their main row before each step that carries a
+            # draft (canvas and window; K/V when they first draft after a forward that wrote the main
+            # row: a request often ends or refreshes first): the initial forward is the main rows'
             self.full_step(first, "init")
+            s.refreshes.fill_(1)  # every row's count holds its request's initial forward, as below
             return
         # One forward per request over its whole generated region; the K/V and the logits are then
         # shared by every branch (their canvases are identical): each branch's slots point at its
@@ -155,10 +161,7 @@ class Run:
         span = self.fwd.span(s, first, layout, True, shared=True)
         packed = self.fwd.full(s, span, write_cache=self.cache is not None)
         if self.cache is not None:
-            # Lookahead draft rows take their main row's K/V only when they first carry a draft
-            # (``kv_from``): a request may end, or refresh its main row, before it drafts at all.
-            if self.plan.lookahead is None:
-                self.cache.broadcast_rows(self.N)
+            self.cache.broadcast_rows(self.N)
             s.kv_written(None)
         positions = span.positions.repeat_interleave(self.N, 0)
         in_win = (positions >= s.win_start[:, None]) & (positions < s.win_end[:, None])

@@ -47,6 +47,9 @@ class DecodePlan:
     remasking: str = "low_confidence"
     advance_after_full: bool = True  # see policies.advance.Advance
     map_k: int = 0  # entries per position of the probability map (0: none is kept)
+    # full forwards update the map over the whole generated region (BlockBatch's merges read it
+    # anywhere); off, only inside the windows (Lookahead reads its main row's window alone)
+    map_everywhere: bool = True
     suppress_logit_ids: list[int] = field(default_factory=list)
     low_confidence_ids: list[int] = field(default_factory=list)
     end_ids: list[int] = field(default_factory=list)  # where a streamed answer ends
@@ -129,7 +132,7 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
         lookahead = Lookahead(int(cfg.lookahead), max_masks) if cfg.lookahead else None
         return DecodePlan(
             **common, block_sizes=[cfg.block_length] * (1 + int(cfg.lookahead)), cache=cfg.cache,
-            rule=_rule(cfg, steps_per_block), lookahead=lookahead, map_k=1 if lookahead else 0,
+            rule=_rule(cfg, steps_per_block), lookahead=lookahead, map_k=1 if lookahead else 0, map_everywhere=False,
             policies=[*([lookahead] if lookahead else []), Advance(after_full=after_full)], advance_after_full=after_full,
             refresh=make_refresh("periodic", cfg.block_length, 0.0, cached=cfg.cache != "none"),
             stop=StopRule(early_stop=bool(cfg.early_stop)), sparse_queries=cfg.window_queries == "sparse",
