@@ -63,6 +63,8 @@ def test_quickstart_notebook_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     # the padded-batch cell pads some prompt, and every prompt decodes alone as in the batch
     assert "same tokens alone: [True, True, True]" in text and "padding in the batch: [" in text
     assert "padding in the batch: [0, 0, 0]" not in text
+    # the drafts: Fast-dLLM's own tokens, each adopted draft one forward less
+    assert "same tokens: True  NFE + adopted == NFE without drafts: True" in text
     images = [o for c in book.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) >= 2, "the NFE bar chart and the branch trace plot"
 
