@@ -1,8 +1,10 @@
 """``hf-blockbatch``: the command line.
 
 ``hf-blockbatch generate`` answers one prompt with Fast-dLLM (dual cache, block 32, τ 0.9, the
-paper's baseline) and BlockBatch (default settings) side by side, with NFE and wall time, on the
-embedded tiny LLaDA by default or on any supported checkpoint (``--model``).
+paper's baseline) and BlockBatch (default settings) side by side, then with the baseline to beat,
+Fast-dLLM with early stop, and with its exact lookahead drafts (``FastDLLMConfig.drafted()``), with
+NFE, query tokens and wall time, on the embedded tiny LLaDA by default or on any supported
+checkpoint (``--model``).
 
 ``hf-blockbatch bench`` runs vanilla, Fast-dLLM (with and without early stop) and BlockBatch on
 task suites and benchmarks and writes per-sample JSONL, a Markdown table with the paper's columns
@@ -78,11 +80,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_model(args.model, device=args.device)
     ids = _encode(tokenizer, args.prompt, chat=not args.no_chat).to(model.device)
+    common = {"max_new_tokens": args.max_new_tokens, "threshold": args.threshold}
+    # the paper's baseline, BlockBatch, and (beyond the paper, RESULTS §8, §13) the baseline to beat:
+    # Fast-dLLM with early stop, and the same with exact lookahead drafts
     configs = {
-        "Fast-dLLM (dual, block 32, τ 0.9)": FastDLLMConfig(
-            max_new_tokens=args.max_new_tokens, block_length=32, threshold=args.threshold, cache="dual"
-        ),
-        "BlockBatch (blocks 4…128)": BlockBatchConfig(max_new_tokens=args.max_new_tokens, threshold=args.threshold),
+        "Fast-dLLM (dual, block 32, τ 0.9)": FastDLLMConfig(**common, block_length=32, cache="dual"),
+        "BlockBatch (blocks 4…128)": BlockBatchConfig(**common),
+        "Fast-dLLM + early stop (block 32)": FastDLLMConfig(**common, block_length=32, early_stop=True),
+        "Fast-dLLM drafted() (early stop, sparse queries, 3 exact drafts)": FastDLLMConfig.drafted(**common),
     }
     print(f"model: {args.model}  device: {model.device}  prompt: {args.prompt!r}\n")
     rows = []
@@ -91,11 +96,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = model.generate(ids, generation_config=cfg, return_dict_in_generate=True)
         seconds = time.perf_counter() - start
         text = answer_texts(tokenizer, out.sequences[:, ids.shape[1] :], end_token_ids(tokenizer, model.config))[0].strip()
-        nfe = int(out.nfe[0])
-        rows.append((name, nfe, seconds))
-        print(f"── {name}\n{text}\n   NFE {nfe}   {seconds:.2f} s   winner block {out.stats[0]['winner_block_size']}\n")
-    (_, nfe_f, t_f), (_, nfe_b, t_b) = rows
+        nfe, stats = int(out.nfe[0]), out.stats[0]
+        rows.append((nfe, seconds))
+        extra = (f"drafts adopted {stats['lookahead_adopted']}" if "lookahead_adopted" in stats
+                 else f"winner block {stats['winner_block_size']}")  # fmt: skip
+        print(f"── {name}\n{text}\n   NFE {nfe}   query tokens {stats['query_tokens']}   {seconds:.2f} s   {extra}\n")
+    (nfe_f, t_f), (nfe_b, t_b), (nfe_e, _), (nfe_d, _) = rows
     print(f"BlockBatch / Fast-dLLM: NFE {nfe_b}/{nfe_f} = {nfe_b / nfe_f:.2f}, time {t_b / t_f:.2f}x")
+    print(f"against Fast-dLLM + early stop (NFE {nfe_e}): BlockBatch {nfe_b / nfe_e:.2f}x, drafted() {nfe_d / nfe_e:.2f}x")
     return 0
 
 
@@ -186,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-blockbatch", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="answer one prompt with Fast-dLLM and BlockBatch side by side")
+    gen = sub.add_parser("generate", help="answer one prompt with Fast-dLLM and BlockBatch side by side "
+                         "(and the early-stop baseline, and its drafts)")
     gen.add_argument("--model", default="tiny-llada", help="tiny-llada, tiny-dream, a Hub id or a local folder")
     gen.add_argument("--prompt", type=_prompt, default=DEFAULT_PROMPT,
                      help="the question (default: an arith test item; the tiny models answer the suites' kinds: "
