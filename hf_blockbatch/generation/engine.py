@@ -125,7 +125,8 @@ class Run:
 
     def full_step(self, rows: torch.Tensor, phase: str) -> None:
         """A full forward over ``rows`` (the initial forward, or a refresh): rewrite their cache
-        rows, update their probability maps everywhere, commit in their windows."""
+        rows, update their probability maps (everywhere, or in their windows when the plan's
+        ``map_everywhere`` is off), commit in their windows."""
         s = self.state
         everywhere = s.prob_p is not None and self.plan.map_everywhere
         if everywhere:
@@ -151,7 +152,8 @@ class Run:
             # draft (canvas and window; K/V when they first draft after a forward that wrote the main
             # row: a request often ends or refreshes first): the initial forward is the main rows'
             self.full_step(first, "init")
-            s.refreshes.fill_(1)  # every row's count holds its request's initial forward, as below
+            if self.N > 1:
+                s.refreshes.fill_(1)  # every row's count holds its request's initial forward, as below
             return
         # One forward per request over its whole generated region; the K/V and the logits are then
         # shared by every branch (their canvases are identical): each branch's slots point at its

@@ -27,9 +27,11 @@ The parts:
   needs more masks than remain, is parked (a step that completes the window is followed by a
   refresh, not by a block step a draft could stand in for);
 * cache: dense window queries recompute a row's whole window each step, so a draft row needs only
-  its main row's K/V outside the window: copied from the main row after every refresh of it
-  (``kv_from``), first when the row first carries a draft (the initial forward's K/V are not
-  broadcast to draft rows: many requests end or refresh before they draft);
+  its main row's K/V outside the window: copied from the main row (``kv_from``) when the row carries
+  a draft after a forward that rewrote the main row (the initial forward or a refresh), not before:
+  many requests end or refresh before they draft. The initial forward and the refreshes are the main
+  rows' alone, and fill the probability map inside the window only (all that :meth:`Lookahead.draft`
+  reads);
 * sparse window queries: the step a draft stands for reuses its parent's K/V *as cached after this
   forward*; the draft's K/V records are set to those (``Forwards._draft_records``), the parent's
   fresh K/V are echoed into the draft's cache row before attention (``forward_positions(echo=...)``),
