@@ -605,7 +605,8 @@ def run_side(loaded: LoadedModel, ids: torch.Tensor, config: Any, key: str, sett
     answer = int(answer_lengths(new, end_ids)[0])
     text = _printable(hb.answer_texts(tokenizer, new, end_ids)[0].strip())
     drafts = key != "blockbatch" and settings.fast_drafts
-    block_sizes = [int(b["block_size"]) for b in stats.get("branches", [])][: 1 if drafts else None] or [settings.fast_block]
+    # BlockBatch's branches; Fast-dLLM's one row (its lookahead draft rows are not shown)
+    block_sizes = [int(b["block_size"]) for b in stats["branches"]] if key == "blockbatch" else [settings.fast_block]
     frames, log = build_frames(stats.get("trace", []), block_sizes, len(gen), drafts=drafts)
     if key == "blockbatch":
         title = "BlockBatch"
