@@ -341,3 +341,176 @@ def test_drafted_preset_is_the_benchmarked_point_and_saves_whole(tmp_path):
     loaded.validate()
     assert {k: getattr(loaded, k) for k in DRAFTED} == DRAFTED
     assert hb.FastDLLMConfig.drafted(lookahead=1).lookahead == 1  # overrides win
+
+
+# ----------------------------------------------------------------------------- contained acceptance
+def _one_request_drafted(sparse: bool = False):
+    """One request, a window of four masks, three drafts written from a known probability map:
+    ranks by confidence are positions 1 (token 21), 3 (23), 2 (22), 0 (20) of the window."""
+    from hf_blockbatch.generation.policies.lookahead import Lookahead
+    from hf_blockbatch.generation.state import DecodeState
+
+    ids = torch.tensor([[1, 2]])
+    features = frozenset(Lookahead.needs) | ({"kv_tokens"} if sparse else frozenset())
+    s = DecodeState.start(ids, torch.ones_like(ids), [4] * 4, 8, 9, map_k=1, features=features)
+    s.prob_p[:, :, 0] = torch.tensor([0.2, 0.9, 0.5, 0.7, 0.1, 0.1, 0.1, 0.1]).repeat(4, 1)
+    s.prob_ids[:, :, 0] = torch.arange(20, 28).repeat(4, 1)
+    Lookahead(3).draft(_run(s))
+    return s
+
+
+def _apply(s, accept: str) -> bool:
+    from hf_blockbatch.generation.policies import StepContext
+    from hf_blockbatch.generation.policies.lookahead import Lookahead
+
+    ctx = StepContext(s, None, SimpleNamespace(tracing=False), False, True)
+    return Lookahead(3, accept=accept).apply(ctx)
+
+
+@pytest.mark.parametrize("accept", ["exact", "contained"])
+def test_a_contained_draft_is_adopted_with_the_main_rows_own_commit(accept):
+    """The main row commits draft (0,)'s token and one more (position 0): no draft is exact. With
+    ``contained``, (0,) is adopted: the main row keeps its own commit (token 30 at position 0, where the
+    draft committed 31) and takes the draft's commit where it made none (position 2); a mask is left."""
+    mask = 9
+    s = _one_request_drafted()
+    s.canvas[0, 2:6] = torch.tensor([30, 21, mask, mask])  # the main row's commit
+    s.canvas[1, 2:6] = torch.tensor([31, 21, 22, mask])  # draft (0,) after its own commit
+    s.canvas[2, 2:6] = torch.tensor([mask, mask, 22, 23])  # draft (1,): its rank is not committed
+    adopted = _apply(s, accept)
+    assert adopted == (accept == "contained")
+    expected = [30, 21, 22, mask] if accept == "contained" else [30, 21, mask, mask]
+    assert s.canvas[0, 2:6].tolist() == expected and int(s.adopted[0]) == int(adopted)
+    assert s.pruned[1:].all()  # every draft row parked after the step
+
+
+@pytest.mark.parametrize("draft_after,adopted", [
+    ([30, 21, 22, 23], True),   # the merge is the draft's own result: its window (and EOS check) stand
+    ([31, 21, 22, 23], False),  # the merge completes the window with a token the draft did not have
+])  # fmt: skip
+def test_a_contained_draft_that_would_complete_the_window_needs_the_drafts_own_canvas(draft_after, adopted):
+    """A completed window ends or advances the request by the step's own completion and EOS checks, so
+    a contained draft whose merge completes the window is adopted only when the merge equals what the
+    draft decoded (the checks ran on that canvas)."""
+    mask = 9
+    s = _one_request_drafted()
+    s.canvas[0, 2:6] = torch.tensor([30, 21, mask, mask])
+    s.canvas[1, 2:6] = torch.tensor(draft_after)
+    assert _apply(s, "contained") == adopted
+    assert s.canvas[0, 2:6].tolist() == (draft_after if adopted else [30, 21, mask, mask])
+
+
+def test_no_draft_is_adopted_when_the_main_rows_step_completed_its_window():
+    """A main row that completed its window has no next block step for a draft to stand in for: the
+    step's own completion (advance, EOS, refresh) stands, whatever the drafts hold."""
+    s = _one_request_drafted()
+    s.canvas[0, 2:6] = torch.tensor([30, 21, 22, 23])
+    s.canvas[1, 2:6] = torch.tensor([30, 21, 22, 23])
+    assert not _apply(s, "contained") and int(s.adopted[0]) == 0
+
+
+def _main_row_replay(out, enc_width: int, end) -> None:
+    """Each position of the main row is committed once (a committed token never changes), the
+    committed tokens are the output's, and everything up to the first end token was committed."""
+    for i, st in enumerate(out.stats):
+        canvas = {}
+        for ev in st["trace"]:
+            if isinstance(ev, CommitEvent) and ev.branch == 0:
+                assert not canvas.keys() & set(ev.committed)
+                canvas.update(zip(ev.committed, ev.tokens))
+        row = out.sequences[i, enc_width:].tolist()
+        assert all(row[p] == t for p, t in canvas.items())
+        answer = next((p for p, t in enumerate(row) if t in end), len(row))
+        assert set(range(answer + 1 if answer < len(row) else answer)) <= canvas.keys()
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_contained_acceptance_keeps_the_decoding_invariants(family):
+    """Seeded random settings on a random peaked model, dense and sparse steps: the prompt is untouched,
+    no mask is left before the first EOS (none at all without early stop), NFE = 1 + block steps +
+    refreshes, the main row commits each position once and the output is its commits; a padded batch
+    decodes each prompt as alone; and drafts the exact rule would refuse are adopted."""
+    import random
+
+    from _generation_helpers import EOS_ID, MASK_ID
+
+    rng = random.Random(11)
+    model = peaked(family)
+    gained = 0
+    for _ in range(12):
+        options = dict(max_new_tokens=rng.choice([5, 13, 24]), block_length=rng.choice([3, 4, 8, 16]),
+                       threshold=rng.choice([0.3, 0.6, 0.9]), early_stop=rng.random() < 0.5,
+                       lookahead=rng.randint(1, len(DRAFT_SHAPES)), lookahead_max_masks=rng.choice([None, 2, 8]),
+                       output_trace=True)  # fmt: skip
+        if rng.random() < 0.5:
+            options.update(window_queries="sparse", requery_radius=rng.choice([0, 3, 6]))
+        prompts = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 3))]
+        exact = run_padded(model, prompts, hb.FastDLLMConfig(**options))
+        out = run_padded(model, prompts, hb.FastDLLMConfig(**options, lookahead_accept="contained"))
+        G, width = options["max_new_tokens"], out.sequences.shape[1] - options["max_new_tokens"]
+        for i, p in enumerate(prompts):
+            seq = out.sequences[i].tolist()
+            assert seq[width - len(p) : width] == p
+            gen = seq[width:]
+            first = gen.index(EOS_ID) if EOS_ID in gen else G
+            assert MASK_ID not in gen[:first] and (options["early_stop"] or MASK_ID not in gen)
+            st = out.stats[i]
+            assert st["nfe"] == int(out.nfe[i]) == 1 + st["nfe_block"] + st["nfe_refresh"]
+            alone = run_padded(model, [p], hb.FastDLLMConfig(**options, lookahead_accept="contained"))
+            assert alone.sequences[0, -G:].tolist() == gen and int(alone.nfe[0]) == int(out.nfe[i])
+            for key in ("query_tokens", "lookahead_adopted"):
+                assert alone.stats[0][key] == st[key], key
+        _main_row_replay(out, width, [EOS_ID])
+        gained += int(_adopted(out).sum() - _adopted(exact).sum())
+    assert gained > 0
+
+
+def test_contained_acceptance_saves_forwards_on_the_checkpoints(trained):
+    """On eight arithmetic prompts with the drafted preset, contained acceptance adopts more drafts and
+    needs fewer forwards than exact acceptance, and the main row's commits still replay its answer."""
+    model, tok = trained
+    enc = _batch(tok, "arith", 8)
+    options = {**hb.generation.configs.DRAFTED, "block_length": 64, "output_trace": True}
+    options.pop("lookahead_max_masks")
+    exact = _decode(model, enc, **options)
+    out = _decode(model, enc, **options, lookahead_accept="contained")
+    assert int(out.nfe.sum()) < int(exact.nfe.sum())
+    assert int(_adopted(out).sum()) > int(_adopted(exact).sum())
+    _main_row_replay(out, enc.input_ids.shape[1], hb.end_token_ids(tok, model.config))
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"lookahead": 2, "lookahead_accept": "loose"}, "lookahead_accept must be 'exact' or 'contained'"),
+    ({"lookahead_accept": "contained"}, "it needs lookahead >= 1"),
+])  # fmt: skip
+def test_lookahead_accept_errors(options, message):
+    with pytest.raises(ValueError, match=message):
+        hb.FastDLLMConfig(max_new_tokens=32, **options).validate()
+
+
+def test_lookahead_accept_saves_and_loads(tmp_path):
+    hb.FastDLLMConfig(max_new_tokens=32, lookahead=2, lookahead_accept="contained").save_pretrained(tmp_path)
+    loaded = hb.FastDLLMConfig.from_pretrained(tmp_path)
+    loaded.validate()
+    assert loaded.lookahead_accept == "contained" and hb.FastDLLMConfig().lookahead_accept == "exact"
+
+
+def test_drafted_not_exact_is_the_benchmarked_contained_point(tmp_path):
+    """``FastDLLMConfig.drafted(exact=False)`` is :data:`DRAFTED_CONTAINED`, equal to the benchmark entry
+    it was chosen as (``fd_es_b64_sq_r6_la3_m16_ct``, less its block), and saves and loads whole."""
+    import json
+    from pathlib import Path
+
+    from hf_blockbatch.generation.configs import DRAFTED_CONTAINED
+
+    cfg = hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=64, block_length=64)
+    cfg.validate()
+    assert {k: getattr(cfg, k) for k in DRAFTED_CONTAINED} == DRAFTED_CONTAINED
+    assert DRAFTED_CONTAINED["lookahead_accept"] == "contained"
+    root = Path(__file__).resolve().parents[1]
+    bench = json.loads((root / "benchmarks" / "beyond_paper_configs.json").read_text())["fd_es_b64_sq_r6_la3_m16_ct"]
+    assert {k: v for k, v in bench.items() if k not in ("strategy", "block_length")} == {
+        "cache": "dual", "threshold": 0.9, **DRAFTED_CONTAINED}  # fmt: skip
+    cfg.save_pretrained(tmp_path)
+    loaded = hb.FastDLLMConfig.from_pretrained(tmp_path)
+    assert {k: getattr(loaded, k) for k in DRAFTED_CONTAINED} == DRAFTED_CONTAINED

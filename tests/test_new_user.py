@@ -196,16 +196,17 @@ def test_the_readme_example_prompt_is_one_the_tiny_models_answer():
 
 @needs_weights
 def test_the_cli_default_prompt_is_answered_right_by_every_decoder(capsys):
-    """``hf-blockbatch generate`` with no options (the README's first command) shows four right answers:
-    the paper's baseline, BlockBatch, the early-stop baseline and its drafts, with the ratios to both."""
+    """``hf-blockbatch generate`` with no options (the README's first command) shows five right answers:
+    the paper's baseline, BlockBatch, the early-stop baseline and its drafts (exact, and contained),
+    with the ratios to both baselines."""
     from hf_blockbatch.cli import DEFAULT_PROMPT, main
 
     item = next(it for it in get_suite("arith").items("test") if it.question == DEFAULT_PROMPT)
     assert main(["generate", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     answers = re.findall(r"^── [^\n]*\n(.*?)\n   NFE", out, re.M | re.S)
-    assert len(answers) == 4 and all(get_suite("arith").score(item, a).correct for a in answers), answers
-    assert "drafts adopted" in out and "against Fast-dLLM + early stop" in out
+    assert len(answers) == 5 and all(get_suite("arith").score(item, a).correct for a in answers), answers
+    assert "drafts adopted" in out and "against Fast-dLLM + early stop" in out and "drafted(exact=False)" in out
 
 
 # --------------------------------------------------------------------------------- custom_generate

@@ -25,6 +25,7 @@ __all__ = [
     "FastDLLMConfig",
     "BlockBatchConfig",
     "DRAFTED",
+    "DRAFTED_CONTAINED",
     "LEAN",
     "LEAN_GUARDS",
     "config_from_dict",
@@ -356,6 +357,11 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             (``None``, the default: at every block step). A window with many masks left mostly
             commits several tokens next, which a draft of one or two rarely matches: at 8, lookahead
             1–3 spends 1–26 % fewer query tokens for 0–7 % more forwards (RESULTS §12).
+        lookahead_accept: which drafts are adopted. ``"exact"`` (default): a draft whose canvas is the
+            request's next canvas, so the tokens are those without drafts. ``"contained"``: also a draft
+            whose tokens the step committed along with others; the request keeps its own commit and
+            takes the draft's commits where it left masks (docs/algorithm.md, "Contained acceptance";
+            measured in benchmarks/RESULTS.md §16). Fewer forwards, not the same tokens.
 
     On Dream, the official Fast-dLLM commits the block's first position unconditionally at each
     block start (its in-block logit shift cannot predict it later). Our window forward predicts
@@ -367,13 +373,14 @@ class FastDLLMConfig(DiffusionGenerationConfig):
     _ours = DiffusionGenerationConfig._ours + (
         "cache", "threshold", "factor", "steps", "block_length", "early_stop", "skip_completed_block_step",
         "rule", "relaxed_threshold", "leap_radius", "window_queries", "requery_radius", "lookahead",
-        "lookahead_max_masks",
+        "lookahead_max_masks", "lookahead_accept",
     )  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:
         self.cache = kwargs.pop("cache", "dual")
         self.lookahead = kwargs.pop("lookahead", 0)
         self.lookahead_max_masks = kwargs.pop("lookahead_max_masks", None)
+        self.lookahead_accept = kwargs.pop("lookahead_accept", "exact")
         self.window_queries = kwargs.pop("window_queries", "all")
         self.requery_radius = kwargs.pop("requery_radius", _REQUERY_RADIUS)
         self.threshold = kwargs.pop("threshold", None if any(r in kwargs for r in _RULES[1:]) else 0.9)
@@ -386,11 +393,14 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         super().__init__(**kwargs)
 
     @classmethod
-    def drafted(cls, **kwargs: Any) -> FastDLLMConfig:
+    def drafted(cls, exact: bool = True, **kwargs: Any) -> FastDLLMConfig:
         """The lookahead point of issue 16: :data:`DRAFTED` (early stop, sparse window queries at
         radius 6, three exact draft rows of the next sparse step, drafted while at most 8 masks are
         left), with ``kwargs`` on top (``FastDLLMConfig.drafted(max_new_tokens=256, block_length=64)``:
-        keep the block size you tuned).
+        keep the block size you tuned). ``exact=False`` is :data:`DRAFTED_CONTAINED`: drafts are also
+        adopted when the step committed their tokens and more (``lookahead_accept="contained"``), and
+        drafted while at most 16 masks are left: fewer forwards, but no longer sparse Fast-dLLM's tokens
+        (RESULTS §16: FIGURES).
 
         Why a preset rather than the defaults: its tokens are sparse Fast-dLLM's, which are not the
         official decoder's, and it was chosen on 500 training items per suite (``benchmarks/RESULTS.md``
@@ -398,7 +408,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         every suite at 0.75-0.83x its forwards and 0.74-0.94x its query tokens (1.10x on one suite).
         ``drafted(lookahead=2)`` spends 0.05-0.09x fewer query tokens for 0.00-0.02x more forwards, and
         less CPU time: 0.86-1.03x the tuned baseline's at batch 1 and 32, against 0.91-1.08x (§14, §15)."""
-        return cls(**{**DRAFTED, **kwargs})
+        return cls(**{**(DRAFTED if exact else DRAFTED_CONTAINED), **kwargs})
 
     def validate(self, **kwargs: Any) -> None:
         super().validate()
@@ -434,9 +444,14 @@ def _check_lookahead(cfg: FastDLLMConfig) -> None:
     m = cfg.lookahead_max_masks
     if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 2):
         raise ValueError(f"lookahead_max_masks must be an integer >= 2 (masks left in the window) or None, got {m!r}.")
+    accept = cfg.lookahead_accept
+    if accept not in ("exact", "contained"):
+        raise ValueError(f"lookahead_accept must be 'exact' or 'contained', got {accept!r}.")
     if not k:
         if m is not None:
             raise ValueError("lookahead_max_masks says when to draft: it needs lookahead >= 1 (or leave it None).")
+        if accept != "exact":
+            raise ValueError("lookahead_accept says which drafts are adopted: it needs lookahead >= 1 (or leave it 'exact').")
         return
     wrong = [
         why for bad, why in (
@@ -468,6 +483,10 @@ LEAN: dict[str, Any] = {"block_sizes": [4, 16, 64], "window_queries": "sparse", 
 #: while the window has at most 8 masks left
 DRAFTED: dict[str, Any] = {"early_stop": True, "window_queries": "sparse", "requery_radius": 6, "lookahead": 3,
                            "lookahead_max_masks": 8}  # fmt: skip
+#: the fewest-forwards lookahead point (benchmarks/RESULTS.md §16; ``FastDLLMConfig.drafted(exact=False)``):
+#: the same drafts, also adopted when the step committed their tokens and more, drafted while the
+#: window has at most 16 masks left (chosen on 500 training items per suite)
+DRAFTED_CONTAINED: dict[str, Any] = {**DRAFTED, "lookahead_max_masks": 16, "lookahead_accept": "contained"}
 
 
 def _check_beyond(cfg: Any) -> None:

@@ -44,8 +44,20 @@ The parts:
   without drafts passes through that canvas and runs a block step on it next (advance, stop and
   refresh all need a completed window), and that block step is the draft's.
 
+* ``accept="contained"`` (``FastDLLMConfig(lookahead_accept="contained")``): a step that commits
+  the drafted tokens *and more* holds no draft's canvas exactly, yet the draft's forward saw a context
+  the main row has now decoded, plus masks where the main row committed more. The main row then
+  keeps its own commit and takes the draft's commits at the positions it left masked: tokens that
+  a forward rated above the rule's threshold without seeing the main row's extra commits, as the
+  transfer rule's own parallel commits never see each other. Adopted only while a mask is left in
+  the window (a block step follows), or when the merge is the draft's own canvas (the step's
+  completion and EOS checks ran on it); never when the main row's step completed its window. Not
+  the decoder's tokens any more (a documented departure, measured in benchmarks/RESULTS.md §16);
+  every other invariant holds: prompt untouched, a committed token never changes, no mask before
+  EOS, exact NFE, a padded batch decodes each request as alone.
+
 Counted: NFE as always (one per forward carrying the request); ``stats["lookahead_adopted"]``, the
-block steps saved, so that NFE without drafts = NFE + adopted, exactly.
+block steps saved, so that NFE without drafts = NFE + adopted, exactly (with ``exact`` acceptance).
 
 See docs/algorithm.md, "Lookahead branches".
 """
@@ -110,6 +122,11 @@ class Lookahead:
 
     drafts: int = 2
     max_masks: int | None = None
+    #: ``"exact"``: adopt a draft whose canvas is the main row's after its commit (the tokens are the
+    #: decoder's without drafts). ``"contained"``: also one whose drafted tokens the main row's commit
+    #: holds, when it committed more; the main row keeps its own commit and adds what the draft
+    #: committed elsewhere, so long as a mask is left in the window (see :meth:`apply`)
+    accept: str = "exact"
 
     @property
     def depth(self) -> int:
@@ -181,7 +198,8 @@ class Lookahead:
 
     def apply(self, ctx: StepContext) -> bool:
         """After a block step: the main row takes the state of the draft (chain) that held exactly
-        its next canvas, then every draft row is parked. Returns whether a window may have moved."""
+        its next canvas (``contained``: or whose drafted tokens its commit holds, keeping its own
+        commit), then every draft row is parked. Returns whether a window may have moved."""
         s = ctx.state
         live = ~s.per_request(s.pruned)[:, 1:]  # [B, K]
         if not bool(live.any()):  # no draft rode in this step: they are parked already
@@ -198,17 +216,34 @@ class Lookahead:
             # with sparse steps a draft's K/V are those its parent's row holds after this forward:
             # it stands only for its parent's next step
             parents = s.per_request(s.draft_parent)[:, 1:] if s.kv_dirty is not None else None
+            if self.accept == "contained":
+                pos = torch.arange(s.length, device=live.device)
+                ws, we = s.per_request(s.win_start)[:, :1], s.per_request(s.win_end)[:, :1]
+                in_win = (pos >= ws) & (pos < we)  # [B, L] the main row's window
             for _ in range(K):  # a chain adopts at most every draft once
                 # a draft keeps a mask in the window, so a canvas equal to it does too: a block step
                 # follows it (nothing the decoder does between two steps needs checking)
-                match = live & (drafted == current[:, None]).all(-1)
+                same = drafted == current[:, None]
+                match = same.all(-1)
+                merged = after
+                if self.accept == "contained":
+                    # the main row committed the drafted tokens and more: it keeps its commit and
+                    # takes the draft's commits elsewhere, while a mask stays in the window (so a block
+                    # step follows, and no window completes that the step did not see complete)
+                    merged = torch.where(current[:, None] == s.mask_id, after, current[:, None])
+                    held = (same | (drafted == s.mask_id)).all(-1)
+                    open_left = ((merged == s.mask_id) & in_win[:, None]).any(-1)
+                    stepping = ((current == s.mask_id) & in_win).any(-1, keepdim=True)
+                    match |= held & stepping & (open_left | (merged == after).all(-1))
+                match &= live
                 if parents is not None:
                     match &= parents == source[:, None]
                 hit = match.any(-1)
                 if not bool(hit.any()):
                     break
-                j = match.byte().argmax(-1)
-                current = torch.where(hit[:, None], after.gather(1, j[:, None, None].expand(B, 1, s.length)).squeeze(1), current)
+                # (several drafts can be contained: the one holding most drafted tokens, the first on a tie)
+                j = (match * (drafted != s.mask_id).sum(-1)).argmax(-1) if self.accept == "contained" else match.byte().argmax(-1)
+                current = torch.where(hit[:, None], merged.gather(1, j[:, None, None].expand(B, 1, s.length)).squeeze(1), current)
                 source = torch.where(hit, j + 1, source)
                 live = live & (branch != (j + 1).masked_fill(~hit, 0)[:, None])
                 took += hit
@@ -217,8 +252,14 @@ class Lookahead:
                 dst = requests * s.branches
                 src = dst + source[requests]
                 before = s.decoded_rows(dst)
+                own = s.canvas[dst] != s.mask_id if self.accept == "contained" else None
+                own_prob = s.commit_prob[dst] if own is not None and s.commit_prob is not None else None
                 was_masked = s.canvas[dst] == s.mask_id if ctx.recorder.tracing else None
                 s.copy_rows(src, dst, _COPIED)
+                if own is not None:  # the main row's own commit stands where it made one
+                    s.canvas[dst] = current[requests]
+                    if own_prob is not None:
+                        s.commit_prob[dst] = torch.where(own[:, s.gen_start :], own_prob, s.commit_prob[dst])
                 if s.kv_dirty is not None:  # sparse: the draft's K/V are the main row's next ones
                     took_kv = s.kv_dirty[src]  # where the adopted draft differs from the main row
                     ctx.cache.copy_positions(src, dst, took_kv)
