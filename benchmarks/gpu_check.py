@@ -168,6 +168,9 @@ def decoding(device: torch.device, dtype: torch.dtype, layers: int, width: int, 
                                                               window_queries="sparse", requery_radius=6),
         "fast_dllm_dual_sparse_r6": hb.FastDLLMConfig(max_new_tokens=G, threshold=threshold, window_queries="sparse",
                                                       requery_radius=6),
+        # contained drafts (RESULTS §16): fewer forwards again, no longer sparse Fast-dLLM's tokens
+        "fast_dllm_drafted_contained": hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=G, threshold=threshold,
+                                                                 early_stop=False),
     }
     backends = [b for b in available_backends(device, dtype) if b != "reference"]
     out: dict = {"params_billion": sum(p.numel() for p in model.parameters()) / 1e9, "backends": backends}

@@ -216,25 +216,33 @@ class Lookahead:
             # with sparse steps a draft's K/V are those its parent's row holds after this forward:
             # it stands only for its parent's next step
             parents = s.per_request(s.draft_parent)[:, 1:] if s.kv_dirty is not None else None
-            if self.accept == "contained":
+            contained = self.accept == "contained"
+            if contained:  # what does not change along a chain, built once
                 pos = torch.arange(s.length, device=live.device)
                 ws, we = s.per_request(s.win_start)[:, :1], s.per_request(s.win_end)[:, :1]
                 in_win = (pos >= ws) & (pos < we)  # [B, L] the main row's window
-            for _ in range(K):  # a chain adopts at most every draft once
+                written = drafted != s.mask_id  # [B, K, L] the drafted tokens (and the canvas they extend)
+                open_after = (after == s.mask_id) & in_win[:, None]  # masks left in a draft's window
+                size = written.sum(-1)
+            # a chain adopts at most every draft once; with sparse steps, a level of parents at a time
+            for _ in range(K if parents is None else self.depth):
                 # a draft keeps a mask in the window, so a canvas equal to it does too: a block step
                 # follows it (nothing the decoder does between two steps needs checking)
-                same = drafted == current[:, None]
-                match = same.all(-1)
+                differ = drafted != current[:, None]
+                match = ~differ.any(-1)
                 merged = after
-                if self.accept == "contained":
+                if contained:
                     # the main row committed the drafted tokens and more: it keeps its commit and
                     # takes the draft's commits elsewhere, while a mask stays in the window (so a block
-                    # step follows, and no window completes that the step did not see complete)
-                    merged = torch.where(current[:, None] == s.mask_id, after, current[:, None])
-                    held = (same | (drafted == s.mask_id)).all(-1)
-                    open_left = ((merged == s.mask_id) & in_win[:, None]).any(-1)
-                    stepping = ((current == s.mask_id) & in_win).any(-1, keepdim=True)
-                    match |= held & stepping & (open_left | (merged == after).all(-1))
+                    # step follows, and no window completes that the step did not see complete) or
+                    # the merge is the draft's own canvas (its completion and EOS checks stand)
+                    blank = current == s.mask_id
+                    step_left = blank & in_win  # the main row's window still holds a mask
+                    held = ~(differ & written).any(-1) & step_left.any(-1, keepdim=True)
+                    open_left = (open_after & blank[:, None]).any(-1)
+                    own_canvas = ~((current[:, None] != after) & ~blank[:, None]).any(-1)
+                    match |= held & (open_left | own_canvas)
+                    merged = torch.where(blank[:, None], after, current[:, None])
                 match &= live
                 if parents is not None:
                     match &= parents == source[:, None]
@@ -242,7 +250,7 @@ class Lookahead:
                 if not bool(hit.any()):
                     break
                 # (several drafts can be contained: the one holding most drafted tokens, the first on a tie)
-                j = (match * (drafted != s.mask_id).sum(-1)).argmax(-1) if self.accept == "contained" else match.byte().argmax(-1)
+                j = (match * size).argmax(-1) if contained else match.byte().argmax(-1)
                 current = torch.where(hit[:, None], merged.gather(1, j[:, None, None].expand(B, 1, s.length)).squeeze(1), current)
                 source = torch.where(hit, j + 1, source)
                 live = live & (branch != (j + 1).masked_fill(~hit, 0)[:, None])
