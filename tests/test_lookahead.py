@@ -426,7 +426,8 @@ def _main_row_replay(out, enc_width: int, end) -> None:
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_contained_acceptance_keeps_the_decoding_invariants(family):
-    """Seeded random settings on a random peaked model, dense and sparse steps: the prompt is untouched,
+    """Seeded random settings on a random peaked model (dense and sparse steps; threshold, factor and
+    LocalLeap rules): the prompt is untouched,
     no mask is left before the first EOS (none at all without early stop), NFE = 1 + block steps +
     refreshes, the main row commits each position once and the output is its commits; a padded batch
     decodes each prompt as alone; and drafts the exact rule would refuse are adopted."""
@@ -437,13 +438,18 @@ def test_contained_acceptance_keeps_the_decoding_invariants(family):
     rng = random.Random(11)
     model = peaked(family)
     gained = 0
-    for _ in range(12):
+    for _ in range(16):
         options = dict(max_new_tokens=rng.choice([5, 13, 24]), block_length=rng.choice([3, 4, 8, 16]),
                        threshold=rng.choice([0.3, 0.6, 0.9]), early_stop=rng.random() < 0.5,
                        lookahead=rng.randint(1, len(DRAFT_SHAPES)), lookahead_max_masks=rng.choice([None, 2, 8]),
                        output_trace=True)  # fmt: skip
         if rng.random() < 0.5:
             options.update(window_queries="sparse", requery_radius=rng.choice([0, 3, 6]))
+        rule = rng.choice(["threshold", "threshold", "factor", "localleap"])  # every rule a draft accepts
+        if rule == "factor":
+            options.update(threshold=None, factor=rng.choice([0.5, 1.0, 2.0]))
+        elif rule == "localleap":
+            options.update(rule="localleap", relaxed_threshold=0.8 * options["threshold"])
         prompts = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 3))]
         exact = run_padded(model, prompts, hb.FastDLLMConfig(**options))
         out = run_padded(model, prompts, hb.FastDLLMConfig(**options, lookahead_accept="contained"))
