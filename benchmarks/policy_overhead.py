@@ -8,7 +8,8 @@ and the output. Target (issue 3): policy ≤ 5 % of decoding time on the tiny mo
 own ``stats["seconds"]`` times; earlier sessions reported this one).
 
 Usage: ``python benchmarks/policy_overhead.py [--model tiny-llada] [--random] [--prompts 16]``
-(``--lookahead K`` adds Fast-dLLM with K lookahead draft rows; with ``--sparse``, of sparse steps).
+(``--lookahead K`` adds Fast-dLLM with K lookahead draft rows; with ``--sparse``, of sparse steps;
+``--lookahead-accept contained`` adopts contained drafts too).
 ``--random`` uses a random model at the tiny checkpoints' geometry (no weights needed); a random
 model commits about one token per step, the worst case for per-step policy cost.
 Each strategy runs ``--repeats`` times over the same prompts; the run with the median policy share
@@ -104,6 +105,8 @@ def main() -> None:
     parser.add_argument("--sparse", action="store_true", help="the strategies with window_queries='sparse'")
     parser.add_argument("--lookahead", type=int, default=0,
                         help="also Fast-dLLM dual b32 with this many lookahead draft rows (issue 16)")
+    parser.add_argument("--lookahead-accept", default="exact", choices=["exact", "contained"],
+                        help="which drafts are adopted (FastDLLMConfig.lookahead_accept; RESULTS §16)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = build_model(args)
@@ -128,8 +131,10 @@ def main() -> None:
         f"blockbatch_default{tag}": hb.BlockBatchConfig(max_new_tokens=args.max_new_tokens, threshold=threshold, **sparse),
     }  # fmt: skip
     if args.lookahead:  # with --sparse, the drafts of sparse steps
-        strategies[f"fast_dllm_dual_b32_la{args.lookahead}{tag}"] = hb.FastDLLMConfig(
-            max_new_tokens=args.max_new_tokens, block_length=32, threshold=threshold, lookahead=args.lookahead, **sparse)
+        ct = "_ct" if args.lookahead_accept == "contained" else ""
+        strategies[f"fast_dllm_dual_b32_la{args.lookahead}{ct}{tag}"] = hb.FastDLLMConfig(
+            max_new_tokens=args.max_new_tokens, block_length=32, threshold=threshold, lookahead=args.lookahead,
+            lookahead_accept=args.lookahead_accept, **sparse)
     model_name = f"random d{args.d_model} L{args.layers} V{args.vocab}" if args.random else args.model
     report = {"model": model_name, "threads": args.threads, "prompts": args.prompts,
               "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "strategies": {}}  # fmt: skip
