@@ -252,6 +252,9 @@ def test_decoding_never_reads_unwritten_kv(family: str, monkeypatch) -> None:
         # draft rows take their main row's K/V only when they first carry a draft
         hb.FastDLLMConfig(max_new_tokens=16, block_length=8, threshold=0.5, lookahead=2),
         hb.FastDLLMConfig(max_new_tokens=16, block_length=8, threshold=0.5, lookahead=3, window_queries="sparse"),
+        # a contained draft hands over its K/V where the main row committed more (those are stale, re-queried)
+        hb.FastDLLMConfig(max_new_tokens=16, block_length=8, threshold=0.5, lookahead=3, window_queries="sparse",
+                          lookahead_accept="contained"),
     ]
 
     def run():

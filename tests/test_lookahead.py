@@ -95,10 +95,12 @@ def test_lookahead_is_exact_on_random_models(family, queries):
         assert torch.equal(out.nfe + _adopted(out), base.nfe), drafts
 
 
-@pytest.mark.parametrize("queries", [{}, {"window_queries": "sparse", "requery_radius": 6}], ids=["dense", "sparse"])
+@pytest.mark.parametrize("queries", [{}, {"window_queries": "sparse", "requery_radius": 6},
+                                     {"window_queries": "sparse", "requery_radius": 6, "lookahead_accept": "contained"}],
+                         ids=["dense", "sparse", "sparse-contained"])  # fmt: skip
 def test_lookahead_padded_batch_equals_alone(trained, queries):
     """Drafts, adoptions and their query tokens are per request: each prompt decodes inside a
-    left-padded batch exactly as alone."""
+    left-padded batch exactly as alone (contained acceptance included)."""
     model, tok = trained
     s = get_suite("lists")
     prompts = [tok(s.prompt(item, tok), add_special_tokens=False).input_ids for item in s.items("train", limit=4)]
