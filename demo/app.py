@@ -51,7 +51,7 @@ _ensure_package()
 
 import hf_blockbatch as hb  # noqa: E402
 from hf_blockbatch.cli import port_number  # noqa: E402
-from hf_blockbatch.generation.configs import DRAFTED, LEAN, LEAN_GUARDS  # noqa: E402
+from hf_blockbatch.generation.configs import DRAFTED, DRAFTED_CONTAINED, LEAN, LEAN_GUARDS  # noqa: E402
 from hf_blockbatch.generation.outputs import answer_lengths  # noqa: E402
 from hf_blockbatch.generation.trace import CommitEvent, MergeEvent, SyncEvent, TraceEvent  # noqa: E402
 
@@ -268,9 +268,14 @@ class Settings:
     #: Fast-dLLM with exact lookahead drafts (benchmarks/RESULTS.md §12-14, ``FastDLLMConfig.drafted``):
     #: draft rows run its likely next step in the same forward; the same tokens in fewer forwards
     fast_drafts: bool = False
+    #: ... also adopted when the step committed their tokens and more (benchmarks/RESULTS.md §16,
+    #: ``FastDLLMConfig.drafted(exact=False)``): fewer forwards again, not the same tokens
+    fast_contained: bool = False
 
     def fast_config(self) -> hb.FastDLLMConfig:
-        drafts = {k: DRAFTED[k] for k in ("lookahead", "lookahead_max_masks")} if self.fast_drafts else {}
+        preset = DRAFTED_CONTAINED if self.fast_contained else DRAFTED
+        keys = ("lookahead", "lookahead_max_masks", "lookahead_accept")
+        drafts = {k: preset.get(k, "exact") for k in keys} if self.fast_drafts else {}
         return hb.FastDLLMConfig(
             max_new_tokens=self.max_new_tokens, block_length=self.fast_block, threshold=self.threshold, cache="dual",
             temperature=self.temperature, early_stop=self.fast_early_stop, output_trace=True,
@@ -341,6 +346,7 @@ def check_settings(
     sparse: Any = False,
     guarded: Any = False,
     fast_drafts: Any = False,
+    fast_contained: Any = False,
 ) -> Settings:
     """Validate raw UI/API values into :class:`Settings`, or raise :class:`InputError` saying what
     to change. An empty prompt is an :class:`InputError` too; the UI turns it into a warning."""
@@ -360,6 +366,8 @@ def check_settings(
     temperature = float(_number("Temperature", temperature, 0.0, limits.max_temperature))
     if fast_drafts and temperature > 0:
         raise InputError("Fast-dLLM's drafts guess a greedy step: set the temperature to 0, or untick the drafts.")
+    if fast_contained and not fast_drafts:
+        raise InputError("Contained drafts are a kind of Fast-dLLM draft: tick the drafts too, or untick contained.")
     return Settings(
         prompt=text,
         max_new_tokens=int(_number("Max new tokens", max_new_tokens, 8, limits.max_new_tokens, integer=True)),
@@ -377,6 +385,7 @@ def check_settings(
         sparse=bool(sparse),
         guarded=bool(guarded),
         fast_drafts=bool(fast_drafts),
+        fast_contained=bool(fast_contained),
     )
 
 
@@ -433,14 +442,16 @@ def _eos_stop_line(stats: dict) -> str:
 
 
 def build_frames(
-    trace: Sequence[TraceEvent], block_sizes: Sequence[int], length: int, drafts: bool = False
+    trace: Sequence[TraceEvent], block_sizes: Sequence[int], length: int, drafts: bool = False,
+    contained: bool = False,
 ) -> tuple[list[Frame], list[LogLine]]:
     """Turn a ``stats["trace"]`` into one :class:`Frame` per forward and a log of merges, syncs and
     refreshes. Frame ``k`` is the state after every event of step ``k``; its ``new``/``merged_now``/
     ``copied_now`` sets are what step ``k`` changed, which the page highlights.
 
     ``drafts``: Fast-dLLM with lookahead drafts (``block_sizes`` names its main row only): a sync of
-    the main row is an adopted draft, whose tokens follow as an "adopt" commit."""
+    the main row is an adopted draft, whose tokens follow as an "adopt" commit; ``contained``: drafts
+    are also adopted when the step committed their tokens and more (the log says so)."""
     n = len(block_sizes)
     decoded: list[set[int]] = [set() for _ in range(n)]
     windows: list[tuple[int, int] | None] = [(0, min(b, length)) for b in block_sizes]
@@ -483,8 +494,9 @@ def build_frames(
                     f"b={block_sizes[b]} +{len(positions)} token{'s' if len(positions) != 1 else ''}"
                 )
             elif isinstance(event, SyncEvent) and drafts:
-                log.append(LogLine(step, "draft", f"draft {event.leader} had guessed this step's commit: its "
-                                   "forward was the next step, one forward saved"))  # fmt: skip
+                guessed = ("held tokens this step committed: its forward stands for the next step (this step's "
+                           "own commits kept)") if contained else "had guessed this step's commit: its forward was the next step"
+                log.append(LogLine(step, "draft", f"draft {event.leader} {guessed}, one forward saved"))
             elif isinstance(event, SyncEvent):
                 leader = event.leader
                 gained = decoded[leader] - decoded[b]
@@ -607,7 +619,8 @@ def run_side(loaded: LoadedModel, ids: torch.Tensor, config: Any, key: str, sett
     drafts = key != "blockbatch" and settings.fast_drafts
     # BlockBatch's branches; Fast-dLLM's one row (its lookahead draft rows are not shown)
     block_sizes = [int(b["block_size"]) for b in stats["branches"]] if key == "blockbatch" else [settings.fast_block]
-    frames, log = build_frames(stats.get("trace", []), block_sizes, len(gen), drafts=drafts)
+    frames, log = build_frames(stats.get("trace", []), block_sizes, len(gen), drafts=drafts,
+                               contained=drafts and settings.fast_contained)  # fmt: skip
     if key == "blockbatch":
         title = "BlockBatch"
         subtitle = f"blocks {'·'.join(map(str, block_sizes))} · τ {settings.threshold:g} · merge {settings.merge_threshold:g}"
@@ -619,7 +632,7 @@ def run_side(loaded: LoadedModel, ids: torch.Tensor, config: Any, key: str, sett
             " · early stop" if settings.fast_early_stop else " · no early stop"
         )
         if drafts:
-            subtitle += f" · {DRAFTED['lookahead']} drafts"
+            subtitle += f" · {DRAFTED['lookahead']} drafts" + (" (contained)" if settings.fast_contained else "")
     if key == "blockbatch" and settings.guarded:
         subtitle += " · guarded merges"
     if settings.sparse:
@@ -974,12 +987,12 @@ def build_demo(
 
     def compare(prompt, max_new_tokens, fast_block, block_sizes, threshold, merge_threshold, temperature, seed,
                 sync_threshold, refresh_interval, chat, speed, fast_early_stop=False, sparse=False,
-                guarded=False, fast_drafts=False) -> Iterator[tuple]:  # fmt: skip
+                guarded=False, fast_drafts=False, fast_contained=False) -> Iterator[tuple]:  # fmt: skip
         """Validate, decode with both strategies, then replay both traces frame by frame."""
         try:
             settings = check_settings(prompt, max_new_tokens, fast_block, block_sizes, threshold, merge_threshold,
                                       temperature, seed, sync_threshold, refresh_interval, chat, speed,
-                                      fast_early_stop, limits, sparse, guarded, fast_drafts)  # fmt: skip
+                                      fast_early_stop, limits, sparse, guarded, fast_drafts, fast_contained)  # fmt: skip
         except InputError as err:
             if prompt is None or not str(prompt).strip():
                 logger.info("input refused: %s", err)
@@ -1046,6 +1059,8 @@ def build_demo(
                 fast_early_stop = gr.Checkbox(value=False, label="Fast-dLLM stops at EOS (early stop, as BlockBatch)")
                 fast_drafts = gr.Checkbox(value=False, label="Fast-dLLM drafts its next step (3 exact lookahead rows: "
                                                              "its own tokens in fewer forwards; greedy only)")  # fmt: skip
+                fast_contained = gr.Checkbox(value=False, label="… contained drafts: also adopted when the step "
+                                                                "committed more (fewer forwards, not the same tokens)")  # fmt: skip
                 block_sizes = gr.CheckboxGroup([str(b) for b in BLOCK_CHOICES], value=["4", "8", "16", "32", "64"],
                                                label="BlockBatch block sizes (one branch each)")  # fmt: skip
             with gr.Row():
@@ -1077,7 +1092,7 @@ def build_demo(
             )
         inputs = [prompt, max_new_tokens, fast_block, block_sizes, threshold, merge_threshold, temperature, seed,
                   sync_threshold, refresh_interval, chat, speed, fast_early_stop, sparse, guarded,
-                  fast_drafts]  # fmt: skip
+                  fast_drafts, fast_contained]  # fmt: skip
         outputs = [banner, fast_view, block_view, fast_text, block_text, raw]
         # the banner and the replay are the progress display: Gradio's own overlay would hide them
         run.click(compare, inputs, outputs, api_name="compare", show_progress="hidden")

@@ -204,6 +204,29 @@ def test_fast_dllm_drafts_are_a_visitor_switch(loaded) -> None:
     assert 'class="bb-log"' in app.render_side(fast, fast.nfe) and "saved" in app.render_side(fast, fast.nfe)
 
 
+def test_contained_drafts_are_a_second_switch(loaded) -> None:
+    """The contained switch gives Fast-dLLM ``drafted(exact=False)``'s acceptance (a clear refusal
+    without the drafts switch); the run is the preset's own decode, its log says what a contained
+    adoption keeps, and the replay of its main row ends on the answer's tokens."""
+    with pytest.raises(app.InputError, match="tick the drafts too"):
+        app.check_settings("hi", fast_contained=True)
+    settings = app.check_settings(PROMPT, max_new_tokens=64, fast_block="64", fast_early_stop=True, sparse=True,
+                                  fast_drafts=True, fast_contained=True)  # fmt: skip
+    cfg = settings.fast_config()
+    preset = hb.FastDLLMConfig.drafted(exact=False)
+    assert (cfg.lookahead, cfg.lookahead_max_masks, cfg.lookahead_accept) == (
+        preset.lookahead, preset.lookahead_max_masks, "contained")  # fmt: skip
+    fast, _ = app.compare_once(loaded, settings)
+    ids = app.encode_prompt(loaded.tokenizer, PROMPT)
+    out = loaded.model.generate(ids, generation_config=cfg, return_dict_in_generate=True)
+    assert fast.nfe == int(out.nfe[0]) and fast.stats["lookahead_adopted"] == out.stats[0]["lookahead_adopted"] > 0
+    assert "(contained)" in fast.subtitle
+    assert all("own commits kept" in line.text for line in fast.log if line.kind == "draft")
+    kinds = [kind for _, kind in fast.tokens]
+    answer = kinds.index("eos") + 1 if "eos" in kinds else len(kinds)
+    assert set(range(answer)) <= fast.frames[-1].branches[0].decoded <= {p for p, k in enumerate(kinds) if k != "mask"}
+
+
 def _compare_fn(demo):
     return next(f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "compare")
 
