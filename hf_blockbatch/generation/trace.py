@@ -201,7 +201,7 @@ class Recorder:
                 "pruned": sum(b["pruned"] for b in branches),
                 "branches": branches,
             }
-            if "adopted" in host:  # block steps the request skipped by adopting exact drafts (Lookahead)
+            if "adopted" in host:  # block steps the request skipped by adopting drafts (Lookahead; each adoption one)
                 self.stats[r_i]["lookahead_adopted"] = sum(host["adopted"][i] for i in rows)
             if self.tracing:
                 self.stats[r_i]["trace"] = self.trace[r_i]
