@@ -255,6 +255,9 @@ def test_decoding_never_reads_unwritten_kv(family: str, monkeypatch) -> None:
         # a contained draft hands over its K/V where the main row committed more (those are stale, re-queried)
         hb.FastDLLMConfig(max_new_tokens=16, block_length=8, threshold=0.5, lookahead=3, window_queries="sparse",
                           lookahead_accept="contained"),
+        # drafts that re-query no neighbours read their parent's fresh K/V (or their own cached ones)
+        hb.FastDLLMConfig(max_new_tokens=16, block_length=8, threshold=0.5, lookahead=3, window_queries="sparse",
+                          requery_radius=3, lookahead_accept="contained", lookahead_draft_radius=0),
     ]
 
     def run():

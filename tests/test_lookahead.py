@@ -454,7 +454,11 @@ def test_contained_acceptance_keeps_the_decoding_invariants(family):
             options.update(rule="localleap", relaxed_threshold=0.8 * options["threshold"])
         prompts = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 3))]
         exact = run_padded(model, prompts, hb.FastDLLMConfig(**options))
-        out = run_padded(model, prompts, hb.FastDLLMConfig(**options, lookahead_accept="contained"))
+        # with sparse steps, half of the time drafts re-query their masks' neighbours closer in (or not at all)
+        contained = {"lookahead_accept": "contained"}
+        if options.get("window_queries") == "sparse" and rng.random() < 0.5:
+            contained["lookahead_draft_radius"] = rng.choice([0, 1, 2])
+        out = run_padded(model, prompts, hb.FastDLLMConfig(**options, **contained))
         G, width = options["max_new_tokens"], out.sequences.shape[1] - options["max_new_tokens"]
         for i, p in enumerate(prompts):
             seq = out.sequences[i].tolist()
@@ -464,7 +468,7 @@ def test_contained_acceptance_keeps_the_decoding_invariants(family):
             assert MASK_ID not in gen[:first] and (options["early_stop"] or MASK_ID not in gen)
             st = out.stats[i]
             assert st["nfe"] == int(out.nfe[i]) == 1 + st["nfe_block"] + st["nfe_refresh"]
-            alone = run_padded(model, [p], hb.FastDLLMConfig(**options, lookahead_accept="contained"))
+            alone = run_padded(model, [p], hb.FastDLLMConfig(**options, **contained))
             assert alone.sequences[0, -G:].tolist() == gen and int(alone.nfe[0]) == int(out.nfe[i])
             for key in ("query_tokens", "lookahead_adopted"):
                 assert alone.stats[0][key] == st[key], key
@@ -487,9 +491,29 @@ def test_contained_acceptance_saves_forwards_on_the_checkpoints(trained):
     _main_row_replay(out, enc.input_ids.shape[1], hb.end_token_ids(tok, model.config))
 
 
+@pytest.mark.parametrize("radius", [0, 2])
+def test_a_smaller_draft_radius_queries_fewer_positions_on_the_checkpoints(trained, radius):
+    """``lookahead_draft_radius``: drafts re-query fewer neighbours than the main row's radius 6, so the
+    same preset feeds fewer positions through the model; it still adopts drafts, and the main row's
+    commits replay its answer."""
+    model, tok = trained
+    enc = _batch(tok, "arith", 8)
+    options = {**hb.generation.configs.DRAFTED_CONTAINED, "block_length": 64, "output_trace": True}
+    full = _decode(model, enc, **options)
+    lean = _decode(model, enc, **options, lookahead_draft_radius=radius)
+    qt = {name: sum(st["query_tokens"] for st in o.stats) for name, o in (("full", full), ("lean", lean))}
+    assert qt["lean"] < qt["full"] and int(_adopted(lean).sum()) > 0
+    _main_row_replay(lean, enc.input_ids.shape[1], hb.end_token_ids(tok, model.config))
+
+
 @pytest.mark.parametrize("options,message", [
     ({"lookahead": 2, "lookahead_accept": "loose"}, "lookahead_accept must be 'exact' or 'contained'"),
     ({"lookahead_accept": "contained"}, "it needs lookahead >= 1"),
+    ({"lookahead": 2, "lookahead_draft_radius": 0, "window_queries": "sparse"}, "lookahead_accept='contained'"),
+    ({"lookahead": 2, "lookahead_draft_radius": 0, "lookahead_accept": "contained"}, "window_queries='sparse'"),
+    ({"lookahead": 2, "lookahead_draft_radius": -1, "lookahead_accept": "contained", "window_queries": "sparse"},
+     "lookahead_draft_radius must be an integer >= 0"),
+    ({"lookahead_draft_radius": 2}, "it needs lookahead >= 1"),
 ])  # fmt: skip
 def test_lookahead_accept_errors(options, message):
     with pytest.raises(ValueError, match=message):

@@ -362,6 +362,11 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             whose tokens the step committed along with others; the request keeps its own commit and
             takes the draft's commits where it left masks (docs/algorithm.md, "Contained acceptance";
             measured in benchmarks/RESULTS.md §16). Fewer forwards, not the same tokens.
+        lookahead_draft_radius: with sparse window queries and contained acceptance, a draft re-queries
+            the decoded neighbours of its masks within this radius only (``None``, the default: the
+            ``requery_radius``, as the next sparse step would); beyond it, where its main row re-queries
+            one in the same forward, the draft reads that fresh K/V. Fewer query tokens per draft, for
+            neighbours one step staler (RESULTS §16).
 
     On Dream, the official Fast-dLLM commits the block's first position unconditionally at each
     block start (its in-block logit shift cannot predict it later). Our window forward predicts
@@ -373,7 +378,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
     _ours = DiffusionGenerationConfig._ours + (
         "cache", "threshold", "factor", "steps", "block_length", "early_stop", "skip_completed_block_step",
         "rule", "relaxed_threshold", "leap_radius", "window_queries", "requery_radius", "lookahead",
-        "lookahead_max_masks", "lookahead_accept",
+        "lookahead_max_masks", "lookahead_accept", "lookahead_draft_radius",
     )  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:
@@ -381,6 +386,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         self.lookahead = kwargs.pop("lookahead", 0)
         self.lookahead_max_masks = kwargs.pop("lookahead_max_masks", None)
         self.lookahead_accept = kwargs.pop("lookahead_accept", "exact")
+        self.lookahead_draft_radius = kwargs.pop("lookahead_draft_radius", None)
         self.window_queries = kwargs.pop("window_queries", "all")
         self.requery_radius = kwargs.pop("requery_radius", _REQUERY_RADIUS)
         self.threshold = kwargs.pop("threshold", None if any(r in kwargs for r in _RULES[1:]) else 0.9)
@@ -448,12 +454,20 @@ def _check_lookahead(cfg: FastDLLMConfig) -> None:
     accept = cfg.lookahead_accept
     if accept not in ("exact", "contained"):
         raise ValueError(f"lookahead_accept must be 'exact' or 'contained', got {accept!r}.")
+    rd = cfg.lookahead_draft_radius
+    if rd is not None and (not isinstance(rd, int) or isinstance(rd, bool) or rd < 0):
+        raise ValueError(f"lookahead_draft_radius must be an integer >= 0 or None, got {rd!r}.")
     if not k:
         if m is not None:
             raise ValueError("lookahead_max_masks says when to draft: it needs lookahead >= 1 (or leave it None).")
+        if rd is not None:
+            raise ValueError("lookahead_draft_radius says how drafts query: it needs lookahead >= 1 (or leave it None).")
         if accept != "exact":
             raise ValueError("lookahead_accept says which drafts are adopted: it needs lookahead >= 1 (or leave it 'exact').")
         return
+    if rd is not None and (accept != "contained" or cfg.window_queries != "sparse"):
+        raise ValueError("lookahead_draft_radius makes a draft's forward differ from the next sparse step: it needs "
+                         "window_queries='sparse' and lookahead_accept='contained' (or leave it None).")
     wrong = [
         why for bad, why in (
             (cfg.cache != "dual", f"cache='dual' (got {cfg.cache!r})"),

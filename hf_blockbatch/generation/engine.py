@@ -64,7 +64,8 @@ class Run:
         masked_only = plan.temperature == 0 and plan.remasking == "low_confidence" and not plan.read_all_slots
         self.fwd = Forwards(model, self.state, self.cache, plan.cache, pad_id, self.eos_ids, masked_only,
                             eos_slot=plan.stop.eos_rank == "completion", requery_radius=plan.requery_radius,
-                            draft_depth=plan.lookahead.depth if plan.lookahead and plan.sparse_queries else 0)  # fmt: skip
+                            draft_depth=plan.lookahead.depth if plan.lookahead and plan.sparse_queries else 0,
+                            draft_radius=plan.lookahead.draft_radius if plan.lookahead else None)  # fmt: skip
         self.recorder = Recorder(self.B, device, self.gs, plan.strategy, plan.output_trace, plan.stop.eos_rank,
                                  streamer, _ids(plan.end_ids or eos_ids, device), mask_id)  # fmt: skip
         self.sequences = torch.cat([input_ids, input_ids.new_full((self.B, plan.max_new_tokens), mask_id)], dim=1)

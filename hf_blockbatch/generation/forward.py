@@ -54,8 +54,10 @@ class Forwards:
     from the policy."""
 
     def __init__(self, model, state: DecodeState, cache, cache_mode: str, pad_id: int, eos_ids: torch.Tensor,
-                 masked_only: bool, eos_slot: bool, requery_radius: int = 0, draft_depth: int = 0) -> None:  # fmt: skip
+                 masked_only: bool, eos_slot: bool, requery_radius: int = 0, draft_depth: int = 0,
+                 draft_radius: int | None = None) -> None:  # fmt: skip
         self.requery_radius = requery_radius
+        self.draft_radius = draft_radius  # draft rows' own re-query radius (Lookahead.draft_radius; None: r)
         self.draft_depth = draft_depth  # lookahead with sparse steps: the longest chain of drafts
         self.drafting = True  # some draft row rides in the next step (Lookahead.draft sets it each step)
         self.model, self.cache, self.cache_mode, self.pad_id, self.eos_ids = model, cache, cache_mode, pad_id, eos_ids
@@ -213,6 +215,10 @@ class Forwards:
         if self.requery_radius:
             r = self.requery_radius
             near = in_win & (F.max_pool1d(want[:, None].float(), 2 * r + 1, stride=1, padding=r)[:, 0] > 0)
+            rd = self.draft_radius
+            if rd is not None and rd < r and self.draft_depth and self.drafting:  # drafts re-query closer in
+                own = in_win & (F.max_pool1d(want[:, None].float(), 2 * rd + 1, stride=1, padding=rd)[:, 0] > 0)
+                near = torch.where((state.take(state.draft_parent, rows) >= 0)[:, None], own, near)
         heads = self.model.predicting_queries(want)
 
         def queried() -> torch.Tensor:  # [A, L] the positions each row queries, by its K/V records

@@ -127,6 +127,12 @@ class Lookahead:
     #: holds, when it committed more; the main row keeps its own commit and adds what the draft
     #: committed elsewhere, so long as a mask is left in the window (see :meth:`apply`)
     accept: str = "exact"
+    #: with sparse steps and contained acceptance: a draft re-queries the decoded neighbours of its masks
+    #: within this radius only (``None``: the plan's re-query radius, as the next sparse step would);
+    #: beyond it, where its parent re-queries one in the same forward it reads the parent's fresh K/V
+    #: (the echo), elsewhere its cached K/V: fewer query tokens per draft, for neighbours one step
+    #: staler than the next sparse step's (RESULTS §16)
+    draft_radius: int | None = None
 
     @property
     def depth(self) -> int:
