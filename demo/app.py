@@ -273,9 +273,9 @@ class Settings:
     fast_contained: bool = False
 
     def fast_config(self) -> hb.FastDLLMConfig:
+        # the preset's draft options; its early stop and queries are the visitor's own switches
         preset = DRAFTED_CONTAINED if self.fast_contained else DRAFTED
-        keys = ("lookahead", "lookahead_max_masks", "lookahead_accept")
-        drafts = {k: preset.get(k, "exact") for k in keys} if self.fast_drafts else {}
+        drafts = {k: v for k, v in preset.items() if k.startswith("lookahead")} if self.fast_drafts else {}
         return hb.FastDLLMConfig(
             max_new_tokens=self.max_new_tokens, block_length=self.fast_block, threshold=self.threshold, cache="dual",
             temperature=self.temperature, early_stop=self.fast_early_stop, output_trace=True,
