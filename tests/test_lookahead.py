@@ -529,7 +529,7 @@ def test_lookahead_accept_saves_and_loads(tmp_path):
 
 def test_drafted_not_exact_is_the_benchmarked_contained_point(tmp_path):
     """``FastDLLMConfig.drafted(exact=False)`` is :data:`DRAFTED_CONTAINED`, equal to the benchmark entry
-    it was chosen as (``fd_es_b64_sq_r6_la3_m16_ct``, less its block), and saves and loads whole."""
+    it was chosen as (``fd_es_b64_sq_r6_la3_m16_ctr2``, less its block), and saves and loads whole."""
     import json
     from pathlib import Path
 
@@ -540,7 +540,7 @@ def test_drafted_not_exact_is_the_benchmarked_contained_point(tmp_path):
     assert {k: getattr(cfg, k) for k in DRAFTED_CONTAINED} == DRAFTED_CONTAINED
     assert DRAFTED_CONTAINED["lookahead_accept"] == "contained"
     root = Path(__file__).resolve().parents[1]
-    bench = json.loads((root / "benchmarks" / "beyond_paper_configs.json").read_text())["fd_es_b64_sq_r6_la3_m16_ct"]
+    bench = json.loads((root / "benchmarks" / "beyond_paper_configs.json").read_text())["fd_es_b64_sq_r6_la3_m16_ctr2"]
     assert {k: v for k, v in bench.items() if k not in ("strategy", "block_length")} == {
         "cache": "dual", "threshold": 0.9, **DRAFTED_CONTAINED}  # fmt: skip
     cfg.save_pretrained(tmp_path)

@@ -404,10 +404,11 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         radius 6, three exact draft rows of the next sparse step, drafted while at most 8 masks are
         left), with ``kwargs`` on top (``FastDLLMConfig.drafted(max_new_tokens=256, block_length=64)``:
         keep the block size you tuned). ``exact=False`` is :data:`DRAFTED_CONTAINED`: drafts are also
-        adopted when the step committed their tokens and more (``lookahead_accept="contained"``), and
-        drafted while at most 16 masks are left: fewer forwards, but no longer sparse Fast-dLLM's tokens
-        (RESULTS §16: on the test splits at the tuned block, −0.8 to +0.4 points from the tuned dense
-        Fast-dLLM at 0.71-0.80x its forwards and 0.85-0.97x its query tokens, 1.30x on one suite).
+        adopted when the step committed their tokens and more (``lookahead_accept="contained"``),
+        drafted while at most 16 masks are left, and re-query their masks' neighbours within 2 positions
+        (``lookahead_draft_radius=2``): fewer forwards, but no longer sparse Fast-dLLM's tokens (RESULTS
+        §16: on the test splits at the tuned block, −0.8 to +0.2 points from the tuned dense Fast-dLLM at
+        0.71-0.81x its forwards and 0.72-0.83x its query tokens, 1.08x on one suite).
 
         Why a preset rather than the defaults: its tokens are sparse Fast-dLLM's, which are not the
         official decoder's, and it was chosen on 500 training items per suite (``benchmarks/RESULTS.md``
@@ -500,8 +501,10 @@ DRAFTED: dict[str, Any] = {"early_stop": True, "window_queries": "sparse", "requ
                            "lookahead_max_masks": 8}  # fmt: skip
 #: the fewest-forwards lookahead point (benchmarks/RESULTS.md §16; ``FastDLLMConfig.drafted(exact=False)``):
 #: the same drafts, also adopted when the step committed their tokens and more, drafted while the
-#: window has at most 16 masks left (chosen on 500 training items per suite)
-DRAFTED_CONTAINED: dict[str, Any] = {**DRAFTED, "lookahead_max_masks": 16, "lookahead_accept": "contained"}
+#: window has at most 16 masks left, each re-querying its masks' neighbours within 2 positions only
+#: (chosen on 500 training items per suite)
+DRAFTED_CONTAINED: dict[str, Any] = {**DRAFTED, "lookahead_max_masks": 16, "lookahead_accept": "contained",
+                                     "lookahead_draft_radius": 2}  # fmt: skip
 
 
 def _check_beyond(cfg: Any) -> None:
