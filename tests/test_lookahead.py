@@ -499,8 +499,8 @@ def test_a_smaller_draft_radius_queries_fewer_positions_on_the_checkpoints(train
     model, tok = trained
     enc = _batch(tok, "arith", 8)
     options = {**hb.generation.configs.DRAFTED_CONTAINED, "block_length": 64, "output_trace": True}
-    full = _decode(model, enc, **options)
-    lean = _decode(model, enc, **options, lookahead_draft_radius=radius)
+    full = _decode(model, enc, **{**options, "lookahead_draft_radius": None})  # the re-query radius, 6
+    lean = _decode(model, enc, **{**options, "lookahead_draft_radius": radius})
     qt = {name: sum(st["query_tokens"] for st in o.stats) for name, o in (("full", full), ("lean", lean))}
     assert qt["lean"] < qt["full"] and int(_adopted(lean).sum()) > 0
     _main_row_replay(lean, enc.input_ids.shape[1], hb.end_token_ids(tok, model.config))
