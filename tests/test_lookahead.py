@@ -323,21 +323,25 @@ def test_with_sparse_queries_a_draft_stands_only_for_its_parents_next_step(spars
     assert adopted != sparse and int(s.adopted[0]) == (0 if sparse else 1)
 
 
-def test_drafted_preset_is_the_benchmarked_point_and_saves_whole(tmp_path):
-    """``FastDLLMConfig.drafted()`` is :data:`DRAFTED` on top of the defaults, equal to the benchmark
-    entry it was measured as (``fd_es_b64_sq_r6_la3_m8``, less its block), and saves and loads whole."""
+def _bench_options(name: str) -> dict:
+    """A benchmark entry of ``benchmarks/beyond_paper_configs.json`` less its strategy and block."""
     import json
     from pathlib import Path
 
+    root = Path(__file__).resolve().parents[1]
+    bench = json.loads((root / "benchmarks" / "beyond_paper_configs.json").read_text())[name]
+    return {k: v for k, v in bench.items() if k not in ("strategy", "block_length")}
+
+
+def test_drafted_preset_is_the_benchmarked_point_and_saves_whole(tmp_path):
+    """``FastDLLMConfig.drafted()`` is :data:`DRAFTED` on top of the defaults, equal to the benchmark
+    entry it was measured as (``fd_es_b64_sq_r6_la3_m8``, less its block), and saves and loads whole."""
     from hf_blockbatch.generation.configs import DRAFTED
 
     cfg = hb.FastDLLMConfig.drafted(max_new_tokens=64, block_length=64)
     cfg.validate()
     assert {k: getattr(cfg, k) for k in DRAFTED} == DRAFTED and cfg.block_length == 64
-    root = Path(__file__).resolve().parents[1]
-    bench = json.loads((root / "benchmarks" / "beyond_paper_configs.json").read_text())["fd_es_b64_sq_r6_la3_m8"]
-    assert {k: v for k, v in bench.items() if k not in ("strategy", "block_length")} == {
-        "cache": "dual", "threshold": 0.9, **DRAFTED}  # fmt: skip
+    assert _bench_options("fd_es_b64_sq_r6_la3_m8") == {"cache": "dual", "threshold": 0.9, **DRAFTED}
     cfg.save_pretrained(tmp_path)
     loaded = hb.FastDLLMConfig.from_pretrained(tmp_path)
     loaded.validate()
@@ -530,19 +534,13 @@ def test_lookahead_accept_saves_and_loads(tmp_path):
 def test_drafted_not_exact_is_the_benchmarked_contained_point(tmp_path):
     """``FastDLLMConfig.drafted(exact=False)`` is :data:`DRAFTED_CONTAINED`, equal to the benchmark entry
     it was chosen as (``fd_es_b64_sq_r6_la3_m16_ctr2``, less its block), and saves and loads whole."""
-    import json
-    from pathlib import Path
-
     from hf_blockbatch.generation.configs import DRAFTED_CONTAINED
 
     cfg = hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=64, block_length=64)
     cfg.validate()
     assert {k: getattr(cfg, k) for k in DRAFTED_CONTAINED} == DRAFTED_CONTAINED
     assert DRAFTED_CONTAINED["lookahead_accept"] == "contained"
-    root = Path(__file__).resolve().parents[1]
-    bench = json.loads((root / "benchmarks" / "beyond_paper_configs.json").read_text())["fd_es_b64_sq_r6_la3_m16_ctr2"]
-    assert {k: v for k, v in bench.items() if k not in ("strategy", "block_length")} == {
-        "cache": "dual", "threshold": 0.9, **DRAFTED_CONTAINED}  # fmt: skip
+    assert _bench_options("fd_es_b64_sq_r6_la3_m16_ctr2") == {"cache": "dual", "threshold": 0.9, **DRAFTED_CONTAINED}
     cfg.save_pretrained(tmp_path)
     loaded = hb.FastDLLMConfig.from_pretrained(tmp_path)
     assert {k: getattr(loaded, k) for k in DRAFTED_CONTAINED} == DRAFTED_CONTAINED

@@ -212,13 +212,15 @@ class Forwards:
         pos = self.offsets[: self.L]
         in_win = (pos >= ws[:, None]) & (pos < we[:, None])
         near = None  # the decoded positions within r of a read slot
+
+        def within(radius: int) -> torch.Tensor:  # [A, L] window positions within ``radius`` of a read slot
+            return in_win & (F.max_pool1d(want[:, None].float(), 2 * radius + 1, stride=1, padding=radius)[:, 0] > 0)
+
         if self.requery_radius:
-            r = self.requery_radius
-            near = in_win & (F.max_pool1d(want[:, None].float(), 2 * r + 1, stride=1, padding=r)[:, 0] > 0)
-            rd = self.draft_radius
+            r, rd = self.requery_radius, self.draft_radius
+            near = within(r)
             if rd is not None and rd < r and self.draft_depth and self.drafting:  # drafts re-query closer in
-                own = in_win & (F.max_pool1d(want[:, None].float(), 2 * rd + 1, stride=1, padding=rd)[:, 0] > 0)
-                near = torch.where((state.take(state.draft_parent, rows) >= 0)[:, None], own, near)
+                near = torch.where((state.take(state.draft_parent, rows) >= 0)[:, None], within(rd), near)
         heads = self.model.predicting_queries(want)
 
         def queried() -> torch.Tensor:  # [A, L] the positions each row queries, by its K/V records

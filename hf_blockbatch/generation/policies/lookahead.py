@@ -266,7 +266,7 @@ class Lookahead:
                 dst = requests * s.branches
                 src = dst + source[requests]
                 before = s.decoded_rows(dst)
-                own = s.canvas[dst] != s.mask_id if self.accept == "contained" else None
+                own = s.canvas[dst] != s.mask_id if contained else None
                 own_prob = s.commit_prob[dst] if own is not None and s.commit_prob is not None else None
                 was_masked = s.canvas[dst] == s.mask_id if ctx.recorder.tracing else None
                 s.copy_rows(src, dst, _COPIED)
