@@ -9,7 +9,8 @@ own ``stats["seconds"]`` times; earlier sessions reported this one).
 
 Usage: ``python benchmarks/policy_overhead.py [--model tiny-llada] [--random] [--prompts 16]``
 (``--lookahead K`` adds Fast-dLLM with K lookahead draft rows; with ``--sparse``, of sparse steps;
-``--lookahead-accept contained`` adopts contained drafts too).
+``--lookahead-accept contained`` adopts contained drafts too; ``--presets`` adds the shipped
+``FastDLLMConfig.drafted()`` and ``drafted(exact=False)``, and the latter without its query budget).
 ``--random`` uses a random model at the tiny checkpoints' geometry (no weights needed); a random
 model commits about one token per step, the worst case for per-step policy cost.
 Each strategy runs ``--repeats`` times over the same prompts; the run with the median policy share
@@ -107,6 +108,9 @@ def main() -> None:
                         help="also Fast-dLLM dual b32 with this many lookahead draft rows (issue 16)")
     parser.add_argument("--lookahead-accept", default="exact", choices=["exact", "contained"],
                         help="which drafts are adopted (FastDLLMConfig.lookahead_accept; RESULTS §16)")
+    parser.add_argument("--presets", action="store_true",
+                        help="also FastDLLMConfig.drafted() and drafted(exact=False) at block 32, and the latter "
+                             "without its query budget (RESULTS §17)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = build_model(args)
@@ -135,6 +139,12 @@ def main() -> None:
         strategies[f"fast_dllm_dual_b32_la{args.lookahead}{ct}{tag}"] = hb.FastDLLMConfig(
             max_new_tokens=args.max_new_tokens, block_length=32, threshold=threshold, lookahead=args.lookahead,
             lookahead_accept=args.lookahead_accept, **sparse)
+    if args.presets:  # the shipped lookahead points, as users run them
+        common = {"max_new_tokens": args.max_new_tokens, "block_length": 32, "threshold": threshold}
+        strategies["fast_dllm_drafted_b32"] = hb.FastDLLMConfig.drafted(**common)
+        strategies["fast_dllm_drafted_contained_b32"] = hb.FastDLLMConfig.drafted(exact=False, **common)
+        strategies["fast_dllm_drafted_contained_no_budget_b32"] = hb.FastDLLMConfig.drafted(
+            exact=False, lookahead_query_budget=None, **common)
     model_name = f"random d{args.d_model} L{args.layers} V{args.vocab}" if args.random else args.model
     report = {"model": model_name, "threads": args.threads, "prompts": args.prompts,
               "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "strategies": {}}  # fmt: skip

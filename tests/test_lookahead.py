@@ -23,10 +23,11 @@ from hf_blockbatch.generation.trace import CommitEvent, SyncEvent
 from hf_blockbatch.tasks import get_suite
 
 
-def _run(s) -> SimpleNamespace:
-    """The parts of an engine run that ``Lookahead.draft`` reads: the state, no cache, and the
-    forwards' column offsets (built once per run)."""
-    return SimpleNamespace(state=s, cache=None, fwd=SimpleNamespace(offsets=torch.arange(s.length + 1)))
+def _run(s, sparse: bool = False, radius: int = 0) -> SimpleNamespace:
+    """The parts of an engine run that ``Lookahead.draft`` reads: the state, no cache, the forwards'
+    column offsets (built once per run) and the plan's window queries (for a query budget)."""
+    return SimpleNamespace(state=s, cache=None, fwd=SimpleNamespace(offsets=torch.arange(s.length + 1)),
+                           plan=SimpleNamespace(sparse_queries=sparse, requery_radius=radius))  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=["tiny-llada", "tiny-dream"])
@@ -252,9 +253,11 @@ def test_lookahead_is_exact_on_random_settings(family):
             options.update(window_queries="sparse", requery_radius=rng.choice([0, 1, 3, 6]))
         base = run_padded(model, prompts, hb.FastDLLMConfig(**options))
         drafts, max_masks = rng.randint(1, len(DRAFT_SHAPES)), rng.choice([None, 2, 8])
-        out = run_padded(model, prompts, hb.FastDLLMConfig(**options, lookahead=drafts, lookahead_max_masks=max_masks))
-        assert torch.equal(out.sequences, base.sequences), (options, drafts, max_masks)
-        assert torch.equal(out.nfe + _adopted(out), base.nfe), (options, drafts, max_masks)
+        budget = rng.choice([None, None, 0.5, 1.5, 3.0])  # a query budget only gates drafts: still exact
+        out = run_padded(model, prompts, hb.FastDLLMConfig(**options, lookahead=drafts, lookahead_max_masks=max_masks,
+                                                           lookahead_query_budget=budget))  # fmt: skip
+        assert torch.equal(out.sequences, base.sequences), (options, drafts, max_masks, budget)
+        assert torch.equal(out.nfe + _adopted(out), base.nfe), (options, drafts, max_masks, budget)
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
@@ -456,6 +459,8 @@ def test_contained_acceptance_keeps_the_decoding_invariants(family):
             options.update(threshold=None, factor=rng.choice([0.5, 1.0, 2.0]))
         elif rule == "localleap":
             options.update(rule="localleap", relaxed_threshold=0.8 * options["threshold"])
+        if rng.random() < 0.5:  # a query budget per request (both rules): padded must still decode as alone
+            options["lookahead_query_budget"] = rng.choice([1.0, 1.5, 2.5])
         prompts = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 3))]
         exact = run_padded(model, prompts, hb.FastDLLMConfig(**options))
         # with sparse steps, half of the time drafts re-query their masks' neighbours closer in (or not at all)
@@ -510,6 +515,54 @@ def test_a_smaller_draft_radius_queries_fewer_positions_on_the_checkpoints(train
     _main_row_replay(lean, enc.input_ids.shape[1], hb.end_token_ids(tok, model.config))
 
 
+@pytest.mark.parametrize("sparse,budget,parked", [
+    # dense steps: every row queries its 12-wide window, so budget b admits floor(b) - 1 drafts
+    (False, 1.9, [True, True, True]), (False, 2.0, [False, True, True]), (False, 4.0, [False, False, False]),
+    # sparse at radius 1 (drafts at 0): the main row 8 positions (masks 1, 6, 11 and their neighbours), a draft 3
+    (True, 11 / 12, [False, True, True]), (True, 10 / 12, [True, True, True]), (True, 14 / 12, [False, False, True]),
+    (True, 17 / 12, [False, False, False]),
+])  # fmt: skip
+def test_a_query_budget_admits_drafts_in_order_while_they_fit(sparse, budget, parked):
+    """``lookahead_query_budget``: drafts are admitted in order while the request's estimated query
+    tokens (its main row's, then each draft's, by the sparse step's rule) fit budget x window."""
+    from hf_blockbatch.generation.policies.lookahead import Lookahead
+    from hf_blockbatch.generation.state import DecodeState
+
+    mask = 9
+    ids = torch.tensor([[1, 2]])
+    s = DecodeState.start(ids, torch.ones_like(ids), [12] * 4, 12, mask, map_k=1, features=frozenset(Lookahead.needs))
+    s.prob_p[:, :, 0] = torch.linspace(0.1, 0.9, 12).repeat(4, 1)
+    window = torch.full((12,), 5)
+    window[[1, 6, 11]] = mask
+    s.canvas[0, 2:] = window
+    Lookahead(3, draft_radius=0 if sparse else None, query_budget=budget).draft(_run(s, sparse, radius=1))
+    assert s.pruned[1:].tolist() == parked
+
+
+def test_a_query_budget_keeps_exact_drafts_exact_and_spends_fewer_query_tokens(trained):
+    """On the checkpoints: with exact acceptance a budget only parks drafts, so the tokens are still
+    sparse Fast-dLLM's with NFE + adopted = its NFE; it feeds fewer positions than no budget and still
+    adopts drafts."""
+    model, tok = trained
+    enc = _batch(tok, "lists", 8)
+    options = {"block_length": 32, "early_stop": True, "window_queries": "sparse", "requery_radius": 6}
+    base = _decode(model, enc, **options)
+    free = _decode(model, enc, lookahead=3, **options)
+    budget = _decode(model, enc, lookahead=3, lookahead_query_budget=1.5, **options)
+    assert torch.equal(budget.sequences, base.sequences)
+    assert torch.equal(budget.nfe + _adopted(budget), base.nfe) and int(_adopted(budget).sum()) > 0
+    qt = {name: sum(st["query_tokens"] for st in o.stats) for name, o in (("free", free), ("budget", budget))}
+    assert qt["budget"] < qt["free"]
+
+
+@pytest.mark.parametrize("value", [0, -1.0, True, "2", float("nan"), float("inf")])
+def test_lookahead_query_budget_errors(value):
+    with pytest.raises(ValueError, match="lookahead_query_budget must be a positive number"):
+        hb.FastDLLMConfig(max_new_tokens=32, lookahead=2, lookahead_query_budget=value).validate()
+    with pytest.raises(ValueError, match="it needs lookahead >= 1"):
+        hb.FastDLLMConfig(max_new_tokens=32, lookahead_query_budget=2.0).validate()
+
+
 @pytest.mark.parametrize("options,message", [
     ({"lookahead": 2, "lookahead_accept": "loose"}, "lookahead_accept must be 'exact' or 'contained'"),
     ({"lookahead_accept": "contained"}, "it needs lookahead >= 1"),
@@ -525,22 +578,24 @@ def test_lookahead_accept_errors(options, message):
 
 
 def test_lookahead_accept_saves_and_loads(tmp_path):
-    hb.FastDLLMConfig(max_new_tokens=32, lookahead=2, lookahead_accept="contained").save_pretrained(tmp_path)
+    hb.FastDLLMConfig(max_new_tokens=32, lookahead=2, lookahead_accept="contained",
+                      lookahead_query_budget=1.5).save_pretrained(tmp_path)  # fmt: skip
     loaded = hb.FastDLLMConfig.from_pretrained(tmp_path)
     loaded.validate()
     assert loaded.lookahead_accept == "contained" and hb.FastDLLMConfig().lookahead_accept == "exact"
+    assert loaded.lookahead_query_budget == 1.5 and hb.FastDLLMConfig().lookahead_query_budget is None
 
 
 def test_drafted_not_exact_is_the_benchmarked_contained_point(tmp_path):
     """``FastDLLMConfig.drafted(exact=False)`` is :data:`DRAFTED_CONTAINED`, equal to the benchmark entry
-    it was chosen as (``fd_es_b64_sq_r6_la3_m16_ctr2``, less its block), and saves and loads whole."""
+    it was chosen as (``fd_es_b64_sq_r6_la3_m16_ctr2_q2``, less its block), and saves and loads whole."""
     from hf_blockbatch.generation.configs import DRAFTED_CONTAINED
 
     cfg = hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=64, block_length=64)
     cfg.validate()
     assert {k: getattr(cfg, k) for k in DRAFTED_CONTAINED} == DRAFTED_CONTAINED
     assert DRAFTED_CONTAINED["lookahead_accept"] == "contained"
-    assert _bench_options("fd_es_b64_sq_r6_la3_m16_ctr2") == {"cache": "dual", "threshold": 0.9, **DRAFTED_CONTAINED}
+    assert _bench_options("fd_es_b64_sq_r6_la3_m16_ctr2_q2") == {"cache": "dual", "threshold": 0.9, **DRAFTED_CONTAINED}
     cfg.save_pretrained(tmp_path)
     loaded = hb.FastDLLMConfig.from_pretrained(tmp_path)
     assert {k: getattr(loaded, k) for k in DRAFTED_CONTAINED} == DRAFTED_CONTAINED

@@ -367,6 +367,11 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             ``requery_radius``, as the next sparse step would); beyond it, where its main row re-queries
             one in the same forward, the draft reads that fresh K/V. Fewer query tokens per draft, for
             neighbours one step staler (RESULTS §16).
+        lookahead_query_budget: a request's step with drafts may query about this many of its windows'
+            widths in all (``None``, the default: no limit). Drafts are admitted in order while they fit,
+            estimated before the step as a sparse step queries (the masks and the decoded positions within
+            the re-query radius of them; a draft at its own radius; a dense step: one window per row).
+            Cheap drafts ride, expensive ones wait until fewer masks are left (RESULTS §17).
 
     On Dream, the official Fast-dLLM commits the block's first position unconditionally at each
     block start (its in-block logit shift cannot predict it later). Our window forward predicts
@@ -378,7 +383,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
     _ours = DiffusionGenerationConfig._ours + (
         "cache", "threshold", "factor", "steps", "block_length", "early_stop", "skip_completed_block_step",
         "rule", "relaxed_threshold", "leap_radius", "window_queries", "requery_radius", "lookahead",
-        "lookahead_max_masks", "lookahead_accept", "lookahead_draft_radius",
+        "lookahead_max_masks", "lookahead_accept", "lookahead_draft_radius", "lookahead_query_budget",
     )  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:
@@ -387,6 +392,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         self.lookahead_max_masks = kwargs.pop("lookahead_max_masks", None)
         self.lookahead_accept = kwargs.pop("lookahead_accept", "exact")
         self.lookahead_draft_radius = kwargs.pop("lookahead_draft_radius", None)
+        self.lookahead_query_budget = kwargs.pop("lookahead_query_budget", None)
         self.window_queries = kwargs.pop("window_queries", "all")
         self.requery_radius = kwargs.pop("requery_radius", _REQUERY_RADIUS)
         self.threshold = kwargs.pop("threshold", None if any(r in kwargs for r in _RULES[1:]) else 0.9)
@@ -405,10 +411,11 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         left), with ``kwargs`` on top (``FastDLLMConfig.drafted(max_new_tokens=256, block_length=64)``:
         keep the block size you tuned). ``exact=False`` is :data:`DRAFTED_CONTAINED`: drafts are also
         adopted when the step committed their tokens and more (``lookahead_accept="contained"``),
-        drafted while at most 16 masks are left, and re-query their masks' neighbours within 2 positions
-        (``lookahead_draft_radius=2``): fewer forwards, but no longer sparse Fast-dLLM's tokens (RESULTS
-        §16: on the test splits at the tuned block, −0.8 to +0.2 points from the tuned dense Fast-dLLM at
-        0.71-0.81x its forwards and 0.72-0.83x its query tokens, 1.08x on one suite).
+        drafted while at most 16 masks are left, re-query their masks' neighbours within 2 positions
+        (``lookahead_draft_radius=2``), and ride only while the request's step fits about two windows of
+        query tokens (``lookahead_query_budget=2.0``): fewer forwards, but no longer sparse Fast-dLLM's
+        tokens (RESULTS §16-17: on the test splits at the tuned block, −0.8 to +0.2 points from the tuned
+        dense Fast-dLLM at 0.72-0.81x its forwards and 0.72-0.96x its query tokens).
 
         Why a preset rather than the defaults: its tokens are sparse Fast-dLLM's, which are not the
         official decoder's, and it was chosen on 500 training items per suite (``benchmarks/RESULTS.md``
@@ -458,7 +465,12 @@ def _check_lookahead(cfg: FastDLLMConfig) -> None:
     rd = cfg.lookahead_draft_radius
     if rd is not None and (not isinstance(rd, int) or isinstance(rd, bool) or rd < 0):
         raise ValueError(f"lookahead_draft_radius must be an integer >= 0 or None, got {rd!r}.")
+    qb = cfg.lookahead_query_budget
+    if qb is not None and (isinstance(qb, bool) or not isinstance(qb, (int, float)) or not qb > 0 or qb != qb or qb == float("inf")):
+        raise ValueError(f"lookahead_query_budget must be a positive number of windows (e.g. 2.0) or None, got {qb!r}.")
     if not k:
+        if qb is not None:
+            raise ValueError("lookahead_query_budget says how many drafts fit a step: it needs lookahead >= 1 (or leave it None).")
         if m is not None:
             raise ValueError("lookahead_max_masks says when to draft: it needs lookahead >= 1 (or leave it None).")
         if rd is not None:
@@ -501,10 +513,11 @@ DRAFTED: dict[str, Any] = {"early_stop": True, "window_queries": "sparse", "requ
                            "lookahead_max_masks": 8}  # fmt: skip
 #: the fewest-forwards lookahead point (benchmarks/RESULTS.md §16; ``FastDLLMConfig.drafted(exact=False)``):
 #: the same drafts, also adopted when the step committed their tokens and more, drafted while the
-#: window has at most 16 masks left, each re-querying its masks' neighbours within 2 positions only
-#: (chosen on 500 training items per suite)
+#: window has at most 16 masks left, each re-querying its masks' neighbours within 2 positions only, as
+#: many of them as fit a step of about two windows' query tokens per request (chosen on 500 training
+#: items per suite; the budget binds in 32-wide windows, where a sparse step is most of a window)
 DRAFTED_CONTAINED: dict[str, Any] = {**DRAFTED, "lookahead_max_masks": 16, "lookahead_accept": "contained",
-                                     "lookahead_draft_radius": 2}  # fmt: skip
+                                     "lookahead_draft_radius": 2, "lookahead_query_budget": 2.0}  # fmt: skip
 
 
 def _check_beyond(cfg: Any) -> None:

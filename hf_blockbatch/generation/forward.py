@@ -27,7 +27,16 @@ import torch.nn.functional as F
 from hf_blockbatch.attention.metadata import packed_index
 from hf_blockbatch.generation.state import DecodeState
 
-__all__ = ["Forwards", "Span"]
+__all__ = ["Forwards", "Span", "neighbourhood"]
+
+
+def neighbourhood(marked: torch.Tensor, radius: int) -> torch.Tensor:
+    """``[..., L]`` bool: the positions within ``radius`` of a marked one (the marked ones too). A
+    sparse step re-queries these around the slots it reads (their K/V predate their neighbours'
+    latest commits); :class:`~hf_blockbatch.generation.policies.lookahead.Lookahead` estimates a
+    step's query tokens with the same rule."""
+    flat = marked.reshape(-1, 1, marked.shape[-1]).float()
+    return (F.max_pool1d(flat, 2 * radius + 1, stride=1, padding=radius) > 0).view(marked.shape)
 
 
 @dataclass
@@ -214,7 +223,7 @@ class Forwards:
         near = None  # the decoded positions within r of a read slot
 
         def within(radius: int) -> torch.Tensor:  # [A, L] window positions within ``radius`` of a read slot
-            return in_win & (F.max_pool1d(want[:, None].float(), 2 * radius + 1, stride=1, padding=radius)[:, 0] > 0)
+            return in_win & neighbourhood(want, radius)
 
         if self.requery_radius:
             r, rd = self.requery_radius, self.draft_radius

@@ -130,7 +130,8 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
         after_full = cfg.cache == "none" or bool(cfg.skip_completed_block_step)
         max_masks = None if cfg.lookahead_max_masks is None else int(cfg.lookahead_max_masks)
         radius = None if cfg.lookahead_draft_radius is None else int(cfg.lookahead_draft_radius)
-        lookahead = Lookahead(int(cfg.lookahead), max_masks, cfg.lookahead_accept, radius) if cfg.lookahead else None
+        budget = None if cfg.lookahead_query_budget is None else float(cfg.lookahead_query_budget)
+        lookahead = Lookahead(int(cfg.lookahead), max_masks, cfg.lookahead_accept, radius, budget) if cfg.lookahead else None
         return DecodePlan(
             **common, block_sizes=[cfg.block_length] * (1 + int(cfg.lookahead)), cache=cfg.cache,
             rule=_rule(cfg, steps_per_block), lookahead=lookahead, map_k=1 if lookahead else 0, map_everywhere=False,

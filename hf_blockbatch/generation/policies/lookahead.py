@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from hf_blockbatch.generation.forward import neighbourhood
 from hf_blockbatch.generation.policies import StepContext
 
 if TYPE_CHECKING:
@@ -133,6 +134,12 @@ class Lookahead:
     #: (the echo), elsewhere its cached K/V: fewer query tokens per draft, for neighbours one step
     #: staler than the next sparse step's (RESULTS §16)
     draft_radius: int | None = None
+    #: a request's step with drafts queries about at most this many of its windows' widths in all
+    #: (``None``: no limit). Drafts are admitted in order while the estimate fits: the main row's
+    #: masks and the positions within its re-query radius of them, then per draft the same at the
+    #: draft's radius (a dense step: one window per row). Cheap drafts (few masks, a small radius)
+    #: ride; expensive ones wait until the window has fewer masks (RESULTS §17)
+    query_budget: float | None = None
 
     @property
     def depth(self) -> int:
@@ -155,7 +162,8 @@ class Lookahead:
         main = canvas[:, 0]
         ws, we = s.per_request(s.win_start)[:, :1], s.per_request(s.win_end)[:, :1]  # [B, 1]
         pos = run.fwd.offsets[:L]  # built once per run
-        open_ = (main == s.mask_id) & (pos >= ws) & (pos < we)  # [B, L]
+        in_win = (pos >= ws) & (pos < we)  # [B, L]
+        open_ = (main == s.mask_id) & in_win
         conf = s.per_request(s.prob_p)[:, 0, :, 0].masked_fill(~open_[:, gs:], float("-inf"))  # [B, G]
         order = conf.topk(min(S, L - gs), dim=-1).indices  # [B, S] generated positions, best first
         if order.shape[1] < S:  # a canvas shorter than the widest draft: those ranks never exist
@@ -166,6 +174,8 @@ class Lookahead:
         valid = ~s.per_request(s.done)[:, :1] & (n_open >= need)  # [B, K]
         if self.max_masks is not None:
             valid &= n_open <= self.max_masks
+        if self.query_budget is not None:
+            valid &= self._affordable(run, open_, in_win, we - ws, valid.shape[1])
         was = s.per_request(s.draft_parked)[:, 1:]
         run.fwd.drafting = bool(valid.any())
         if not run.fwd.drafting:  # no draft this step: every draft row parked, mirroring its main row
@@ -201,6 +211,24 @@ class Lookahead:
                 if s.kv_dirty is not None:
                     s.kv_dirty[dst] = False
         return changed
+
+    def _affordable(self, run: Run, open_: torch.Tensor, in_win: torch.Tensor, width: torch.Tensor,
+                    drafts: int) -> torch.Tensor:  # fmt: skip
+        """``[B, K]``: whether the main row and drafts ``0..j`` fit the request's query budget, by the
+        rule a sparse step queries with (its masks, and the decoded positions within the re-query
+        radius of them; a draft's radius for a draft). An estimate made before the step, from the
+        main row's canvas: a draft's masks are its main row's but for its one to three drafted ones,
+        which it re-queries anyway (their K/V predate their token)."""
+        plan = run.plan
+        if plan.sparse_queries:
+            r = plan.requery_radius
+            rd = r if self.draft_radius is None else self.draft_radius
+            main = (neighbourhood(open_, r) & in_win).sum(-1, keepdim=True)  # [B, 1]
+            each = main if rd == r else (neighbourhood(open_, rd) & in_win).sum(-1, keepdim=True)
+        else:  # a dense step queries every row's whole window
+            main = each = width
+        count = torch.arange(1, drafts + 1, device=open_.device)
+        return main + count * each <= self.query_budget * width
 
     def apply(self, ctx: StepContext) -> bool:
         """After a block step: the main row takes the state of the draft (chain) that held exactly
