@@ -25,14 +25,16 @@ ORDER = ("fast_dllm", "fast_dllm_early_stop", "fast_dllm_b16", "fast_dllm_b64", 
          "fd_es_b64_la3_m8", "fd_es_sparse_b32_r6", "fd_es_b32_sq_r6_la3_m8", "fd_es_b64_sq_r6_la3_m8",
          "fd_es_b32_sq_r6_la6_m8", "fd_es_b64_sq_r6_la6_m8", "fd_es_b32_sq_r6_la2_m8", "fd_es_b64_sq_r6_la2_m8",
          "fd_es_b32_sq_r6_la3_m16_ct", "fd_es_b64_sq_r6_la3_m16_ct", "fd_es_b32_sq_r6_la3_m16_ctr2",
-         "fd_es_b64_sq_r6_la3_m16_ctr2", "fd_es_b32_sq_r6_la3_m16_ctr2_q2", "fd_es_b64_sq_r6_la3_m16_ctr2_q2")  # fmt: skip
+         "fd_es_b64_sq_r6_la3_m16_ctr2", "fd_es_b32_sq_r6_la3_m16_ctr2_q2", "fd_es_b64_sq_r6_la3_m16_ctr2_q2",
+         "fd_es_b32_sq_r6_la6_m16_ctr2_q2", "fd_es_b64_sq_r6_la6_m16_ctr2_q2")  # fmt: skip
 #: folders of runs on the same items as ``paper_table/`` (method names do not repeat across them)
 EXTRA = ("paper_table_extra", "paper_table_sparse", "paper_table_sparse_confident")
 #: per-model runs of every suite on the same items (§11: ``<folder>/<model>/summary.json``); their
 #: Fast-dLLM sweep repeats ``paper_table/``'s, so only their other methods are taken
 PER_MODEL = ("paper_table_paired", "paper_table_paired_r6", "paper_table_paired_p1", "paper_table_lookahead",
              "paper_table_lookahead_gated", "paper_table_lookahead_sparse", "paper_table_lookahead_sparse_la2",
-             "paper_table_lookahead_contained", "paper_table_lookahead_contained_r2", "paper_table_lookahead_budget")
+             "paper_table_lookahead_contained", "paper_table_lookahead_contained_r2", "paper_table_lookahead_budget",
+             "paper_table_lookahead_budget_la6")
 
 
 def _cells(folder: Path) -> dict[str, dict]:

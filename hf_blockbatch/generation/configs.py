@@ -416,6 +416,8 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         query tokens (``lookahead_query_budget=2.0``): fewer forwards, but no longer sparse Fast-dLLM's
         tokens (RESULTS §16-17: on the test splits at the tuned block, −0.8 to +0.2 points from the tuned
         dense Fast-dLLM at 0.72-0.81x its forwards and 0.72-0.96x its query tokens).
+        ``drafted(exact=False, lookahead=6)`` needs 0.01-0.03x fewer forwards for 0.05-0.11x more query
+        tokens, and more CPU time at every batch size measured (RESULTS §17).
 
         Why a preset rather than the defaults: its tokens are sparse Fast-dLLM's, which are not the
         official decoder's, and it was chosen on 500 training items per suite (``benchmarks/RESULTS.md``
