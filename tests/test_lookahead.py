@@ -199,15 +199,22 @@ def test_drafts_commit_the_ranked_masks_and_park_when_too_few_remain():
     assert torch.equal(s.drafted[1:4], s.canvas[1:4]) and changed
 
 
-def test_drafting_only_near_the_end_of_a_window_is_still_exact_and_cheaper(trained):
-    """``lookahead_max_masks``: drafts only while the window has at most m masks left. Still Fast-dLLM's
-    tokens with NFE + adopted = its NFE, and fewer query tokens than drafting at every step."""
+@pytest.mark.parametrize("suite,options,gate", [
+    # lookahead_max_masks: drafts only while the window has at most m masks left
+    ("arith", {"block_length": 64, "early_stop": True, "lookahead": 2}, {"lookahead_max_masks": 4}),
+    # lookahead_query_budget: drafts only while the request's step fits b windows of query tokens
+    ("lists", {"block_length": 32, "early_stop": True, "window_queries": "sparse", "requery_radius": 6, "lookahead": 3},
+     {"lookahead_query_budget": 1.5}),
+], ids=["max_masks", "query_budget"])  # fmt: skip
+def test_a_draft_gate_is_still_exact_and_cheaper(trained, suite, options, gate):
+    """A gate on drafts only parks them, so with exact acceptance the tokens are still (sparse)
+    Fast-dLLM's with NFE + adopted = its NFE; it feeds fewer positions than drafting at every step, and
+    still adopts drafts."""
     model, tok = trained
-    enc = _batch(tok, "arith", 8)
-    options = {"block_length": 64, "early_stop": True}
-    base = _decode(model, enc, **options)
-    every = _decode(model, enc, lookahead=2, **options)
-    gated = _decode(model, enc, lookahead=2, lookahead_max_masks=4, **options)
+    enc = _batch(tok, suite, 8)
+    base = _decode(model, enc, **{**options, "lookahead": 0})
+    every = _decode(model, enc, **options)
+    gated = _decode(model, enc, **options, **gate)
     assert torch.equal(gated.sequences, base.sequences)
     assert torch.equal(gated.nfe + _adopted(gated), base.nfe) and int(_adopted(gated).sum()) > 0
     qt = {name: sum(st["query_tokens"] for st in o.stats) for name, o in (("every", every), ("gated", gated))}
@@ -538,22 +545,6 @@ def test_a_query_budget_admits_drafts_in_order_while_they_fit(sparse, budget, pa
     s.canvas[0, 2:] = window
     Lookahead(3, draft_radius=0 if sparse else None, query_budget=budget).draft(_run(s, sparse, radius=1))
     assert s.pruned[1:].tolist() == parked
-
-
-def test_a_query_budget_keeps_exact_drafts_exact_and_spends_fewer_query_tokens(trained):
-    """On the checkpoints: with exact acceptance a budget only parks drafts, so the tokens are still
-    sparse Fast-dLLM's with NFE + adopted = its NFE; it feeds fewer positions than no budget and still
-    adopts drafts."""
-    model, tok = trained
-    enc = _batch(tok, "lists", 8)
-    options = {"block_length": 32, "early_stop": True, "window_queries": "sparse", "requery_radius": 6}
-    base = _decode(model, enc, **options)
-    free = _decode(model, enc, lookahead=3, **options)
-    budget = _decode(model, enc, lookahead=3, lookahead_query_budget=1.5, **options)
-    assert torch.equal(budget.sequences, base.sequences)
-    assert torch.equal(budget.nfe + _adopted(budget), base.nfe) and int(_adopted(budget).sum()) > 0
-    qt = {name: sum(st["query_tokens"] for st in o.stats) for name, o in (("free", free), ("budget", budget))}
-    assert qt["budget"] < qt["free"]
 
 
 @pytest.mark.parametrize("value", [0, -1.0, True, "2", float("nan"), float("inf")])

@@ -468,8 +468,13 @@ def _check_lookahead(cfg: FastDLLMConfig) -> None:
     if rd is not None and (not isinstance(rd, int) or isinstance(rd, bool) or rd < 0):
         raise ValueError(f"lookahead_draft_radius must be an integer >= 0 or None, got {rd!r}.")
     qb = cfg.lookahead_query_budget
-    if qb is not None and (isinstance(qb, bool) or not isinstance(qb, (int, float)) or not qb > 0 or qb != qb or qb == float("inf")):
-        raise ValueError(f"lookahead_query_budget must be a positive number of windows (e.g. 2.0) or None, got {qb!r}.")
+    if qb is not None:
+        try:
+            positive = _check_real("lookahead_query_budget", qb) > 0
+        except ValueError:  # one message for every wrong value: it says what a budget is
+            positive = False
+        if not positive:
+            raise ValueError(f"lookahead_query_budget must be a positive number of windows (e.g. 2.0) or None, got {qb!r}.")
     if not k:
         if qb is not None:
             raise ValueError("lookahead_query_budget says how many drafts fit a step: it needs lookahead >= 1 (or leave it None).")

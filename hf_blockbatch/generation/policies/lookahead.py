@@ -102,16 +102,17 @@ def _parents(drafts: int) -> list[int]:
 
 
 @functools.cache
-def _shapes(drafts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _shapes(drafts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[K, S]`` bool: rank r in draft j; ``[K]``: open masks a draft needs (its ranks, and one left
-    over: a draft that fills the window stands in for no block step); ``[K]``: its parent's branch.
-    Built once per device."""
+    over: a draft that fills the window stands in for no block step); ``[K]``: its parent's branch;
+    ``[K]``: ``1..K``, the drafts up to each (a query budget counts them). Built once per device."""
     shapes = DRAFT_SHAPES[:drafts]
     ranks = torch.zeros(len(shapes), 1 + max(max(s) for s in shapes), dtype=torch.bool)
     for j, shape in enumerate(shapes):
         ranks[j, list(shape)] = True
     need = torch.tensor([max(max(shape) + 1, len(shape) + 1) for shape in shapes])
-    return ranks.to(device), need.to(device), torch.tensor(_parents(drafts), device=device)
+    count = torch.arange(1, len(shapes) + 1, device=device)
+    return ranks.to(device), need.to(device), torch.tensor(_parents(drafts), device=device), count
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ class Lookahead:
         whether the rows the step carries changed since the previous draft (else the engine keeps
         its step layout). Works on ``[requests, branches, ...]`` views: branch 0 is the main row."""
         s = run.state
-        ranks, need, parents = _shapes(self.drafts, s.canvas.device)
+        ranks, need, parents, count = _shapes(self.drafts, s.canvas.device)
         L, gs, S = s.length, s.gen_start, ranks.shape[1]
         canvas = s.per_request(s.canvas)  # [B, N, L]
         main = canvas[:, 0]
@@ -175,7 +176,7 @@ class Lookahead:
         if self.max_masks is not None:
             valid &= n_open <= self.max_masks
         if self.query_budget is not None:
-            valid &= self._affordable(run, open_, in_win, we - ws, valid.shape[1])
+            valid &= self._affordable(run, open_, in_win, we - ws, count)
         was = s.per_request(s.draft_parked)[:, 1:]
         run.fwd.drafting = bool(valid.any())
         if not run.fwd.drafting:  # no draft this step: every draft row parked, mirroring its main row
@@ -213,9 +214,9 @@ class Lookahead:
         return changed
 
     def _affordable(self, run: Run, open_: torch.Tensor, in_win: torch.Tensor, width: torch.Tensor,
-                    drafts: int) -> torch.Tensor:  # fmt: skip
-        """``[B, K]``: whether the main row and drafts ``0..j`` fit the request's query budget, by the
-        rule a sparse step queries with (its masks, and the decoded positions within the re-query
+                    count: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """``[B, K]``: whether the main row and drafts ``0..j`` (``count[j]`` of them) fit the request's
+        query budget, by the rule a sparse step queries with (its masks, and the decoded positions within the re-query
         radius of them; a draft's radius for a draft). An estimate made before the step, from the
         main row's canvas: a draft's masks are its main row's but for its one to three drafted ones,
         which it re-queries anyway (their K/V predate their token)."""
@@ -227,7 +228,6 @@ class Lookahead:
             each = main if rd == r else (neighbourhood(open_, rd) & in_win).sum(-1, keepdim=True)
         else:  # a dense step queries every row's whole window
             main = each = width
-        count = torch.arange(1, drafts + 1, device=open_.device)
         return main + count * each <= self.query_budget * width
 
     def apply(self, ctx: StepContext) -> bool:
@@ -272,11 +272,11 @@ class Lookahead:
                     # the merge is the draft's own canvas (its completion and EOS checks stand)
                     blank = current == s.mask_id
                     step_left = blank & in_win  # the main row's window still holds a mask
+                    merged = torch.where(blank[:, None], after, current[:, None])
                     held = ~(differ & written).any(-1) & step_left.any(-1, keepdim=True)
                     open_left = (open_after & blank[:, None]).any(-1)
-                    own_canvas = ~((current[:, None] != after) & ~blank[:, None]).any(-1)
+                    own_canvas = ~(merged != after).any(-1)  # the merge is the draft's own canvas
                     match |= held & (open_left | own_canvas)
-                    merged = torch.where(blank[:, None], after, current[:, None])
                 match &= live
                 if parents is not None:
                     match &= parents == source[:, None]
