@@ -196,13 +196,15 @@ def _key(model: str, suite: str, limit: int, gen_length: int, cfg: dict[str, Any
 
 def decode(model: Any, tokenizer: Any, suite: str, items: list, prompts: list[str], gen_length: int,
            cfg_dict: dict[str, Any], batch_size: int) -> dict[str, Any]:  # fmt: skip
-    """Decode every item with one config; per-item correctness, NFE and query tokens, and the wall time."""
+    """Decode every item with one config; per-item correctness, NFE and query tokens, the wall time, and
+    the part of it spent in model forwards (the engine's own ``forward_seconds``: the rest is the
+    decoding policy, so a latency gap says which side it is on)."""
     task = load_task(suite)
     cfg = config_from_dict({"max_new_tokens": gen_length, **cfg_dict})
     cfg.validate()
     end_ids = end_token_ids(tokenizer, model.config)
     per_item: list[dict[str, Any]] = []
-    seconds = 0.0
+    seconds = forward_seconds = 0.0
     for b0 in range(0, len(items), batch_size):
         idx = list(range(b0, min(b0 + batch_size, len(items))))
         ids, mask = _encode(tokenizer, [prompts[i] for i in idx], torch.device("cpu"))
@@ -210,6 +212,7 @@ def decode(model: Any, tokenizer: Any, suite: str, items: list, prompts: list[st
         with torch.inference_mode():
             out = model.generate(ids, mask, generation_config=cfg, return_dict_in_generate=True)
         seconds += time.perf_counter() - t0
+        forward_seconds += out.stats[0]["forward_seconds"]  # the batch's run: the same for each request
         texts = answer_texts(tokenizer, out.sequences[:, ids.shape[1] :], end_ids)
         scores = _score_all(task, [items[i] for i in idx], texts)
         for j, (i, s) in enumerate(zip(idx, scores)):
@@ -217,7 +220,7 @@ def decode(model: Any, tokenizer: Any, suite: str, items: list, prompts: list[st
             per_item.append({"index": i, "correct": bool(s.correct), "nfe": int(out.nfe[j]),
                              "query_tokens": int(st["query_tokens"]), "syncs": int(st.get("syncs", 0)),
                              "merged": int(st.get("merged", 0)), "text": texts[j]})  # fmt: skip
-    return {"items": per_item, "seconds": seconds, "batch_size": batch_size}
+    return {"items": per_item, "seconds": seconds, "forward_seconds": forward_seconds, "batch_size": batch_size}
 
 
 def summarise(res: dict[str, Any]) -> dict[str, float]:
@@ -226,7 +229,14 @@ def summarise(res: dict[str, Any]) -> dict[str, float]:
     return {"n": n, "acc": 100.0 * sum(r["correct"] for r in it) / n,
             "nfe": statistics.fmean(r["nfe"] for r in it), "qt": statistics.fmean(r["query_tokens"] for r in it),
             "ms_item": 1000.0 * res["seconds"] / n, "syncs": statistics.fmean(r["syncs"] for r in it),
-            "merged": statistics.fmean(r["merged"] for r in it)}  # fmt: skip
+            "merged": statistics.fmean(r["merged"] for r in it),
+            # results cached before the split was recorded have no forward time
+            "policy_ms_item": (1000.0 * (res["seconds"] - res["forward_seconds"]) / n
+                               if "forward_seconds" in res else None)}  # fmt: skip
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def render(model: str, limit: int, table: dict[str, dict[str, dict[str, float]]], baseline: str) -> str:
@@ -234,18 +244,19 @@ def render(model: str, limit: int, table: dict[str, dict[str, dict[str, float]]]
              f"Ratios and Δacc against `{baseline}` (Fast-dLLM dual, τ 0.9, early stop) on the same items "
              "(Δacc in points, with Newcombe's paired 95 % interval: the two decoders scored on the same items). "
              "Latency is wall time per item at the run's batch size (noisy on shared CPUs; NFE and query "
-             "tokens are exact).", ""]  # fmt: skip
+             "tokens are exact); policy is its part outside model forwards (the median round's of each).", ""]  # fmt: skip
     for suite, rows in table.items():
         base = rows.get(baseline)
         lines += [f"## {suite}", "", "| config | acc % | Δacc [paired 95 % CI] | NFE | NFE × | query tok | qt × | ms/item | t × "
-                  "| syncs | merged |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "| policy ms/item | syncs | merged |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for name, s in rows.items():
             def r(k: str, s: dict = s, base: dict | None = base) -> str:
                 return f"{s[k] / base[k]:.2f}" if base else "-"
 
             d = (paired_points(s["paired"]) if s.get("paired") else f"{s['acc'] - base['acc']:+.1f}") if base else "-"
             lines.append(f"| {name} | {s['acc']:.1f} | {d} | {s['nfe']:.2f} | {r('nfe')} | {s['qt']:.0f} | {r('qt')} | "
-                         f"{s['ms_item']:.0f} | {r('ms_item')} | {s['syncs']:.2f} | {s['merged']:.1f} |")  # fmt: skip
+                         f"{s['ms_item']:.0f} | {r('ms_item')} | {_ms(s.get('policy_ms_item'))} | {s['syncs']:.2f} | "
+                         f"{s['merged']:.1f} |")  # fmt: skip
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -306,7 +317,9 @@ def main(argv: list[str] | None = None) -> None:
                 runs[name].append(decode(model, tokenizer, suite, items, prompts, gen_length, configs[name], args.batch_size))
         for name, rs in runs.items():
             assert all(r["items"] == rs[0]["items"] for r in rs), "a decode changed between rounds"
-            res = {**rs[0], "seconds": statistics.median(r["seconds"] for r in rs), "rounds": [r["seconds"] for r in rs]}
+            res = {**rs[0], "seconds": statistics.median(r["seconds"] for r in rs),
+                   "forward_seconds": statistics.median(r["forward_seconds"] for r in rs),
+                   "rounds": [r["seconds"] for r in rs]}
             paths[name].write_text(json.dumps({"config": configs[name], **res}))
         right: dict[str, dict[int, bool]] = {}
         for name in names:

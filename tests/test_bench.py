@@ -605,3 +605,35 @@ def test_plot_colours_stay_distinct_for_many_methods():
     hexes = [matplotlib.colors.to_hex(c) for c in colours.values()]
     assert len(set(hexes)) == len(names)
     assert colours["fast_dllm"] == runner._COLORS["fast_dllm"] and colours["blockbatch"] == runner._COLORS["blockbatch"]
+
+
+def test_beyond_paper_latency_runs_split_forward_and_policy_time(tmp_path):
+    """``benchmarks/beyond_paper.py`` records the model-forward part of each decode's wall time (the
+    engine's ``forward_seconds``) and reports the rest as the policy's, per item: a latency gap then
+    says whether the forwards or the decoding policy make it."""
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import beyond_paper
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    beyond_paper.main(["--model", "tiny-llada", "--suites", "arith", "--limit", "3", "--batch-size", "2",
+                       "--configs", "fd_es_b64", "fd_es_b64_sq_r6_la3_m16", "--rounds", "2", "--out", str(tmp_path)])  # fmt: skip
+    cached = [json.loads(p.read_text()) for p in (tmp_path / "cache").glob("*.json")]
+    assert len(cached) == 2
+    for res in cached:
+        assert 0 < res["forward_seconds"] < res["seconds"] and len(res["rounds"]) == 2
+    summary = json.loads((tmp_path / "tiny-llada_3_b2.json").read_text())["suites"]["arith"]
+    for name, row in summary.items():
+        res = next(r for r in cached if r["config"] == beyond_paper.CONFIGS[name])
+        assert row["policy_ms_item"] == pytest.approx(1000 * (res["seconds"] - res["forward_seconds"]) / 3)
+    table = (tmp_path / "tiny-llada_3_b2.md").read_text()
+    assert "| policy ms/item |" in table
+    assert f"| {summary['fd_es_b64']['policy_ms_item']:.1f} |" in table
+    # results cached before the split have no forward time: their policy column is a dash, not a number
+    old = {k: v for k, v in cached[0].items() if k != "forward_seconds"}
+    assert beyond_paper.summarise(old)["policy_ms_item"] is None and beyond_paper._ms(None) == "-"
