@@ -244,7 +244,7 @@ def render(model: str, limit: int, table: dict[str, dict[str, dict[str, float]]]
              f"Ratios and Δacc against `{baseline}` (Fast-dLLM dual, τ 0.9, early stop) on the same items "
              "(Δacc in points, with Newcombe's paired 95 % interval: the two decoders scored on the same items). "
              "Latency is wall time per item at the run's batch size (noisy on shared CPUs; NFE and query "
-             "tokens are exact); policy is its part outside model forwards (the median round's of each).", ""]  # fmt: skip
+             "tokens are exact); policy is its part outside model forwards (each a median over the rounds).", ""]  # fmt: skip
     for suite, rows in table.items():
         base = rows.get(baseline)
         lines += [f"## {suite}", "", "| config | acc % | Δacc [paired 95 % CI] | NFE | NFE × | query tok | qt × | ms/item | t × "
