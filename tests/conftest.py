@@ -18,6 +18,17 @@ VOCAB = 96
 MASK_ID, EOS_ID, BOS_ID, EOT_ID = 95, 94, 93, 92
 
 
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module: the benchmarks are scripts, not a package."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def make_tiny_llada(seed: int = 0, **overrides) -> hb.LLaDAModelLM:
     """A 2-layer LLaDA (MHA, d=64) in float32, eval mode."""
     kwargs = dict(

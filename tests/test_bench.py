@@ -8,7 +8,6 @@ Wilson intervals, files written, sharded == single process.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_benchmark
 from transformers import AutoTokenizer
 
 import hf_blockbatch as hb
@@ -320,9 +320,7 @@ def test_bench_reads_query_tokens_and_authors_nfe_and_times_items_alone(tiny, tm
     md = (tmp_path / "b1" / "summary.md").read_text()
     assert "the first 2 items of each method re-timed alone" in md and "(n=2)" in md
     # benchmarks/make_tables.py --headline writes the same rows across folders
-    spec = importlib.util.spec_from_file_location("make_tables", Path(__file__).resolve().parents[1] / "benchmarks" / "make_tables.py")
-    tables = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tables)
+    tables = load_benchmark("make_tables")
     lines = tables.headline([tmp_path / "b1"])
     assert lines[0].startswith("| Model / suite | Method | Accuracy") and "Latency (s), batch 2" in lines[0]
     ours = next(x for x in lines if x.startswith("| random / arith | BlockBatch (ours) |"))
@@ -612,15 +610,8 @@ def test_beyond_paper_latency_runs_split_forward_and_policy_time(tmp_path):
     engine's ``forward_seconds``) and reports the rest as the policy's, per item: a latency gap then
     says whether the forwards or the decoding policy make it."""
     import json
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "benchmarks"))
-    try:
-        import beyond_paper
-    finally:
-        sys.path.remove(str(root / "benchmarks"))
+    beyond_paper = load_benchmark("beyond_paper")
     beyond_paper.main(["--model", "tiny-llada", "--suites", "arith", "--limit", "3", "--batch-size", "2",
                        "--configs", "fd_es_b64", "fd_es_b64_sq_r6_la3_m16", "--rounds", "2", "--out", str(tmp_path)])  # fmt: skip
     cached = [json.loads(p.read_text()) for p in (tmp_path / "cache").glob("*.json")]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _generation_helpers import peaked, run_padded
-from conftest import MASK_ID, make_tiny_dream, make_tiny_llada
+from conftest import MASK_ID, load_benchmark, make_tiny_dream, make_tiny_llada
 from test_models import BACKEND_CASES, BACKEND_IDS, canvas, snapshot
 
 import hf_blockbatch as hb
@@ -204,19 +204,13 @@ def test_lean_preset_is_the_benchmarked_configuration(tmp_path):
     beyond_paper.py's candidate spell out the same options (so a result cannot silently belong to
     another configuration), it validates, overrides win, and it saves and loads whole."""
     import json
-    import sys
     from pathlib import Path
 
     from hf_blockbatch.generation.configs import LEAN
 
     root = Path(__file__).resolve().parents[1]
     bench = json.loads((root / "benchmarks" / "beyond_paper_configs.json").read_text())["bb_lean_sparse_confident_r6_p1"]
-    sys.path.insert(0, str(root / "benchmarks"))
-    try:
-        import beyond_paper
-    finally:
-        sys.path.remove(str(root / "benchmarks"))
-    candidate = beyond_paper.CONFIGS["bb_4_16_64_a2_w_sq_c07_r6_p1"]
+    candidate = load_benchmark("beyond_paper").CONFIGS["bb_4_16_64_a2_w_sq_c07_r6_p1"]
     for spelled in (bench, candidate):
         assert spelled["strategy"] == "blockbatch"
         assert {k: v for k, v in spelled.items() if k != "strategy"} == LEAN

@@ -105,7 +105,8 @@ def _parents(drafts: int) -> list[int]:
 def _shapes(drafts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[K, S]`` bool: rank r in draft j; ``[K]``: open masks a draft needs (its ranks, and one left
     over: a draft that fills the window stands in for no block step); ``[K]``: its parent's branch;
-    ``[K]``: ``1..K``, the drafts up to each (a query budget counts them). Built once per device."""
+    ``[K]``: ``1..K``, each draft's branch, which is also the number of drafts up to it (a query budget
+    counts them). Built once per device."""
     shapes = DRAFT_SHAPES[:drafts]
     ranks = torch.zeros(len(shapes), 1 + max(max(s) for s in shapes), dtype=torch.bool)
     for j, shape in enumerate(shapes):
@@ -246,7 +247,7 @@ class Lookahead:
             drafted = s.per_request(s.drafted)[:, 1:]
             source = torch.zeros(B, dtype=torch.long, device=live.device)  # branch whose state the main row takes
             took = torch.zeros_like(source)
-            branch = torch.arange(1, K + 1, device=live.device)
+            branch = _shapes(self.drafts, live.device)[3]  # each draft row's branch, 1..K
             # with sparse steps a draft's K/V are those its parent's row holds after this forward:
             # it stands only for its parent's next step
             parents = s.per_request(s.draft_parent)[:, 1:] if s.kv_dirty is not None else None
