@@ -287,11 +287,15 @@ class Forwards:
         row wrote."""
         R = state.num_rows
         wrote = torch.zeros(R, state.length, dtype=torch.bool, device=rows.device)
+        if echo is None:  # no draft row stepped (none rode): each one now also misses its main row's writes
+            wrote[rows] = queries
+            dirty = state.per_request(state.kv_dirty)
+            dirty[:, 1:] |= state.per_request(wrote)[:, :1]
+            return
         stepped = torch.zeros(R, dtype=torch.bool, device=rows.device)
-        own = queries
-        if echo is not None:  # echoes from draft ancestors (main rows' echoes match the main row)
-            from_draft = (echo >= 0) & (state.take(state.branch, rows)[echo.clamp_min(0)] > 0)
-            own = own | from_draft
+        # echoes from draft ancestors (main rows' echoes match the main row)
+        from_draft = (echo >= 0) & (state.take(state.branch, rows)[echo.clamp_min(0)] > 0)
+        own = queries | from_draft
         wrote[rows] = own
         stepped[rows] = True
         wrote, stepped, dirty = state.per_request(wrote), state.per_request(stepped), state.per_request(state.kv_dirty)

@@ -166,26 +166,28 @@ class Lookahead:
         pos = run.fwd.offsets[:L]  # built once per run
         in_win = (pos >= ws) & (pos < we)  # [B, L]
         open_ = (main == s.mask_id) & in_win
-        conf = s.per_request(s.prob_p)[:, 0, :, 0].masked_fill(~open_[:, gs:], float("-inf"))  # [B, G]
-        order = conf.topk(min(S, L - gs), dim=-1).indices  # [B, S] generated positions, best first
-        if order.shape[1] < S:  # a canvas shorter than the widest draft: those ranks never exist
-            order = torch.cat([order, order[:, :1].expand(-1, S - order.shape[1])], dim=1)
         # a draft needs its ranks and one mask left over; a finished request (done) drafts nothing;
         # a window with many masks left commits several next, which a draft of one or two rarely is
         n_open = open_.sum(-1, keepdim=True)
         valid = ~s.per_request(s.done)[:, :1] & (n_open >= need)  # [B, K]
         if self.max_masks is not None:
             valid &= n_open <= self.max_masks
-        if self.query_budget is not None:
+        # the budget's estimate only where a draft may ride (most steps of a wide window have none)
+        if self.query_budget is not None and bool(valid.any()):
             valid &= self._affordable(run, open_, in_win, we - ws, count)
         was = s.per_request(s.draft_parked)[:, 1:]
         run.fwd.drafting = bool(valid.any())
         if not run.fwd.drafting:  # no draft this step: every draft row parked, mirroring its main row
+            if bool(was.all()):  # parked since the last step: nothing to do
+                return False
             canvas[:, 1:] = main[:, None]
             _park(s)
-            changed = not bool(was.all())
             was.fill_(True)
-            return changed
+            return True
+        conf = s.per_request(s.prob_p)[:, 0, :, 0].masked_fill(~open_[:, gs:], float("-inf"))  # [B, G]
+        order = conf.topk(min(S, L - gs), dim=-1).indices  # [B, S] generated positions, best first
+        if order.shape[1] < S:  # a canvas shorter than the widest draft: those ranks never exist
+            order = torch.cat([order, order[:, :1].expand(-1, S - order.shape[1])], dim=1)
         # (a parent needs no more masks than its child: a valid draft's parent is valid)
         s.per_request(s.draft_parent)[:, 1:] = parents
         at = order + gs
