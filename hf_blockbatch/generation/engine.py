@@ -32,7 +32,7 @@ from hf_blockbatch.generation.outputs import DecodeResult
 from hf_blockbatch.generation.plans import DecodePlan
 from hf_blockbatch.generation.policies import StepContext
 from hf_blockbatch.generation.sampling import Sampled, sample_tokens
-from hf_blockbatch.generation.state import DecodeState
+from hf_blockbatch.generation.state import DecodeState, in_window
 from hf_blockbatch.generation.trace import Recorder
 
 logger = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ class Run:
             self.cache.broadcast_rows(self.N)
             s.kv_written(None)
         positions = span.positions.repeat_interleave(self.N, 0)
-        in_win = (positions >= s.win_start[:, None]) & (positions < s.win_end[:, None])
+        in_win = in_window(positions, s.win_start, s.win_end)
         branches = Span(torch.arange(s.num_rows, device=first.device), positions, None, in_win, s.canvas,
                         span.current.repeat_interleave(self.N, 0), span.masked.repeat_interleave(self.N, 0), None)  # fmt: skip
         s.refreshes += 1

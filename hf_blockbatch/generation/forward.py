@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_blockbatch.attention.metadata import packed_index
-from hf_blockbatch.generation.state import DecodeState
+from hf_blockbatch.generation.state import DecodeState, in_window
 
 __all__ = ["Forwards", "Span", "neighbourhood"]
 
@@ -152,7 +152,7 @@ class Forwards:
         in_win = valid
         if not window_only:
             ws, we = state.take(state.win_start, rows), state.take(state.win_end, rows)
-            in_win = (positions >= ws[:, None]) & (positions < we[:, None])
+            in_win = in_window(positions, ws, we)
             if valid is not None:
                 in_win &= valid
         keep = None
@@ -219,7 +219,7 @@ class Forwards:
         want = want[:, : self.L]
         ws, we = state.take(state.win_start, rows), state.take(state.win_end, rows)
         pos = self.offsets[: self.L]
-        in_win = (pos >= ws[:, None]) & (pos < we[:, None])
+        in_win = in_window(pos, ws, we)
         near = None  # the decoded positions within r of a read slot
 
         def within(radius: int) -> torch.Tensor:  # [A, L] window positions within ``radius`` of a read slot

@@ -14,15 +14,29 @@ generated region, its window is the block of its own size that holds its first m
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields
 
 import torch
 
-__all__ = ["DecodeState"]
+__all__ = ["DecodeState", "canvas_positions", "in_window"]
 
 
 def _zeros(n: int, device, dtype=torch.long) -> torch.Tensor:
     return torch.zeros(n, dtype=dtype, device=device)
+
+
+@functools.cache
+def canvas_positions(length: int, device: torch.device) -> torch.Tensor:
+    """``[length]`` canvas positions ``0..length-1``, built once per length and device (window tests
+    run every step; read-only)."""
+    return torch.arange(length, device=device)
+
+
+def in_window(at: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """``[A, W]`` bool: which positions ``at`` (``[A, W]``, or ``[W]`` shared by every row) fall in
+    each row's window ``[start, end)`` (``[A]``). The decoding core's one window test."""
+    return (at >= start[:, None]) & (at < end[:, None])
 
 
 @dataclass
@@ -201,8 +215,7 @@ class DecodeState:
         gen.masked_fill_((gen == self.mask_id) & rows[:, None], fill_id)
 
     def window_mask_count(self, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(self.length, device=self.canvas.device)
-        inside = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
+        inside = in_window(canvas_positions(self.length, self.canvas.device), start, end)
         return ((self.canvas == self.mask_id) & inside).sum(-1)
 
     def take(self, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,7 @@ import torch
 
 from hf_blockbatch.generation.forward import neighbourhood
 from hf_blockbatch.generation.policies import StepContext
+from hf_blockbatch.generation.state import canvas_positions, in_window
 
 if TYPE_CHECKING:
     from hf_blockbatch.generation.engine import Run
@@ -164,7 +165,7 @@ class Lookahead:
         main = canvas[:, 0]
         ws, we = s.per_request(s.win_start)[:, :1], s.per_request(s.win_end)[:, :1]  # [B, 1]
         pos = run.fwd.offsets[:L]  # built once per run
-        in_win = (pos >= ws) & (pos < we)  # [B, L]
+        in_win = in_window(pos, ws[:, 0], we[:, 0])  # [B, L]
         open_ = (main == s.mask_id) & in_win
         # a draft needs its ranks and one mask left over; a finished request (done) drafts nothing;
         # a window with many masks left commits several next, which a draft of one or two rarely is
@@ -255,9 +256,8 @@ class Lookahead:
             parents = s.per_request(s.draft_parent)[:, 1:] if s.kv_dirty is not None else None
             contained = self.accept == "contained"
             if contained:  # what does not change along a chain, built once
-                pos = torch.arange(s.length, device=live.device)
-                ws, we = s.per_request(s.win_start)[:, :1], s.per_request(s.win_end)[:, :1]
-                in_win = (pos >= ws) & (pos < we)  # [B, L] the main row's window
+                ws, we = s.per_request(s.win_start)[:, 0], s.per_request(s.win_end)[:, 0]
+                in_win = in_window(canvas_positions(s.length, live.device), ws, we)  # [B, L] the main row's window
                 written = drafted != s.mask_id  # [B, K, L] the drafted tokens (and the canvas they extend)
                 open_after = (after == s.mask_id) & in_win[:, None]  # masks left in a draft's window
                 size = written.sum(-1)
@@ -320,8 +320,8 @@ class Lookahead:
                     # and the tokens it gained, as a commit: a replay cannot rebuild a draft's canvas
                     # (drafted tokens are written, not committed)
                     gained = was_masked & (s.canvas[dst] != s.mask_id)
-                    positions = torch.arange(s.length, device=dst.device).expand(dst.shape[0], -1)
-                    ctx.recorder.commit(s, dst, positions, gained, "adopt")
+                    at = canvas_positions(s.length, dst.device).expand(dst.shape[0], -1)
+                    ctx.recorder.commit(s, dst, at, gained, "adopt")
                 # no advance here: a draft that completed its window made the step's ``completed``
                 # true, and the Advance policy after this one moves every completed window
                 adopted = True
