@@ -178,7 +178,7 @@ class Lookahead:
             valid &= self._affordable(run, open_, in_win, we - ws, count)
         was = s.per_request(s.draft_parked)[:, 1:]
         run.fwd.drafting = bool(valid.any())
-        if not run.fwd.drafting:  # no draft this step: every draft row parked (pruned-like: nothing reads a
+        if not run.fwd.drafting:  # no draft this step: every draft row parked (pruned-like: no decision reads a
             # parked row's canvas; the next draft rewrites it), mirroring its main row when it is parked anew
             if bool(was.all()):  # parked since the last step: nothing to do
                 return False
