@@ -287,18 +287,17 @@ class Forwards:
         row wrote."""
         R = state.num_rows
         wrote = torch.zeros(R, state.length, dtype=torch.bool, device=rows.device)
-        if echo is None:  # no draft row stepped (none rode): each one now also misses its main row's writes
-            wrote[rows] = queries
-            dirty = state.per_request(state.kv_dirty)
-            dirty[:, 1:] |= state.per_request(wrote)[:, :1]
+        own = queries
+        if echo is not None:  # echoes from draft ancestors (main rows' echoes match the main row)
+            own = own | ((echo >= 0) & (state.take(state.branch, rows)[echo.clamp_min(0)] > 0))
+        wrote[rows] = own
+        wrote, dirty = state.per_request(wrote), state.per_request(state.kv_dirty)
+        if echo is None:  # no draft row rode (echo is None exactly then): every one is parked
+            dirty[:, 1:] |= wrote[:, :1]
             return
         stepped = torch.zeros(R, dtype=torch.bool, device=rows.device)
-        # echoes from draft ancestors (main rows' echoes match the main row)
-        from_draft = (echo >= 0) & (state.take(state.branch, rows)[echo.clamp_min(0)] > 0)
-        own = queries | from_draft
-        wrote[rows] = own
         stepped[rows] = True
-        wrote, stepped, dirty = state.per_request(wrote), state.per_request(stepped), state.per_request(state.kv_dirty)
+        stepped = state.per_request(stepped)
         dirty[:, 1:] = torch.where(stepped[:, 1:, None], wrote[:, 1:], dirty[:, 1:] | wrote[:, :1])
 
     def slots(self, valid: torch.Tensor | None, A: int, W: int) -> torch.Tensor:

@@ -173,11 +173,12 @@ class Lookahead:
         valid = ~s.per_request(s.done)[:, :1] & (n_open >= need)  # [B, K]
         if self.max_masks is not None:
             valid &= n_open <= self.max_masks
-        # the budget's estimate only where a draft may ride (most steps of a wide window have none)
-        if self.query_budget is not None and bool(valid.any()):
-            valid &= self._affordable(run, open_, in_win, we - ws, count)
-        was = s.per_request(s.draft_parked)[:, 1:]
         run.fwd.drafting = bool(valid.any())
+        # the budget's estimate only where a draft may ride (most steps of a wide window have none)
+        if run.fwd.drafting and self.query_budget is not None:
+            valid &= self._affordable(run, open_, in_win, we - ws, count)
+            run.fwd.drafting = bool(valid.any())
+        was = s.per_request(s.draft_parked)[:, 1:]
         if not run.fwd.drafting:  # no draft this step: every draft row parked (pruned-like: no decision reads a
             # parked row's canvas; the next draft rewrites it), mirroring its main row when it is parked anew
             if bool(was.all()):  # parked since the last step: nothing to do
