@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 import hf_blockbatch as hb
+from hf_blockbatch.eval.forward_log import ForwardLog
 
 
 def build_model(args):
@@ -44,50 +44,15 @@ def build_model(args):
     return hb.load_model(args.model, device="cpu")
 
 
-# metadata reads, not operations: no kernel, no allocation
-_NOT_OPS = {"__get__", "size", "dim", "numel", "__len__", "stride", "is_contiguous", "data_ptr", "element_size"}
-
-
-class _OpCounter(TorchFunctionMode):
-    """Counts torch calls (functions and tensor methods) made while ``active``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.active, self.ops = False, 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self.active and getattr(func, "__name__", "") not in _NOT_OPS:
-            self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 def count_policy_ops(model, prompts, masks, cfg, batch_size: int) -> dict[str, float]:
-    """Tensor operations of the policy per model forward call, over one pass of every batch: the
-    counter runs for the whole of ``generate`` except inside the model's two forwards."""
-    counter, forwards = _OpCounter(), [0]
-
-    def outside(fn):
-        def call(*args, **kwargs):
-            forwards[0] += 1
-            counter.active = False
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                counter.active = True
-
-        return call
-
-    model.forward, model.forward_windows = outside(model.forward), outside(model.forward_windows)
-    model.forward_positions = outside(model.forward_positions)
-    try:
-        with counter:
-            for i in range(0, prompts.shape[0], batch_size):
-                counter.active = True
-                model.generate(prompts[i : i + batch_size], attention_mask=masks[i : i + batch_size], generation_config=cfg)
-                counter.active = False
-    finally:
-        del model.forward, model.forward_windows, model.forward_positions  # back to the class's methods
-    return {"policy_ops": counter.ops, "forward_calls": forwards[0], "policy_ops_per_forward": counter.ops / forwards[0]}
+    """Tensor operations of the policy per model forward call, over one pass of every batch: counted
+    for the whole of ``generate`` except inside the model's forwards (``ForwardLog``)."""
+    with ForwardLog(model) as log:
+        for i in range(0, prompts.shape[0], batch_size):
+            model.generate(prompts[i : i + batch_size], attention_mask=masks[i : i + batch_size], generation_config=cfg)
+            log.end_decode()
+    forwards = len(log.records)
+    return {"policy_ops": log.policy_ops, "forward_calls": forwards, "policy_ops_per_forward": log.policy_ops / forwards}
 
 
 def main() -> None:

@@ -6,6 +6,8 @@ same tests read naturally against both random and trained models.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -25,6 +27,7 @@ def load_benchmark(name: str):
 
     spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import would: dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -1,0 +1,196 @@
+"""What each model forward of a decode carried, and the policy's tensor operations between them.
+
+Why: NFE and query tokens per request are exact, but they do not say what one forward costs on
+a machine where a forward's time is not linear in its tokens (a GPU reading 16 GB of weights per
+forward is as fast with 1 query token as with 100). Pricing a decode there needs each forward's
+own load: its rows, its query tokens, the slots sent through the head and the keys each row attends
+to; and the decoding policy's work between forwards, which on a GPU is one kernel launch per
+tensor operation. :class:`ForwardLog` records both while a model decodes, without changing what it
+decodes (it only wraps the model's three forward entry points and counts torch calls outside them).
+
+Used by ``benchmarks/policy_overhead.py`` (operations per forward) and
+``benchmarks/gpu_projection.py`` (a roofline price of each forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["ForwardLog", "ForwardRecord", "OpCounter"]
+
+#: metadata reads, not operations: no kernel, no allocation
+_NOT_OPS = {
+    "__get__",
+    "size",
+    "dim",
+    "numel",
+    "__len__",
+    "stride",
+    "is_contiguous",
+    "data_ptr",
+    "element_size",
+}
+
+
+class OpCounter(TorchFunctionMode):
+    """Counts torch calls (functions and tensor methods) into ``counts[bucket]`` (none while ``bucket``
+    is ``None``): the same count on any machine for the same code and inputs, unlike a time. ``active``
+    and ``ops`` are the default bucket's switch and count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bucket: str | None = None
+        self.counts: dict[str, int] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.bucket == "ops"
+
+    @active.setter
+    def active(self, on: bool) -> None:
+        self.bucket = "ops" if on else None
+
+    @property
+    def ops(self) -> int:
+        return self.counts.get("ops", 0)
+
+    @ops.setter
+    def ops(self, n: int) -> None:
+        self.counts["ops"] = n
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.bucket is not None and getattr(func, "__name__", "") not in _NOT_OPS:
+            self.counts[self.bucket] = self.counts.get(self.bucket, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass
+class ForwardRecord:
+    """One model forward call. ``queries``: hidden states computed (positions fed through the model;
+    a shifted model's window forward computes one more per row than its window); ``heads``: those
+    sent through the LM head; ``keys``: per row, the keys its queries attend to (the row's real
+    length); ``policy_ops``: the decoding policy's tensor operations since the previous forward
+    (or since the decode began); ``model_ops`` and ``layer_ops``: the forward's own, outside and
+    inside its ``layers`` decoder layers, of which ``last_layer_ops`` in the last one (a deeper model
+    of the same code repeats a layer's operations; the first layer also builds what every layer reads)."""
+
+    kind: str  # "full" | "windows" | "positions"
+    rows: int
+    queries: int
+    heads: int
+    keys: list[int]
+    row_queries: list[int]
+    policy_ops: int
+    model_ops: int = 0
+    layer_ops: int = 0
+    last_layer_ops: int = 0
+    layers: int = 1
+
+    @property
+    def query_key_pairs(self) -> int:
+        """Σ over rows of queries × keys: what attention's two matrix products scale with."""
+        return sum(q * k for q, k in zip(self.row_queries, self.keys))
+
+    def forward_ops(self, layers: int | None = None) -> int:
+        """The forward's tensor operations, at ``layers`` decoder layers (``None``: as logged): the
+        layers beyond the logged ones each repeat the last one's."""
+        extra = 0 if layers is None else layers - self.layers
+        return self.model_ops + self.layer_ops + extra * self.last_layer_ops
+
+
+@dataclass
+class ForwardLog:
+    """Records every forward of ``model`` while entered, and counts the policy's operations between
+    them and the forward's own inside them. ``end_decode()`` closes one ``generate`` call: the
+    operations after its last forward (the output's assembly) are kept in ``tail_ops``. Reads a few
+    sizes per forward (host syncs), so a logged decode is not a timed one."""
+
+    model: torch.nn.Module
+    records: list[ForwardRecord] = field(default_factory=list)
+    tail_ops: int = 0
+
+    def __post_init__(self) -> None:
+        self.counter = OpCounter()
+        self._hooks: list = []
+
+    # ------------------------------------------------------------------ entering
+    def __enter__(self) -> ForwardLog:
+        m = self.model
+        m.forward, m.forward_windows = self._wrap(m.forward, "full"), self._wrap(m.forward_windows, "windows")
+        m.forward_positions = self._wrap(m.forward_positions, "positions")
+        layers = list(m._decoder_layers())
+        self._layers = len(layers)
+        for i, layer in enumerate(
+            layers
+        ):  # inside a layer, its operations count apart (a deeper model repeats them)
+            inside = "last" if i == len(layers) - 1 else "layer"
+            self._hooks.append(layer.register_forward_pre_hook(lambda *_, b=inside: self._into(b)))
+            self._hooks.append(layer.register_forward_hook(lambda *_: self._into("model")))
+        self.counter.__enter__()
+        self.counter.active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.counter.active = False
+        self.counter.__exit__(*exc)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        del (
+            self.model.forward,
+            self.model.forward_windows,
+            self.model.forward_positions,
+        )  # the class's methods
+
+    def _into(self, bucket: str) -> None:
+        self.counter.bucket = bucket
+
+    def end_decode(self) -> None:
+        """The operations since the last forward belong to no forward: keep them apart."""
+        self.tail_ops += self.counter.ops
+        self.counter.ops = 0
+
+    @property
+    def policy_ops(self) -> int:
+        return sum(r.policy_ops for r in self.records) + self.tail_ops + self.counter.ops
+
+    # ------------------------------------------------------------------ recording
+    def _wrap(self, fn, kind: str):
+        def call(*args, **kwargs):
+            counts = self.counter.counts
+            counts["model"] = counts["layer"] = counts["last"] = 0
+            self.counter.bucket = "model"
+            try:
+                out = fn(*args, **kwargs)
+                self.counter.bucket = None
+                self.records.append(self._record(kind, args, kwargs, out))
+                return out
+            finally:
+                self.counter.ops, self.counter.active = 0, True
+
+        return call
+
+    def _record(self, kind: str, args: tuple, kwargs: dict, out) -> ForwardRecord:
+        c = self.counter.counts
+        ops = (self.counter.ops, c["model"], c["layer"] + c["last"], c["last"], self._layers)
+        if kind == "full":
+            ids = args[0] if args else kwargs["input_ids"]
+            mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+            mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+            lengths = mask.sum(-1).tolist()
+            keep = kwargs.get("logits_mask")
+            heads = int(keep.sum()) if keep is not None else ids.numel()
+            return ForwardRecord(kind, len(lengths), sum(lengths), heads, lengths, lengths, *ops)
+        cache = args[3] if len(args) > 3 else kwargs["cache"]
+        rows = kwargs.get("rows", args[4] if len(args) > 4 else None)
+        key_mask = cache.key_mask if rows is None else cache.key_mask[rows]
+        keys = key_mask.sum(-1).tolist()
+        if kind == "windows":
+            starts, ends = (torch.as_tensor(a) for a in args[1:3])
+            row_queries = (ends - starts + self.model.logit_shift).tolist()
+        else:  # positions: the query mask the forward used
+            row_queries = out.query_mask.sum(-1).tolist()
+        return ForwardRecord(kind, len(keys), sum(row_queries), out.logits.shape[0], keys, row_queries, *ops)

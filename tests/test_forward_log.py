@@ -1,0 +1,69 @@
+"""``hf_blockbatch.eval.forward_log``: what each forward of a decode carried, and the policy's
+operations between forwards."""
+
+from __future__ import annotations
+
+import torch
+from conftest import EOS_ID, MASK_ID, make_tiny_llada
+
+import hf_blockbatch as hb
+from hf_blockbatch.eval.forward_log import ForwardLog
+
+
+def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(3)
+    ids = torch.randint(5, 60, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding: keys and query tokens count real positions only
+    return ids.masked_fill(mask == 0, EOS_ID), mask
+
+
+def test_a_logged_decode_is_the_same_decode_and_counts_every_forward():
+    model = make_tiny_llada()
+    ids, mask = _prompts()
+    for cfg in (hb.FastDLLMConfig(max_new_tokens=32, block_length=16, threshold=0.05, mask_token_id=MASK_ID),
+                hb.FastDLLMConfig(max_new_tokens=32, block_length=16, threshold=0.05, mask_token_id=MASK_ID,
+                                  window_queries="sparse", requery_radius=2, lookahead=2),
+                hb.BlockBatchConfig(max_new_tokens=32, block_sizes=[8, 16], threshold=0.05, mask_token_id=MASK_ID)):  # fmt: skip
+        plain = model.generate(ids, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True)
+        for alone in (False, True):
+            with ForwardLog(model) as log:
+                rows = [slice(0, 2)] if not alone else [slice(0, 1), slice(1, 2)]
+                outs = []
+                for sl in rows:
+                    outs.append(model.generate(ids[sl], attention_mask=mask[sl], generation_config=cfg,
+                                               return_dict_in_generate=True))  # fmt: skip
+                    log.end_decode()
+            assert "forward" not in vars(model) and "forward_positions" not in vars(
+                model
+            )  # the class's methods again
+            out_nfe = torch.cat([o.nfe for o in outs])
+            assert torch.equal(torch.cat([o.sequences[:, -32:] for o in outs]), plain.sequences[:, -32:])
+            assert torch.equal(out_nfe, plain.nfe)
+            if alone:  # one request per forward: the log has exactly NFE forwards
+                assert len(log.records) == int(out_nfe.sum())
+            queries = sum(st["query_tokens"] for o in outs for st in o.stats)
+            assert sum(r.queries for r in log.records) == queries  # LLaDA: no shifted window queries
+            assert all(r.policy_ops > 0 for r in log.records) and log.tail_ops > 0
+            assert log.policy_ops == sum(r.policy_ops for r in log.records) + log.tail_ops
+            for r in log.records:
+                assert len(r.keys) == r.rows == len(r.row_queries) and sum(r.row_queries) == r.queries
+                assert 0 < r.heads <= r.queries and max(r.keys) <= ids.shape[1] + 32
+                assert min(r.keys) in (8 + 32, 12 + 32) and r.query_key_pairs >= r.queries * 40
+
+
+def test_the_forward_s_own_operations_split_into_per_layer_and_the_rest():
+    """A deeper model of the same code repeats the per-layer operations: what the log scales a
+    forward's host time by. Logged at two depths, the split predicts the deeper one exactly."""
+    ids, mask = _prompts()
+    cfg = hb.FastDLLMConfig(max_new_tokens=16, block_length=16, threshold=0.05, mask_token_id=MASK_ID)
+    logs = {}
+    for layers in (2, 5):
+        model = make_tiny_llada(n_layers=layers)
+        with ForwardLog(model) as log:
+            model.generate(ids, attention_mask=mask, generation_config=cfg)
+        logs[layers] = log.records
+    assert len(logs[2]) == len(logs[5])  # random weights, but the same number of steps here
+    for shallow, deep in zip(logs[2], logs[5]):
+        assert shallow.layers == 2 and deep.layers == 5 and shallow.layer_ops > 0
+        assert shallow.forward_ops(5) == deep.forward_ops() and shallow.model_ops == deep.model_ops
