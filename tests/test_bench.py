@@ -628,3 +628,44 @@ def test_beyond_paper_latency_runs_split_forward_and_policy_time(tmp_path):
     # results cached before the split have no forward time: their policy column is a dash, not a number
     old = {k: v for k, v in cached[0].items() if k != "forward_seconds"}
     assert beyond_paper.summarise(old)["policy_ms_item"] is None and beyond_paper._ms(None) == "-"
+
+
+def test_gpu_projection_prices_what_the_forwards_carried(tmp_path):
+    """``benchmarks/gpu_projection.py`` logs every forward of a decode and prices it by a roofline:
+    the log carries exactly the query tokens the engine counts (the script checks it and fails
+    otherwise), a forward with one query token costs the weights' read, a very large one its
+    flops, and the table's ratios are the JSON's."""
+    import json
+
+    from hf_blockbatch.eval.forward_log import ForwardRecord
+
+    gp = load_benchmark("gpu_projection")
+    report = gp.main(["--model", "tiny-llada", "--suites", "arith", "--limit", "3", "--batch-size", "2",
+                      "--configs", "fd_es_b64_sq_r6", "fd_es_b64_sq_r6_la3_m16", "--out", str(tmp_path)])  # fmt: skip
+    rows = report["suites"]["arith"]
+    assert list(rows) == ["fd_es_b64", "fd_es_b64_sq_r6", "fd_es_b64_sq_r6_la3_m16"]
+    base, drafted = rows["fd_es_b64"], rows["fd_es_b64_sq_r6_la3_m16"]
+    assert drafted["nfe"] < base["nfe"]  # the drafts skip block steps on these items
+    assert drafted["policy_ops_per_forward"] > base["policy_ops_per_forward"]
+    for r in rows.values():
+        assert 0 <= r["compute_bound_share"] <= 1 and 0 <= r["host_bound_share"] <= 1
+        assert r["policy_ms_item"] == pytest.approx(r["policy_ops_per_forward"] * r["forward_calls"] * 5e-3 / 3)
+        assert r["graphed_ms_item"] == pytest.approx(r["gpu_ms_item"] + r["policy_ms_item"])
+        assert r["eager_ms_item"] >= r["graphed_ms_item"] > r["gpu_ms_item"] > 0
+        assert r["forward_ops_per_forward"] > 32 * 20  # a 32-layer forward issues tens of operations per layer
+    assert json.loads((tmp_path / "tiny-llada_3_b2.json").read_text())["suites"]["arith"] == rows
+    table = (tmp_path / "tiny-llada_3_b2.md").read_text()
+    assert f"| {drafted['eager_ms_item'] / base['eager_ms_item']:.3f} |" in table
+
+    g, hw = gp.Geometry.llada_8b(), gp.Hardware()
+    assert g.body_params + g.head_params + g.d_model * g.vocab == pytest.approx(8.02e9, rel=0.01)  # LLaDA-8B
+    one = ForwardRecord("windows", 1, 1, 1, [100], [1], 0, model_ops=10, layer_ops=42, last_layer_ops=10, layers=4)
+    assert one.forward_ops() == 52 and one.forward_ops(32) == 52 + 28 * 10
+    seconds, compute_bound = gp.price(one, g, hw)
+    weights = 2 * (g.body_params + g.head_params + g.d_model)
+    kv = 2 * g.layers * g.d_kv * 2 * 100
+    assert not compute_bound and seconds == pytest.approx((weights + kv) / (hw.bandwidth * hw.bandwidth_eff))
+    many = ForwardRecord("windows", 1, 8192, 8192, [8192], [8192], 0)
+    seconds, compute_bound = gp.price(many, g, hw)
+    flops = 2 * g.body_params * 8192 + 2 * g.head_params * 8192 + 4 * g.layers * g.d_model * 8192 * 8192
+    assert compute_bound and seconds == pytest.approx(flops / (hw.flops * hw.flops_eff))
