@@ -27,6 +27,7 @@ package is not installed, ``PYTHONPATH=.`` finds it)::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -37,10 +38,25 @@ import torch
 
 import hf_blockbatch as hb
 from hf_blockbatch.attention import available_backends
+from hf_blockbatch.eval.forward_log import ForwardLog
+from hf_blockbatch.eval.roofline import Geometry, Hardware, price, project
 
 
 def llada_config(layers: int, vocab: int = 126464) -> hb.LLaDAConfig:
     return hb.LLaDAConfig(n_layers=layers, vocab_size=vocab, embedding_size=vocab, max_sequence_length=4096)
+
+
+def priced(model, fn, measured_ms: float) -> dict:
+    """A measured step beside its roofline price (``hf_blockbatch.eval.roofline``, H200 defaults) and its
+    host operations, from one more, logged call: how far the projection of RESULTS §20 is off, and the
+    host time per operation a launch-bound step implies."""
+    with ForwardLog(model) as log:
+        fn()
+    rec = log.records[-1]
+    seconds, compute_bound = price(rec, Geometry.from_config(model.config), Hardware())
+    ops = rec.forward_ops()
+    return {"measured_ms": measured_ms, "roofline_ms": 1e3 * seconds, "compute_bound": compute_bound,
+            "query_tokens": rec.queries, "forward_ops": ops, "us_per_op_if_launch_bound": 1e3 * measured_ms / ops}  # fmt: skip
 
 
 def agreement(device: torch.device) -> dict:
@@ -102,6 +118,7 @@ def latency(device: torch.device, layers: int, repeats: int) -> dict:
         model(ids, cache=cache)
         out["full_forward_6rows_ms"] = timed(lambda: model(ids))
         out["full_forward_1row_ms"] = timed(lambda: model(ids[:1]))
+        out["projection"] = {"full_forward_1row": priced(model, lambda: model(ids[:1]), out["full_forward_1row_ms"])}
         for name in available_backends(device, torch.bfloat16):
             if name == "reference":
                 continue
@@ -123,7 +140,13 @@ def latency(device: torch.device, layers: int, repeats: int) -> dict:
                 for k in range(4):
                     rows = torch.arange(k + 1, device=device)
                     s0, e0 = torch.full_like(rows, Lp), torch.full_like(rows, Lp + w)
-                    drafts[f"b{w}_rows{k + 1}_ms"] = timed(lambda r=rows, a=s0, b=e0: model.forward_windows(ids, a, b, cache, rows=r))
+                    step = functools.partial(model.forward_windows, ids, s0, e0, cache, rows=rows)
+                    drafts[f"b{w}_rows{k + 1}_ms"] = timed(step)
+                    out["projection"][f"{name}_b{w}_rows{k + 1}"] = priced(model, step, drafts[f"b{w}_rows{k + 1}_ms"])
+            out["projection"][f"{name}_packed_4_to_128"] = priced(
+                model, lambda: model.forward_windows(ids, starts, ends, cache), packed)
+            out["projection"][f"{name}_sparse_quarter"] = priced(
+                model, lambda q=quarter: model.forward_positions(ids, q, None, cache), sparse)  # fmt: skip
             out[name] = {"packed_4_to_128_ms": packed, "single_32_ms": single, "ratio": packed / single,
                          "sparse_quarter_4_to_128_ms": sparse, "sparse_query_tokens": int(quarter.sum()),
                          "lookahead": drafts}  # fmt: skip
@@ -193,6 +216,13 @@ def decoding(device: torch.device, dtype: torch.dtype, layers: int, width: int, 
                 "padded_equals_alone": bool(torch.equal(batch.sequences[1, Lp:], alone.sequences[0, lengths[1] :])),
                 "tokens": batch.sequences[:, Lp:],
             }
+            if backend == backends[0]:  # the decode priced by the roofline of RESULTS §20, beside its time
+                with ForwardLog(model) as log:
+                    model.generate(ids, attention_mask=mask, generation_config=gen_cfg)
+                    log.end_decode()
+                p = project(log.records, log.tail_ops, Geometry.from_config(model.config), Hardware())
+                keep = ("gpu_ms_item", "graphed_ms_item", "eager_ms_item", "policy_ops_per_forward", "forward_ops_per_forward")
+                runs[backend]["projection"] = {"measured_ms": 1e3 * wall, **{k: p[k] for k in keep}}
         first = runs[backends[0]]["tokens"]
         for r in runs.values():
             r["same_tokens_as_" + backends[0]] = bool(torch.equal(r.pop("tokens"), first))

@@ -46,14 +46,14 @@ import json
 import logging
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-import hf_blockbatch as hb
 from hf_blockbatch.eval.forward_log import ForwardLog, ForwardRecord
+from hf_blockbatch.eval.roofline import Geometry, Hardware, project
 from hf_blockbatch.eval.runner import _encode, load_task
 from hf_blockbatch.generation.configs import config_from_dict
 
@@ -61,68 +61,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # a sibling script: it
 import beyond_paper  # noqa: E402
 
 logger = logging.getLogger("gpu_projection")
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """What a forward of a model of this shape reads and computes (bf16 weights and K/V)."""
-
-    name: str
-    layers: int
-    d_model: int
-    d_kv: int  # key (= value) width per layer: KV heads × head size
-    mlp_hidden: int
-    vocab: int
-    bytes_per_value: int = 2
-
-    @property
-    def body_params(self) -> int:
-        """Per-token matrix parameters of the layers: q and o (d × d), k and v (d × d_kv), and a gated MLP."""
-        d = self.d_model
-        return self.layers * (2 * d * d + 2 * d * self.d_kv + 3 * d * self.mlp_hidden)
-
-    @property
-    def head_params(self) -> int:
-        return self.d_model * self.vocab
-
-    @classmethod
-    def llada_8b(cls) -> Geometry:
-        c = hb.LLaDAConfig()  # the defaults are LLaDA-8B's
-        return cls("LLaDA-8B", c.n_layers, c.d_model, c.d_model // c.n_heads * c.effective_n_kv_heads,
-                   c.mlp_hidden_size, c.embedding_size or c.vocab_size)  # fmt: skip
-
-    @classmethod
-    def dream_7b(cls) -> Geometry:
-        c = hb.DreamConfig()  # the defaults are Dream-v0-7B's (Qwen2.5-7B's)
-        return cls("Dream-7B", c.num_hidden_layers, c.hidden_size,
-                   c.hidden_size // c.num_attention_heads * c.num_key_value_heads, c.intermediate_size, c.vocab_size)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """Peak rates and the fractions of them a decode's kernels reach (assumptions, see the module docstring)."""
-
-    name: str = "H200"
-    bandwidth: float = 4.8e12  # bytes/s, HBM3e
-    flops: float = 989e12  # dense bf16
-    bandwidth_eff: float = 0.8
-    flops_eff: float = 0.6
-    op_us: float = 5.0  # host time per policy tensor operation
-
-
-def price(rec: ForwardRecord, g: Geometry, hw: Hardware) -> tuple[float, bool]:
-    """``(seconds, compute_bound)`` of one forward on ``hw`` at geometry ``g``."""
-    b = g.bytes_per_value
-    weights = b * (g.body_params + g.head_params) + b * g.d_model * rec.queries  # the embedding rows gathered
-    kv = 2 * g.layers * g.d_kv * b * sum(rec.keys)
-    flops = (
-        2 * g.body_params * rec.queries
-        + 2 * g.head_params * rec.heads
-        + 4 * g.layers * g.d_model * rec.query_key_pairs
-    )
-    memory_s = (weights + kv) / (hw.bandwidth * hw.bandwidth_eff)
-    compute_s = flops / (hw.flops * hw.flops_eff)
-    return max(memory_s, compute_s), compute_s > memory_s
 
 
 def decode_logged(model: Any, tokenizer: Any, prompts: list[str], cfg_dict: dict[str, Any], gen_length: int,
@@ -141,36 +79,6 @@ def decode_logged(model: Any, tokenizer: Any, prompts: list[str], cfg_dict: dict
             counts["nfe"] += out.nfe.tolist()
             counts["query_tokens"] += [int(st["query_tokens"]) for st in out.stats]
     return log.records, log.tail_ops, counts
-
-
-def project(
-    records: list[ForwardRecord], tail_ops: int, items: int, g: Geometry, hw: Hardware
-) -> dict[str, float]:
-    """Per item, in three settings of the host: ``gpu`` the forwards' roofline alone (the policy
-    overlapped or captured, the forward in a CUDA graph); ``graphed`` plus the policy's operations in
-    series; ``eager`` as PyTorch runs today: each forward at least its own operations' host time (at
-    the target's depth), plus the policy's. And what the forwards carried."""
-    us = hw.op_us * 1e-6
-    priced = [price(r, g, hw) for r in records]
-    gpu = sum(t for t, _ in priced)
-    host_bound = [r.forward_ops(g.layers) * us > t for r, (t, _) in zip(records, priced)]
-    eager_forwards = sum(max(t, r.forward_ops(g.layers) * us) for r, (t, _) in zip(records, priced))
-    ops = sum(r.policy_ops for r in records) + tail_ops
-    policy = ops * us
-    n = len(records)
-    return {
-        "forward_calls": n,
-        "query_tokens_per_forward": statistics.fmean(r.queries for r in records),
-        "rows_per_forward": statistics.fmean(r.rows for r in records),
-        "compute_bound_share": sum(c for _, c in priced) / n,
-        "host_bound_share": sum(host_bound) / n,
-        "policy_ops_per_forward": ops / n,
-        "forward_ops_per_forward": statistics.fmean(r.forward_ops(g.layers) for r in records),
-        "gpu_ms_item": 1e3 * gpu / items,
-        "policy_ms_item": 1e3 * policy / items,
-        "graphed_ms_item": 1e3 * (gpu + policy) / items,
-        "eager_ms_item": 1e3 * (eager_forwards + policy) / items,
-    }
 
 
 def render(report: dict[str, Any]) -> str:
@@ -271,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 raise RuntimeError(f"{suite} {name}: the forwards carried {logged} query tokens, the engine counted "
                                    f"{sum(counts['query_tokens'])}")  # fmt: skip
             row = {"nfe": statistics.fmean(counts["nfe"]), "query_tokens": statistics.fmean(counts["query_tokens"]),
-                   **project(records, tail, len(prompts), geometry, hw)}  # fmt: skip
+                   **project(records, tail, geometry, hw, items=len(prompts))}  # fmt: skip
             report["suites"][suite][name] = row
             logger.info("%s %-36s nfe %5.2f  tok/fwd %5.0f  gpu %6.2f  graphed %6.2f  eager %6.2f ms/item", suite, name,
                         row["nfe"], row["query_tokens_per_forward"], row["gpu_ms_item"], row["graphed_ms_item"],

@@ -637,8 +637,6 @@ def test_gpu_projection_prices_what_the_forwards_carried(tmp_path):
     flops, and the table's ratios are the JSON's."""
     import json
 
-    from hf_blockbatch.eval.forward_log import ForwardRecord
-
     gp = load_benchmark("gpu_projection")
     report = gp.main(["--model", "tiny-llada", "--suites", "arith", "--limit", "3", "--batch-size", "2",
                       "--configs", "fd_es_b64_sq_r6", "fd_es_b64_sq_r6_la3_m16", "--out", str(tmp_path)])  # fmt: skip
@@ -657,15 +655,20 @@ def test_gpu_projection_prices_what_the_forwards_carried(tmp_path):
     table = (tmp_path / "tiny-llada_3_b2.md").read_text()
     assert f"| {drafted['eager_ms_item'] / base['eager_ms_item']:.3f} |" in table
 
-    g, hw = gp.Geometry.llada_8b(), gp.Hardware()
-    assert g.body_params + g.head_params + g.d_model * g.vocab == pytest.approx(8.02e9, rel=0.01)  # LLaDA-8B
-    one = ForwardRecord("windows", 1, 1, 1, [100], [1], 0, model_ops=10, layer_ops=42, last_layer_ops=10, layers=4)
-    assert one.forward_ops() == 52 and one.forward_ops(32) == 52 + 28 * 10
-    seconds, compute_bound = gp.price(one, g, hw)
-    weights = 2 * (g.body_params + g.head_params + g.d_model)
-    kv = 2 * g.layers * g.d_kv * 2 * 100
-    assert not compute_bound and seconds == pytest.approx((weights + kv) / (hw.bandwidth * hw.bandwidth_eff))
-    many = ForwardRecord("windows", 1, 8192, 8192, [8192], [8192], 0)
-    seconds, compute_bound = gp.price(many, g, hw)
-    flops = 2 * g.body_params * 8192 + 2 * g.head_params * 8192 + 4 * g.layers * g.d_model * 8192 * 8192
-    assert compute_bound and seconds == pytest.approx(flops / (hw.flops * hw.flops_eff))
+
+def test_gpu_check_prices_a_measured_step_beside_its_time():
+    """``gpu_check.py`` puts each step it times beside its roofline price and host operations (from
+    one more, logged call), so that a GPU run checks the projection of RESULTS §20."""
+    from conftest import make_tiny_llada
+
+    gpu_check = load_benchmark("gpu_check")
+    model = make_tiny_llada()
+    ids = torch.randint(0, 90, (2, 40))
+    cache = model.new_cache(2, 40)
+    with torch.no_grad():
+        model(ids, cache=cache)
+        got = gpu_check.priced(model, lambda: model.forward_windows(ids, torch.tensor([20, 24]), torch.tensor([36, 40]),
+                                                                    cache), measured_ms=2.0)  # fmt: skip
+    assert got["query_tokens"] == 16 + 16 and got["measured_ms"] == 2.0 and not got["compute_bound"]
+    assert got["forward_ops"] > 2 * 20 and got["us_per_op_if_launch_bound"] == pytest.approx(2000 / got["forward_ops"])
+    assert got["roofline_ms"] > 0

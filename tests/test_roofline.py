@@ -1,0 +1,61 @@
+"""``hf_blockbatch.eval.roofline``: a forward's price at a geometry, and a logged decode's."""
+
+from __future__ import annotations
+
+import pytest
+
+import hf_blockbatch as hb
+from hf_blockbatch.eval.forward_log import ForwardRecord
+from hf_blockbatch.eval.roofline import Geometry, Hardware, price, project
+
+
+def test_geometries_are_the_real_models():
+    llada, dream = Geometry.llada_8b(), Geometry.dream_7b()
+    assert llada.body_params + 2 * llada.head_params == pytest.approx(
+        8.02e9, rel=0.01
+    )  # head + embedding table
+    assert dream.body_params + 2 * dream.head_params == pytest.approx(7.62e9, rel=0.01)
+    assert (llada.layers, llada.d_kv, dream.layers, dream.d_kv) == (
+        32,
+        4096,
+        28,
+        512,
+    )  # MHA; GQA with 4 KV heads
+    small = hb.LLaDAConfig(d_model=64, n_heads=4, n_kv_heads=2, n_layers=3, mlp_hidden_size=96, vocab_size=50,
+                           embedding_size=64)  # fmt: skip
+    assert Geometry.from_config(small) == Geometry("llada", 3, 64, 32, 96, 64)
+
+
+def test_a_forward_costs_its_weights_read_until_its_flops_outweigh_it():
+    g, hw = Geometry.llada_8b(), Hardware()
+    one = ForwardRecord("windows", 1, 1, 1, [100], [1], 0)
+    seconds, compute_bound = price(one, g, hw)
+    weights, kv = 2 * (g.body_params + g.head_params + g.d_model), 2 * g.layers * g.d_kv * 2 * 100
+    assert not compute_bound and seconds == pytest.approx((weights + kv) / (hw.bandwidth * hw.bandwidth_eff))
+    # the weights' read is the same for 1 token and for 32: a batch-1 step of a few rows costs one read
+    assert price(ForwardRecord("windows", 1, 32, 32, [100], [32], 0), g, hw)[0] == pytest.approx(
+        seconds + 2 * 31 * g.d_model / (hw.bandwidth * hw.bandwidth_eff)
+    )
+    many = ForwardRecord("windows", 1, 8192, 8192, [8192], [8192], 0)
+    seconds, compute_bound = price(many, g, hw)
+    flops = 2 * (g.body_params + g.head_params) * 8192 + 4 * g.layers * g.d_model * 8192 * 8192
+    assert compute_bound and seconds == pytest.approx(flops / (hw.flops * hw.flops_eff))
+
+
+def test_a_decode_s_three_host_settings():
+    g = Geometry.llada_8b()
+    records = [ForwardRecord("full", 1, 60, 30, [60], [60], 10, model_ops=20, layer_ops=40, last_layer_ops=10, layers=4),
+               ForwardRecord("positions", 3, 20, 9, [60] * 3, [10, 5, 5], 300, model_ops=25, layer_ops=48,
+                             last_layer_ops=12, layers=4)]  # fmt: skip
+    p = project(records, 5, g, Hardware(op_us=5.0), items=2)
+    gpu = 1e3 * sum(price(r, g, Hardware())[0] for r in records) / 2
+    assert p["gpu_ms_item"] == pytest.approx(gpu) and p["policy_ops_per_forward"] == (10 + 300 + 5) / 2
+    assert p["policy_ms_item"] == pytest.approx(1e3 * 315 * 5e-6 / 2)
+    assert p["graphed_ms_item"] == pytest.approx(p["gpu_ms_item"] + p["policy_ms_item"])
+    host = [r.forward_ops(32) * 5e-6 for r in records]  # 20 + 40 + 28 * 10 = 340; 25 + 48 + 28 * 12 = 409
+    assert [r.forward_ops(32) for r in records] == [340, 409]
+    assert p["eager_ms_item"] == pytest.approx(
+        1e3 * (sum(max(h, price(r, g, Hardware())[0]) for h, r in zip(host, records)) + 315 * 5e-6) / 2
+    )
+    free = project(records, 5, g, Hardware(op_us=0.0))  # no host time: every setting is the roofline
+    assert free["eager_ms_item"] == free["graphed_ms_item"] == pytest.approx(2 * gpu)
