@@ -67,3 +67,22 @@ def test_the_forward_s_own_operations_split_into_per_layer_and_the_rest():
     for shallow, deep in zip(logs[2], logs[5]):
         assert shallow.layers == 2 and deep.layers == 5 and shallow.layer_ops > 0
         assert shallow.forward_ops(5) == deep.forward_ops() and shallow.model_ops == deep.model_ops
+
+
+def test_an_instance_s_own_forward_is_wrapped_and_put_back():
+    """accelerate's dispatch sets ``model.forward`` on the instance: the log wraps it and restores it,
+    instead of leaving the class's method in its place."""
+    model = make_tiny_llada()
+    calls = []
+    plain = model.forward
+
+    def own_forward(*args, **kwargs):
+        calls.append(1)
+        return plain(*args, **kwargs)
+
+    model.forward = own_forward
+    ids, mask = _prompts()
+    cfg = hb.FastDLLMConfig(max_new_tokens=16, block_length=16, threshold=0.05, mask_token_id=MASK_ID)
+    with ForwardLog(model) as log:
+        model.generate(ids, attention_mask=mask, generation_config=cfg)
+    assert model.forward is own_forward and len(calls) == sum(r.kind == "full" for r in log.records) > 0

@@ -21,6 +21,9 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["ForwardLog", "ForwardRecord", "OpCounter"]
 
+#: the model's forward entry points, and what each kind of forward is called in a record
+_ENTRY_POINTS = {"forward": "full", "forward_windows": "windows", "forward_positions": "positions"}
+
 #: metadata reads, not operations: no kernel, no allocation
 _NOT_OPS = {
     "__get__",
@@ -119,13 +122,15 @@ class ForwardLog:
     # ------------------------------------------------------------------ entering
     def __enter__(self) -> ForwardLog:
         m = self.model
-        m.forward, m.forward_windows = self._wrap(m.forward, "full"), self._wrap(m.forward_windows, "windows")
-        m.forward_positions = self._wrap(m.forward_positions, "positions")
+        # what the instance itself holds under these names (accelerate's dispatch hooks set ``forward``
+        # there), put back on exit; the class's methods otherwise
+        self._own = {name: vars(m).get(name) for name in _ENTRY_POINTS}
+        for name, kind in _ENTRY_POINTS.items():
+            setattr(m, name, self._wrap(getattr(m, name), kind))
         layers = list(m._decoder_layers())
         self._layers = len(layers)
-        for i, layer in enumerate(
-            layers
-        ):  # inside a layer, its operations count apart (a deeper model repeats them)
+        # inside a layer its operations count apart (a deeper model repeats them)
+        for i, layer in enumerate(layers):
             inside = "last" if i == len(layers) - 1 else "layer"
             self._hooks.append(layer.register_forward_pre_hook(lambda *_, b=inside: self._into(b)))
             self._hooks.append(layer.register_forward_hook(lambda *_: self._into("model")))
@@ -139,11 +144,11 @@ class ForwardLog:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        del (
-            self.model.forward,
-            self.model.forward_windows,
-            self.model.forward_positions,
-        )  # the class's methods
+        for name, own in self._own.items():
+            if own is None:
+                delattr(self.model, name)  # the class's method again
+            else:
+                setattr(self.model, name, own)
 
     def _into(self, bucket: str) -> None:
         self.counter.bucket = bucket
