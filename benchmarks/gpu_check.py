@@ -21,13 +21,12 @@ package is not installed, ``PYTHONPATH=.`` finds it)::
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py [--layers 32] [--repeats 20] [--decode-layers 8]
 
-``--dry-run`` runs section 3 alone on this machine's CPU at a small width, to check the script.
+``--dry-run`` runs sections 2 and 3 on this machine's CPU at a small width, to check the script.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import os
@@ -91,26 +90,33 @@ def agreement(device: torch.device) -> dict:
     return results
 
 
-def latency(device: torch.device, layers: int, repeats: int) -> dict:
+def latency(device: torch.device, layers: int, repeats: int, config: hb.LLaDAConfig | None = None,
+            dtype: torch.dtype = torch.bfloat16) -> dict:  # fmt: skip
+    """Section 2, at LLaDA-8B geometry (``config``: another one, as the dry run's small width)."""
     torch.manual_seed(0)
+    config = config or llada_config(layers)
     with device:  # 8B parameters: made on the GPU, not initialised on the CPU first
-        model = hb.LLaDAModelLM(llada_config(layers)).to(torch.bfloat16).eval()
+        model = hb.LLaDAModelLM(config).to(dtype).eval()
     Lp, G = 512, 256
     L = Lp + G
     sizes = [4, 8, 16, 32, 64, 128]
-    ids = torch.randint(0, 126000, (len(sizes), L), device=device)
+    ids = torch.randint(0, config.vocab_size - 8, (len(sizes), L), device=device)
     starts = torch.full((len(sizes),), Lp, device=device)
     ends = starts + torch.tensor(sizes, device=device)
     out = {"params_billion": sum(p.numel() for p in model.parameters()) / 1e9, "canvas": L}
 
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     def timed(fn) -> float:
         for _ in range(3):
             fn()
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         for _ in range(repeats):
             fn()
-        torch.cuda.synchronize()
+        sync()
         return (time.perf_counter() - t) / repeats * 1000
 
     with torch.no_grad():
@@ -119,7 +125,7 @@ def latency(device: torch.device, layers: int, repeats: int) -> dict:
         out["full_forward_6rows_ms"] = timed(lambda: model(ids))
         out["full_forward_1row_ms"] = timed(lambda: model(ids[:1]))
         out["projection"] = {"full_forward_1row": priced(model, lambda: model(ids[:1]), out["full_forward_1row_ms"])}
-        for name in available_backends(device, torch.bfloat16):
+        for name in available_backends(device, dtype):
             if name == "reference":
                 continue
             model.set_attention_backend(name)
@@ -140,7 +146,9 @@ def latency(device: torch.device, layers: int, repeats: int) -> dict:
                 for k in range(4):
                     rows = torch.arange(k + 1, device=device)
                     s0, e0 = torch.full_like(rows, Lp), torch.full_like(rows, Lp + w)
-                    step = functools.partial(model.forward_windows, ids, s0, e0, cache, rows=rows)
+                    # (looked up at each call: a log of the call wraps the model's method)
+                    def step(r=rows, a=s0, b=e0):
+                        return model.forward_windows(ids, a, b, cache, rows=r)
                     drafts[f"b{w}_rows{k + 1}_ms"] = timed(step)
                     out["projection"][f"{name}_b{w}_rows{k + 1}"] = priced(model, step, drafts[f"b{w}_rows{k + 1}_ms"])
             out["projection"][f"{name}_packed_4_to_128"] = priced(
@@ -246,10 +254,15 @@ def main() -> None:
     parser.add_argument("--decode-layers", type=int, default=8)
     parser.add_argument("--threshold", type=float, default=0.02)
     parser.add_argument("--decode-new-tokens", type=int, default=128)
-    parser.add_argument("--dry-run", action="store_true", help="section 3 only, on the CPU, at width 256")
+    parser.add_argument("--dry-run", action="store_true", help="sections 2 and 3 only, on the CPU, at width 256")
     args = parser.parse_args()
     if args.dry_run:
-        report = {"dry_run_cpu": decoding(torch.device("cpu"), torch.float32, 2, 256, args.threshold, 32)}
+        cpu = torch.device("cpu")
+        small = hb.LLaDAConfig(d_model=256, n_heads=2, n_kv_heads=2, n_layers=2, mlp_hidden_size=704, vocab_size=4096,
+                               embedding_size=4096, max_sequence_length=4096, mask_token_id=4095, eos_token_id=4094,
+                               pad_token_id=4094)  # fmt: skip
+        report = {"dry_run_cpu": {"latency": latency(cpu, 2, 1, small, torch.float32),
+                                  **decoding(cpu, torch.float32, 2, 256, args.threshold, 32)}}  # fmt: skip
         print(json.dumps(report, indent=1))
         return
     if not torch.cuda.is_available():

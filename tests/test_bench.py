@@ -672,3 +672,20 @@ def test_gpu_check_prices_a_measured_step_beside_its_time():
     assert got["query_tokens"] == 16 + 16 and got["measured_ms"] == 2.0 and not got["compute_bound"]
     assert got["forward_ops"] > 2 * 20 and got["us_per_op_if_launch_bound"] == pytest.approx(2000 / got["forward_ops"])
     assert got["roofline_ms"] > 0
+
+
+def test_gpu_check_latency_section_runs_and_prices_every_step_on_the_cpu():
+    """Section 2 of ``gpu_check.py`` at a tiny width on the CPU (as ``--dry-run`` runs it): every timed
+    step has its price beside it, each priced from a logged call of that very step."""
+    gpu_check = load_benchmark("gpu_check")
+    small = hb.LLaDAConfig(d_model=64, n_heads=2, n_kv_heads=2, n_layers=2, mlp_hidden_size=128, vocab_size=256,
+                           embedding_size=256, max_sequence_length=1024, mask_token_id=255, eos_token_id=254,
+                           pad_token_id=254)  # fmt: skip
+    out = gpu_check.latency(torch.device("cpu"), 2, 1, small, torch.float32)
+    backends = [b for b in ("sdpa_grouped", "sdpa") if b in out]
+    assert backends and set(out["projection"]) == {"full_forward_1row"} | {
+        f"{b}_{shape}" for b in backends
+        for shape in ["packed_4_to_128", "sparse_quarter", *(f"b{w}_rows{k}" for w in (32, 64) for k in (1, 2, 3, 4))]}
+    assert out["projection"][f"{backends[0]}_packed_4_to_128"]["query_tokens"] == 4 + 8 + 16 + 32 + 64 + 128
+    assert out["projection"][f"{backends[0]}_b64_rows3"]["query_tokens"] == 3 * 64
+    assert out["projection"]["full_forward_1row"]["query_tokens"] == 768
