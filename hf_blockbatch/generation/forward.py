@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_blockbatch.attention.metadata import packed_index
-from hf_blockbatch.generation.state import DecodeState, in_window
+from hf_blockbatch.generation.state import DecodeState, canvas_positions, in_window
 
 __all__ = ["Forwards", "Span", "neighbourhood"]
 
@@ -78,8 +78,8 @@ class Forwards:
         self.seconds = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         # column offsets, sliced by every step (never re-allocated): spans are at most L long, and
-        # they also index the <= R rows of a step
-        self.offsets = torch.arange(max(self.L, state.num_rows) + 1, device=state.canvas.device)
+        # they also index the <= R rows of a step (the canvas positions are the cached range itself)
+        self.offsets = canvas_positions(max(self.L, state.num_rows) + 1, state.canvas.device)
         self._layouts: list[list] = []  # [rows, query lengths, block steps] since the last flush
 
     # ------------------------------------------------------------------ timing and counting
@@ -218,8 +218,7 @@ class Forwards:
         want.scatter_(1, span.positions, True if read is None else read)
         want = want[:, : self.L]
         ws, we = state.take(state.win_start, rows), state.take(state.win_end, rows)
-        pos = self.offsets[: self.L]
-        in_win = in_window(pos, ws, we)
+        in_win = in_window(canvas_positions(self.L, rows.device), ws, we)
         near = None  # the decoded positions within r of a read slot
 
         def within(radius: int) -> torch.Tensor:  # [A, L] window positions within ``radius`` of a read slot

@@ -164,8 +164,7 @@ class Lookahead:
         canvas = s.per_request(s.canvas)  # [B, N, L]
         main = canvas[:, 0]
         ws, we = s.per_request(s.win_start)[:, :1], s.per_request(s.win_end)[:, :1]  # [B, 1]
-        pos = run.fwd.offsets[:L]  # built once per run
-        in_win = in_window(pos, ws[:, 0], we[:, 0])  # [B, L]
+        in_win = in_window(canvas_positions(L, main.device), ws[:, 0], we[:, 0])  # [B, L]
         open_ = (main == s.mask_id) & in_win
         # a draft needs its ranks and one mask left over; a finished request (done) drafts nothing;
         # a window with many masks left commits several next, which a draft of one or two rarely is
