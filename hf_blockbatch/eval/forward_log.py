@@ -39,30 +39,13 @@ _NOT_OPS = {
 
 
 class OpCounter(TorchFunctionMode):
-    """Counts torch calls (functions and tensor methods) into ``counts[bucket]`` (none while ``bucket``
-    is ``None``): the same count on any machine for the same code and inputs, unlike a time. ``active``
-    and ``ops`` are the default bucket's switch and count."""
+    """Counts torch calls (functions and tensor methods) into ``counts[bucket]``, none while ``bucket``
+    is ``None``: the same count on any machine for the same code and inputs, unlike a time."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bucket: str | None = None
         self.counts: dict[str, int] = {}
-
-    @property
-    def active(self) -> bool:
-        return self.bucket == "ops"
-
-    @active.setter
-    def active(self, on: bool) -> None:
-        self.bucket = "ops" if on else None
-
-    @property
-    def ops(self) -> int:
-        return self.counts.get("ops", 0)
-
-    @ops.setter
-    def ops(self, n: int) -> None:
-        self.counts["ops"] = n
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if self.bucket is not None and getattr(func, "__name__", "") not in _NOT_OPS:
@@ -135,11 +118,11 @@ class ForwardLog:
             self._hooks.append(layer.register_forward_pre_hook(lambda *_, b=inside: self._into(b)))
             self._hooks.append(layer.register_forward_hook(lambda *_: self._into("model")))
         self.counter.__enter__()
-        self.counter.active = True
+        self.counter.bucket = "policy"
         return self
 
     def __exit__(self, *exc) -> None:
-        self.counter.active = False
+        self.counter.bucket = None
         self.counter.__exit__(*exc)
         for hook in self._hooks:
             hook.remove()
@@ -155,12 +138,11 @@ class ForwardLog:
 
     def end_decode(self) -> None:
         """The operations since the last forward belong to no forward: keep them apart."""
-        self.tail_ops += self.counter.ops
-        self.counter.ops = 0
+        self.tail_ops += self.counter.counts.pop("policy", 0)
 
     @property
     def policy_ops(self) -> int:
-        return sum(r.policy_ops for r in self.records) + self.tail_ops + self.counter.ops
+        return sum(r.policy_ops for r in self.records) + self.tail_ops + self.counter.counts.get("policy", 0)
 
     # ------------------------------------------------------------------ recording
     def _wrap(self, fn, kind: str):
@@ -174,13 +156,13 @@ class ForwardLog:
                 self.records.append(self._record(kind, args, kwargs, out))
                 return out
             finally:
-                self.counter.ops, self.counter.active = 0, True
+                self.counter.counts["policy"], self.counter.bucket = 0, "policy"
 
         return call
 
     def _record(self, kind: str, args: tuple, kwargs: dict, out) -> ForwardRecord:
         c = self.counter.counts
-        ops = (self.counter.ops, c["model"], c["layer"] + c["last"], c["last"], self._layers)
+        ops = (c.get("policy", 0), c["model"], c["layer"] + c["last"], c["last"], self._layers)
         if kind == "full":
             ids = args[0] if args else kwargs["input_ids"]
             mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
