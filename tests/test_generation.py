@@ -88,6 +88,28 @@ def test_same_seed_same_output(model):
     assert not (torch.equal(runs[0], runs[2]) and torch.equal(runs[0], runs[3]))
 
 
+def test_decode_runs_in_inference_mode_and_returns_ordinary_tensors(model):
+    """The decode's forwards run in inference mode (cheaper small operations); what the caller gets
+    back is an ordinary tensor outside it (editable in place, usable by a training step), and stays
+    as it is inside it."""
+    seen = []
+    hook = model.register_forward_pre_hook(lambda *_: seen.append(torch.is_inference_mode_enabled()))
+    try:
+        out = _gen(model, PROMPT, FastDLLMConfig(max_new_tokens=G, block_length=8, threshold=0.47))
+        with torch.inference_mode():
+            inside = _gen(model, PROMPT, FastDLLMConfig(max_new_tokens=G, block_length=8, threshold=0.47))
+    finally:
+        hook.remove()
+    assert seen and all(seen)
+    assert not out.sequences.is_inference() and not out.nfe.is_inference()
+    assert inside.sequences.is_inference() and torch.equal(inside.sequences, out.sequences)
+    out.sequences[0, -1] = out.sequences[0, 0]  # in place, outside inference mode
+    embedding = model.get_input_embeddings()
+    embedding(out.sequences).float().sum().backward()  # saved for backward: an inference tensor could not be
+    assert embedding.weight.grad is not None
+    embedding.weight.grad = None
+
+
 # ----------------------------------------------------------------------------- 5. padding
 PADDED_CONFIGS = [
     VanillaDiffusionConfig(max_new_tokens=G, steps=8, block_length=8),

@@ -256,13 +256,23 @@ class Run:
         return DecodeResult(self.sequences, self.recorder.total_nfe(), self.recorder.stats)
 
 
-@torch.no_grad()
 def run_plan(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, plan: DecodePlan, mask_id: int,
              eos_ids: list[int], pad_id: int, generator: torch.Generator | None = None, streamer=None) -> DecodeResult:  # fmt: skip
-    """Decode ``plan.max_new_tokens`` new tokens for every row of ``input_ids`` (left-padded)."""
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    if streamer is not None:
-        streamer.put(input_ids[0][attention_mask[0].bool()].cpu())
-    with reuse_storage():  # the run's cache never leaves it: its CPU storage serves the next call
-        return Run(model, input_ids, attention_mask, plan, mask_id, eos_ids, pad_id, generator, streamer).run()
+    """Decode ``plan.max_new_tokens`` new tokens for every row of ``input_ids`` (left-padded).
+
+    The decode runs in ``torch.inference_mode``: no tensor of it needs autograd's version counters
+    or views tracking, and skipping them makes each of the policy's many small operations cheaper
+    (with the tiny models on this CPU, 7-10 % off a whole decode, forwards included; RESULTS §21).
+    What it returns is cloned out of inference mode when the caller is outside it, so the sequences
+    can be edited in place or fed to a training step as any tensor can."""
+    caller_in_inference = torch.is_inference_mode_enabled()
+    with torch.inference_mode():
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if streamer is not None:
+            streamer.put(input_ids[0][attention_mask[0].bool()].cpu())
+        with reuse_storage():  # the run's cache never leaves it: its CPU storage serves the next call
+            result = Run(model, input_ids, attention_mask, plan, mask_id, eos_ids, pad_id, generator, streamer).run()
+    if not caller_in_inference:  # two small tensors; the stats are host values
+        result.sequences, result.nfe = result.sequences.clone(), result.nfe.clone()
+    return result
