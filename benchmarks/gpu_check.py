@@ -229,7 +229,8 @@ def decoding(device: torch.device, dtype: torch.dtype, layers: int, width: int, 
                     model.generate(ids, attention_mask=mask, generation_config=gen_cfg)
                     log.end_decode()
                 p = project(log.records, log.tail_ops, Geometry.from_config(model.config), Hardware())
-                keep = ("gpu_ms_item", "graphed_ms_item", "eager_ms_item", "policy_ops_per_forward", "forward_ops_per_forward")
+                keep = ("gpu_ms_item", "graphed_ms_item", "async_ms_item", "eager_ms_item", "policy_ops_per_forward",
+                        "forward_ops_per_forward", "policy_syncs_per_forward", "serial_ops_per_forward")
                 runs[backend]["projection"] = {"measured_ms": 1e3 * wall, **{k: p[k] for k in keep}}
         first = runs[backends[0]]["tokens"]
         for r in runs.values():

@@ -19,7 +19,9 @@ No GPU has been lent to this project yet, so this script prices what the tiny ch
   op in about 5-10 µs). Three settings of the host: *gpu*, the forwards' roofline alone (a forward
   captured in a CUDA graph, the policy overlapped or captured too); *graphed*, plus the policy's
   operations in series (the policy reads results on the host several times a step, so it does not
-  overlap the GPU's work); *eager*, as PyTorch runs today: each forward takes at least its own
+  overlap the GPU's work); *async*, the graphed forward with the policy's operations queued while it
+  runs, up to the policy's first host sync (a read-back: ``forward_log.is_sync``), the rest in series;
+  *eager*, as PyTorch runs today: each forward takes at least its own
   operations' host time (the logged per-layer operations repeated to the target's depth: a deep
   model at batch 1 is launch-bound without graphs), plus the policy's. The decodes are logged with
   the padded SDPA backend (``--backend``), which, like a GPU's varlen kernel, issues the same
@@ -87,24 +89,29 @@ def render(report: dict[str, Any]) -> str:
              "", f"{report['limit']} training items per suite. A forward's GPU time is max(bytes / ({hw['bandwidth'] / 1e12:.1f} TB/s × "
              f"{hw['bandwidth_eff']}), flops / ({hw['flops'] / 1e12:.0f} TFLOPS × {hw['flops_eff']})); a tensor operation "
              f"takes {hw['op_us']} µs of host time. *gpu*: the forwards alone; *graphed*: plus the policy's operations "
-             "in series; *eager*: each forward at least its own operations' host time, plus the policy's. A projection "
+             "in series; *async*: the policy's operations before its first host sync after a forward overlap that "
+             "forward, the rest in series; *eager*: each forward at least its own operations' host time, plus the "
+             "policy's. *Syncs*: the policy's host syncs per forward, and its operations from the first one on "
+             "(serial). A projection "
              "from exact counts, not a measurement (the script's docstring says what it leaves out). Ratios "
              f"against `{base}` on the same items.", ""]  # fmt: skip
     for suite, rows in report["suites"].items():
         b = rows[base]
         lines += [f"## {suite}", "", "| config | NFE | NFE × | query tok × | tokens / forward | compute-bound | host-bound "
-                  "(eager) | policy ops / forward | gpu ms/item | policy ms/item | gpu × | graphed × | eager × |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "(eager) | policy ops / forward | syncs · serial ops / forward | gpu ms/item | policy ms/item | gpu × | "
+                  "graphed × | async × | eager × |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for name, r in rows.items():
             x = {
                 k: r[k] / b[k]
-                for k in ("nfe", "query_tokens", "gpu_ms_item", "graphed_ms_item", "eager_ms_item")
+                for k in ("nfe", "query_tokens", "gpu_ms_item", "graphed_ms_item", "async_ms_item", "eager_ms_item")
             }
             lines.append(f"| {name} | {r['nfe']:.2f} | {x['nfe']:.3f} | {x['query_tokens']:.2f} | "
                          f"{r['query_tokens_per_forward']:.0f} | {100 * r['compute_bound_share']:.0f} % | "
                          f"{100 * r['host_bound_share']:.0f} % | {r['policy_ops_per_forward']:.0f} | "
+                         f"{r['policy_syncs_per_forward']:.1f} · {r['serial_ops_per_forward']:.0f} | "
                          f"{r['gpu_ms_item']:.2f} | {r['policy_ms_item']:.2f} | {x['gpu_ms_item']:.3f} | "
-                         f"{x['graphed_ms_item']:.3f} | {x['eager_ms_item']:.3f} |")  # fmt: skip
+                         f"{x['graphed_ms_item']:.3f} | {x['async_ms_item']:.3f} | {x['eager_ms_item']:.3f} |")  # fmt: skip
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -181,9 +188,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row = {"nfe": statistics.fmean(counts["nfe"]), "query_tokens": statistics.fmean(counts["query_tokens"]),
                    **project(records, tail, geometry, hw, items=len(prompts))}  # fmt: skip
             report["suites"][suite][name] = row
-            logger.info("%s %-36s nfe %5.2f  tok/fwd %5.0f  gpu %6.2f  graphed %6.2f  eager %6.2f ms/item", suite, name,
-                        row["nfe"], row["query_tokens_per_forward"], row["gpu_ms_item"], row["graphed_ms_item"],
-                        row["eager_ms_item"])  # fmt: skip
+            logger.info("%s %-36s nfe %5.2f  tok/fwd %5.0f  gpu %6.2f  graphed %6.2f  async %6.2f  eager %6.2f ms/item",
+                        suite, name, row["nfe"], row["query_tokens_per_forward"], row["gpu_ms_item"],
+                        row["graphed_ms_item"], row["async_ms_item"], row["eager_ms_item"])  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"{Path(args.model).name}_{args.limit}_b{args.batch_size}{args.tag}"

@@ -45,14 +45,16 @@ def build_model(args):
 
 
 def count_policy_ops(model, prompts, masks, cfg, batch_size: int) -> dict[str, float]:
-    """Tensor operations of the policy per model forward call, over one pass of every batch: counted
-    for the whole of ``generate`` except inside the model's forwards (``ForwardLog``)."""
+    """Tensor operations of the policy per model forward call, and its host syncs, over one pass of every
+    batch: counted for the whole of ``generate`` except inside the model's forwards (``ForwardLog``)."""
     with ForwardLog(model) as log:
         for i in range(0, prompts.shape[0], batch_size):
             model.generate(prompts[i : i + batch_size], attention_mask=masks[i : i + batch_size], generation_config=cfg)
             log.end_decode()
     forwards = len(log.records)
-    return {"policy_ops": log.policy_ops, "forward_calls": forwards, "policy_ops_per_forward": log.policy_ops / forwards}
+    return {"policy_ops": log.policy_ops, "forward_calls": forwards, "policy_ops_per_forward": log.policy_ops / forwards,
+            # reads back to the host (forward_log.is_sync): what keeps a GPU waiting for the policy
+            "policy_syncs_per_forward": sum(r.policy_syncs for r in log.records) / forwards}  # fmt: skip
 
 
 def main() -> None:

@@ -650,6 +650,9 @@ def test_gpu_projection_prices_what_the_forwards_carried(tmp_path):
         assert r["policy_ms_item"] == pytest.approx(r["policy_ops_per_forward"] * r["forward_calls"] * 5e-3 / 3)
         assert r["graphed_ms_item"] == pytest.approx(r["gpu_ms_item"] + r["policy_ms_item"])
         assert r["eager_ms_item"] >= r["graphed_ms_item"] > r["gpu_ms_item"] > 0
+        # the policy overlaps its forwards until its first host sync: some of it, never all of it
+        assert r["gpu_ms_item"] < r["async_ms_item"] < r["graphed_ms_item"]
+        assert 0 < r["serial_ops_per_forward"] < r["policy_ops_per_forward"] and r["late_sync_share"] == 0
         assert r["forward_ops_per_forward"] > 32 * 20  # a 32-layer forward issues tens of operations per layer
     assert json.loads((tmp_path / "tiny-llada_3_b2.json").read_text())["suites"]["arith"] == rows
     table = (tmp_path / "tiny-llada_3_b2.md").read_text()

@@ -7,7 +7,7 @@ import torch
 from conftest import EOS_ID, MASK_ID, make_tiny_llada
 
 import hf_blockbatch as hb
-from hf_blockbatch.eval.forward_log import ForwardLog
+from hf_blockbatch.eval.forward_log import ForwardLog, is_sync
 
 
 def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,8 +46,13 @@ def test_a_logged_decode_is_the_same_decode_and_counts_every_forward():
             assert sum(r.queries for r in log.records) == queries  # LLaDA: no shifted window queries
             assert all(r.policy_ops > 0 for r in log.records) and log.tail_ops > 0
             assert log.policy_ops == sum(r.policy_ops for r in log.records) + log.tail_ops
+            firsts = [i for i, r in enumerate(log.records) if not r.after_forward]
+            assert len(firsts) == len(rows) and firsts[0] == 0  # each decode's first forward follows no forward
             for r in log.records:
                 assert len(r.keys) == r.rows == len(r.row_queries) and sum(r.row_queries) == r.queries
+                # the forward selects its head's rows before its layers: it never holds the host until it ends
+                assert r.late_syncs == 0 and r.model_syncs > 0
+                assert 0 <= r.serial_policy_ops <= r.policy_ops and (r.policy_overlap_ops is None) == (r.policy_syncs == 0)
                 assert 0 < r.heads <= r.queries and max(r.keys) <= ids.shape[1] + 32
                 assert min(r.keys) in (8 + 32, 12 + 32) and r.query_key_pairs >= r.queries * 40
 
@@ -86,3 +91,19 @@ def test_an_instance_s_own_forward_is_wrapped_and_put_back():
     with ForwardLog(model) as log:
         model.generate(ids, attention_mask=mask, generation_config=cfg)
     assert model.forward is own_forward and len(calls) == sum(r.kind == "full" for r in log.records) > 0
+
+
+def test_host_syncs_are_the_calls_that_read_the_device_back():
+    """What would stop a GPU's host until the device is idle: a value read back, an output sized by
+    the data, a blocking copy of host values; not the operations that only queue work."""
+    x, mask, idx = torch.arange(6.0), torch.tensor([True, False] * 3), torch.tensor([0, 2])
+    syncs = [(torch.Tensor.__bool__, (x[:1],)), (torch.Tensor.item, (x[:1],)), (torch.Tensor.tolist, (x,)),
+             (torch.Tensor.nonzero, (x,)), (torch.equal, (x, x)), (torch.Tensor.__getitem__, (x, mask)),
+             (torch.Tensor.__setitem__, (x, (mask,), 0.0)), (torch.where, (mask,)), (torch.tensor, ([1, 2],)),
+             (torch.repeat_interleave, (x, torch.tensor([1] * 6)))]  # fmt: skip
+    queued = [(torch.Tensor.__getitem__, (x, idx)), (torch.Tensor.__getitem__, (x, slice(1, 3))),
+              (torch.where, (mask, x, x)), (torch.Tensor.sum, (x,)), (torch.Tensor.masked_fill, (x, mask, 0.0)),
+              (torch.tensor, (x,)), (torch.repeat_interleave, (x, 2))]  # fmt: skip
+    assert all(is_sync(f, args, {}) for f, args in syncs)
+    assert not any(is_sync(f, args, {}) for f, args in queued)
+    assert not is_sync(torch.repeat_interleave, (x, torch.tensor([1] * 6)), {"output_size": 6})

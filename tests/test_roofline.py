@@ -58,4 +58,33 @@ def test_a_decode_s_three_host_settings():
         1e3 * (sum(max(h, price(r, g, Hardware())[0]) for h, r in zip(host, records)) + 315 * 5e-6) / 2
     )
     free = project(records, 5, g, Hardware(op_us=0.0))  # no host time: every setting is the roofline
-    assert free["eager_ms_item"] == free["graphed_ms_item"] == pytest.approx(2 * gpu)
+    assert free["eager_ms_item"] == free["graphed_ms_item"] == free["async_ms_item"] == pytest.approx(2 * gpu)
+
+
+def test_the_policy_overlaps_the_forward_before_it_only_up_to_its_first_sync():
+    """``async``: a forward is queued, and the policy's operations after it run on the host while the
+    device computes, until the first one that reads a result back; the rest are in series. The first
+    forward of a decode follows nothing it could overlap, and a forward that synced after its layers
+    returns only once it is done."""
+    g, hw = Geometry.llada_8b(), Hardware(op_us=5.0)
+    us = 5e-6
+
+    def rec(policy_ops: int, overlap: int | None, after: bool, late: int = 0) -> ForwardRecord:
+        return ForwardRecord("positions", 1, 10, 10, [100], [10], policy_ops, policy_syncs=int(overlap is not None),
+                             policy_overlap_ops=overlap, after_forward=after, late_syncs=late)  # fmt: skip
+
+    t = price(rec(0, None, False), g, hw)[0]  # every record carries the same load
+    assert 100 * us < t < 1500 * us  # a batch-1 forward at 8B: a few ms, 100 to 1500 operations' host time
+    records = [rec(50, 10, False), rec(300, 100, True), rec(2000, 1500, True), rec(40, None, True)]
+    p = project(records, 7, g, hw)
+    expected = (50 * us  # the first forward's policy precedes it: nothing to overlap
+                + max(t, 100 * us) + 200 * us  # 100 operations hide behind the first forward
+                + max(t, 1500 * us) + 500 * us  # 1500 operations outlast the second forward
+                + max(t, 40 * us)  # no sync at all: every operation overlaps
+                + t + 7 * us)  # fmt: skip
+    assert p["async_ms_item"] == pytest.approx(1e3 * expected)
+    assert p["async_ms_item"] < p["graphed_ms_item"] == pytest.approx(1e3 * (4 * t + (50 + 300 + 2000 + 40 + 7) * us))
+    assert p["serial_ops_per_forward"] == (50 + 200 + 500 + 0) / 4 and p["policy_syncs_per_forward"] == 0.75
+    late = project([rec(50, 10, False, late=1), rec(300, 100, True)], 0, g, hw)  # the first forward syncs late
+    assert late["async_ms_item"] == pytest.approx(1e3 * (50 * us + t + 300 * us + t))
+    assert late["late_sync_share"] == 0.5

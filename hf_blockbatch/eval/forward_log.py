@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["ForwardLog", "ForwardRecord", "OpCounter"]
+__all__ = ["ForwardLog", "ForwardRecord", "OpCounter", "is_sync"]
 
 #: the model's forward entry points, and what each kind of forward is called in a record
 _ENTRY_POINTS = {"forward": "full", "forward_windows": "windows", "forward_positions": "positions"}
@@ -38,18 +38,57 @@ _NOT_OPS = {
 }
 
 
+#: calls that make the host wait for the device on a GPU: a value read back to the host, or an
+#: output whose size depends on the data (boolean-mask indexing, ``nonzero``), or a blocking copy
+#: from host memory (``torch.tensor`` of Python values onto a device). A CPU never waits, so these
+#: are counted by name, as they would be met on a GPU
+_SYNCS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "nonzero", "equal", "masked_select",
+          "unique", "unique_consecutive", "argwhere", "cpu", "numpy"}  # fmt: skip
+_INDEXING = {"__getitem__", "__setitem__", "index_put", "index_put_"}
+
+
+def is_sync(func, args: tuple, kwargs: dict | None) -> bool:
+    """Whether a torch call would stop the host until the device has run everything queued before it."""
+    name = getattr(func, "__name__", "")
+    if name in _SYNCS:
+        return True
+    if name in _INDEXING and len(args) > 1:  # a boolean mask as an index: the output's size is the mask's count
+        index = args[1] if isinstance(args[1], (tuple, list)) else (args[1],)
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+    if name == "repeat_interleave":  # tensor repeats: the output's size is their sum, unless given
+        repeats = args[1] if len(args) > 1 else (kwargs or {}).get("repeats")
+        return isinstance(repeats, torch.Tensor) and "output_size" not in (kwargs or {})
+    if name == "where":  # the one-argument form is nonzero
+        return len(args) == 1 and not kwargs
+    return name in ("tensor", "as_tensor") and bool(args) and not isinstance(args[0], torch.Tensor)
+
+
 class OpCounter(TorchFunctionMode):
-    """Counts torch calls (functions and tensor methods) into ``counts[bucket]``, none while ``bucket``
-    is ``None``: the same count on any machine for the same code and inputs, unlike a time."""
+    """Counts torch calls (functions and tensor methods) into ``counts[bucket]``, and those that
+    would stop the host on a GPU (:func:`is_sync`) into ``syncs[bucket]``, none while ``bucket`` is
+    ``None``; ``before_sync[bucket]`` holds the calls counted before that bucket's first sync (since
+    the bucket was last reset): the same counts on any machine for the same code and inputs, unlike
+    a time."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bucket: str | None = None
         self.counts: dict[str, int] = {}
+        self.syncs: dict[str, int] = {}
+        self.before_sync: dict[str, int] = {}
+
+    def reset(self, bucket: str) -> None:
+        self.counts[bucket] = self.syncs[bucket] = 0
+        self.before_sync.pop(bucket, None)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self.bucket is not None and getattr(func, "__name__", "") not in _NOT_OPS:
-            self.counts[self.bucket] = self.counts.get(self.bucket, 0) + 1
+        bucket = self.bucket
+        if bucket is not None and getattr(func, "__name__", "") not in _NOT_OPS:
+            n = self.counts.get(bucket, 0)
+            if is_sync(func, args, kwargs):
+                self.syncs[bucket] = self.syncs.get(bucket, 0) + 1
+                self.before_sync.setdefault(bucket, n)
+            self.counts[bucket] = n + 1
         return func(*args, **(kwargs or {}))
 
 
@@ -61,7 +100,14 @@ class ForwardRecord:
     length); ``policy_ops``: the decoding policy's tensor operations since the previous forward
     (or since the decode began); ``model_ops`` and ``layer_ops``: the forward's own, outside and
     inside its ``layers`` decoder layers, of which ``last_layer_ops`` in the last one (a deeper model
-    of the same code repeats a layer's operations; the first layer also builds what every layer reads)."""
+    of the same code repeats a layer's operations; the first layer also builds what every layer reads).
+
+    Host syncs (calls that would stop the host until the GPU has run everything queued, see
+    :func:`is_sync`): ``policy_syncs`` among the policy's operations, of which the first comes after
+    ``policy_overlap_ops`` of them (``None``: no sync; ``after_forward``: those operations follow a
+    forward of the same decode, which they can overlap on a GPU until that first sync); ``model_syncs``
+    in the forward, of which ``late_syncs`` after its decoder layers (the host then waits for the
+    whole forward before it returns)."""
 
     kind: str  # "full" | "windows" | "positions"
     rows: int
@@ -74,11 +120,22 @@ class ForwardRecord:
     layer_ops: int = 0
     last_layer_ops: int = 0
     layers: int = 1
+    policy_syncs: int = 0
+    policy_overlap_ops: int | None = None
+    after_forward: bool = False
+    model_syncs: int = 0
+    late_syncs: int = 0
 
     @property
     def query_key_pairs(self) -> int:
         """Σ over rows of queries × keys: what attention's two matrix products scale with."""
         return sum(q * k for q, k in zip(self.row_queries, self.keys))
+
+    @property
+    def serial_policy_ops(self) -> int:
+        """The policy's operations from its first sync on: on a GPU, issued while the device waits."""
+        overlap = self.policy_ops if self.policy_overlap_ops is None else self.policy_overlap_ops
+        return self.policy_ops - overlap if self.after_forward else self.policy_ops
 
     def forward_ops(self, layers: int | None = None) -> int:
         """The forward's tensor operations, at ``layers`` decoder layers (``None``: as logged): the
@@ -101,6 +158,7 @@ class ForwardLog:
     def __post_init__(self) -> None:
         self.counter = OpCounter()
         self._hooks: list = []
+        self._after_forward = False  # the policy's operations now follow a forward of this decode
 
     # ------------------------------------------------------------------ entering
     def __enter__(self) -> ForwardLog:
@@ -112,11 +170,12 @@ class ForwardLog:
             setattr(m, name, self._wrap(getattr(m, name), kind))
         layers = list(m._decoder_layers())
         self._layers = len(layers)
-        # inside a layer its operations count apart (a deeper model repeats them)
+        # inside a layer its operations count apart (a deeper model repeats them); after the last
+        # one, the forward's tail ("head": its syncs keep the host waiting for the whole forward)
         for i, layer in enumerate(layers):
-            inside = "last" if i == len(layers) - 1 else "layer"
+            inside, after = ("last", "head") if i == len(layers) - 1 else ("layer", "model")
             self._hooks.append(layer.register_forward_pre_hook(lambda *_, b=inside: self._into(b)))
-            self._hooks.append(layer.register_forward_hook(lambda *_: self._into("model")))
+            self._hooks.append(layer.register_forward_hook(lambda *_, b=after: self._into(b)))
         self.counter.__enter__()
         self.counter.bucket = "policy"
         return self
@@ -138,7 +197,9 @@ class ForwardLog:
 
     def end_decode(self) -> None:
         """The operations since the last forward belong to no forward: keep them apart."""
-        self.tail_ops += self.counter.counts.pop("policy", 0)
+        self.tail_ops += self.counter.counts.get("policy", 0)
+        self.counter.reset("policy")
+        self._after_forward = False
 
     @property
     def policy_ops(self) -> int:
@@ -147,8 +208,8 @@ class ForwardLog:
     # ------------------------------------------------------------------ recording
     def _wrap(self, fn, kind: str):
         def call(*args, **kwargs):
-            counts = self.counter.counts
-            counts["model"] = counts["layer"] = counts["last"] = 0
+            for bucket in ("model", "layer", "last", "head"):
+                self.counter.reset(bucket)
             self.counter.bucket = "model"
             try:
                 out = fn(*args, **kwargs)
@@ -156,13 +217,16 @@ class ForwardLog:
                 self.records.append(self._record(kind, args, kwargs, out))
                 return out
             finally:
-                self.counter.counts["policy"], self.counter.bucket = 0, "policy"
+                self.counter.reset("policy")
+                self.counter.bucket, self._after_forward = "policy", True
 
         return call
 
     def _record(self, kind: str, args: tuple, kwargs: dict, out) -> ForwardRecord:
-        c = self.counter.counts
-        ops = (c.get("policy", 0), c["model"], c["layer"] + c["last"], c["last"], self._layers)
+        c, syncs = self.counter.counts, self.counter.syncs
+        ops = (c.get("policy", 0), c["model"] + c["head"], c["layer"] + c["last"], c["last"], self._layers,
+               syncs.get("policy", 0), self.counter.before_sync.get("policy"), self._after_forward,
+               sum(syncs[b] for b in ("model", "layer", "last", "head")), syncs["head"])  # fmt: skip
         if kind == "full":
             ids = args[0] if args else kwargs["input_ids"]
             mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)

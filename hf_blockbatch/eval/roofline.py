@@ -107,14 +107,26 @@ def price(rec: ForwardRecord, g: Geometry, hw: Hardware) -> tuple[float, bool]:
 def project(
     records: list[ForwardRecord], tail_ops: int, g: Geometry, hw: Hardware, items: int = 1
 ) -> dict[str, float]:
-    """A logged decode's milliseconds per item (``items`` requests in all) in three settings of the
+    """A logged decode's milliseconds per item (``items`` requests in all) in four settings of the
     host: ``gpu``, the forwards' roofline alone (the forward in a CUDA graph, the policy overlapped or
-    captured); ``graphed``, plus the policy's operations in series; ``eager``, as PyTorch runs today:
-    each forward at least its own operations' host time (at ``g``'s depth), plus the policy's. And
-    what the forwards carried."""
+    captured); ``graphed``, plus the policy's operations in series; ``async``, the same graphed forward
+    with the policy's operations queued while it runs, up to the policy's first host sync (from there
+    on the device waits for the host; a forward that syncs after its layers, or the first forward of a
+    decode, overlaps nothing); ``eager``, as PyTorch runs today: each forward at least its own
+    operations' host time (at ``g``'s depth), plus the policy's. And what the forwards carried, and
+    their host syncs."""
     us = hw.op_us * 1e-6
     priced = [price(r, g, hw) for r in records]
     gpu = sum(t for t, _ in priced)
+    overlapped, pending, waited = 0.0, 0.0, True  # the last forward's GPU time not yet spent; spent inside it
+    for r, (t, _) in zip(records, priced):
+        if r.after_forward and not waited:
+            overlap = r.policy_ops - r.serial_policy_ops
+            overlapped += max(pending, overlap * us) + r.serial_policy_ops * us
+        else:
+            overlapped += pending + r.policy_ops * us
+        pending, waited = t, r.late_syncs > 0
+    overlapped += pending + tail_ops * us
     host_bound = [r.forward_ops(g.layers) * us > t for r, (t, _) in zip(records, priced)]
     eager_forwards = sum(max(t, r.forward_ops(g.layers) * us) for r, (t, _) in zip(records, priced))
     ops = sum(r.policy_ops for r in records) + tail_ops
@@ -131,5 +143,10 @@ def project(
         "gpu_ms_item": 1e3 * gpu / items,
         "policy_ms_item": 1e3 * policy / items,
         "graphed_ms_item": 1e3 * (gpu + policy) / items,
+        "async_ms_item": 1e3 * overlapped / items,
+        "policy_syncs_per_forward": statistics.fmean(r.policy_syncs for r in records),
+        "serial_ops_per_forward": statistics.fmean(r.serial_policy_ops for r in records),
+        "model_syncs_per_forward": statistics.fmean(r.model_syncs for r in records),
+        "late_sync_share": sum(r.late_syncs > 0 for r in records) / n,
         "eager_ms_item": 1e3 * (eager_forwards + policy) / items,
     }

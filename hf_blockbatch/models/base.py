@@ -247,9 +247,12 @@ class DiffusionLMMixin:
             )
         if logits_mask is not None and tuple(logits_mask.shape) != (B, L):
             raise ValueError(f"logits_mask has shape {tuple(logits_mask.shape)}, expected {(B, L)}.")
+        head_rows = None if logits_mask is None else _head_rows(logits_mask)
         ctx = self._context("dense", position_ids, L, cache=cache, rows=cache_rows, key_mask=key_mask)
         hidden = self._run(self._embed(input_ids), ctx)
-        logits = self._head(hidden if logits_mask is None else hidden[logits_mask])
+        if head_rows is not None:
+            hidden = hidden.reshape(B * L, -1).index_select(0, head_rows)
+        logits = self._head(hidden)
         if return_dict is False:
             return (logits, cache)
         return DiffusionLMOutput(logits=logits, cache=cache)
@@ -289,19 +292,24 @@ class DiffusionLMMixin:
                     "A shifted model (Dream) cannot predict position 0: windows must start at 1 or later."
                 )
         wb = build_window_batch(cache, starts - shift, ends, rows)
-        ctx = self._context("window", wb.rope_pos, input_ids.shape[1], cache=cache, wb=wb)
-        hidden = self._run(self._embed(input_ids[wb.token_rows, wb.token_pos]), ctx)
-        if shift:
-            # the last `shift` queries of each row predict past the window: keep the others
-            keep = wb.token_pos < ends[wb.token_local] - shift
-            hidden = hidden[keep]
+        # the last `shift` queries of each row predict past the window: the others are the windows'
+        # predicted positions, of which logits_mask picks some
+        keep = wb.token_pos < ends[wb.token_local] - shift if shift else None
+        head_rows = None
         if logits_mask is not None:
-            if tuple(logits_mask.shape) != (hidden.shape[0],):
+            predicted = wb.num_tokens - shift * wb.rows.shape[0]
+            if tuple(logits_mask.shape) != (predicted,):
                 raise ValueError(
-                    f"logits_mask has shape {tuple(logits_mask.shape)}, expected ({hidden.shape[0]},): one entry per "
+                    f"logits_mask has shape {tuple(logits_mask.shape)}, expected ({predicted},): one entry per "
                     "predicted position of the windows, in row order."
                 )
-            hidden = hidden[logits_mask]
+            head_rows = _head_rows(logits_mask) if keep is None else _head_rows(keep)[logits_mask]
+        elif keep is not None:
+            head_rows = _head_rows(keep)
+        ctx = self._context("window", wb.rope_pos, input_ids.shape[1], cache=cache, wb=wb)
+        hidden = self._run(self._embed(input_ids[wb.token_rows, wb.token_pos]), ctx)
+        if head_rows is not None:
+            hidden = hidden.index_select(0, head_rows)
         cu = torch.zeros_like(wb.cu_seqlens)
         cu[1:] = (ends - starts).cumsum(0)
         return WindowOutput(logits=self._head(hidden), cu_seqlens=cu)
@@ -346,9 +354,19 @@ class DiffusionLMMixin:
         wb = build_query_batch(cache, queries, rows)
         if echo is not None:
             _add_echo(wb, queries, echo)
+        head_rows = _head_rows(heads[queries])
         ctx = self._context("window", wb.rope_pos, input_ids.shape[1], cache=cache, wb=wb)
         hidden = self._run(self._embed(input_ids[wb.token_rows, wb.token_pos]), ctx)
-        return PositionOutput(logits=self._head(hidden[heads[queries]]), query_mask=queries)
+        return PositionOutput(logits=self._head(hidden.index_select(0, head_rows)), query_mask=queries)
+
+
+def _head_rows(keep: torch.Tensor) -> torch.Tensor:
+    """The rows of a forward's packed (or flattened) hidden states that go through the head, from a
+    bool over them. Built before the layers run: reading a mask's count stops a GPU's host until the
+    device is idle, which costs nothing before the forward is queued, while a boolean selection after
+    the layers would keep the host waiting for the whole forward instead of queueing the decoding
+    policy's next operations behind it (``eval/forward_log.py`` counts such late syncs)."""
+    return keep.reshape(-1).nonzero().squeeze(1)
 
 
 def _add_echo(wb, queries: torch.Tensor, echo: torch.Tensor) -> None:
