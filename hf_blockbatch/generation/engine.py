@@ -262,7 +262,7 @@ def run_plan(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
     The decode runs in ``torch.inference_mode``: no tensor of it needs autograd's version counters
     or views tracking, and skipping them makes each of the policy's many small operations cheaper
-    (with the tiny models on this CPU, 7-10 % off a whole decode, forwards included; RESULTS §21).
+    (with the tiny models on this CPU, 1-10 % off a whole decode, forwards included; RESULTS §21).
     What it returns is cloned out of inference mode when the caller is outside it, so the sequences
     can be edited in place or fed to a training step as any tensor can."""
     caller_in_inference = torch.is_inference_mode_enabled()
