@@ -46,6 +46,10 @@ _SYNCS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "no
           "unique", "unique_consecutive", "argwhere", "cpu", "numpy"}  # fmt: skip
 _INDEXING = {"__getitem__", "__setitem__", "index_put", "index_put_"}
 
+#: a forward's own buckets: before and after its layers ("model"), inside them, inside the last one,
+#: and after the last one ("head")
+_FORWARD_BUCKETS = ("model", "layer", "last", "head")
+
 
 def is_sync(func, args: tuple, kwargs: dict | None) -> bool:
     """Whether a torch call would stop the host until the device has run everything queued before it."""
@@ -208,7 +212,7 @@ class ForwardLog:
     # ------------------------------------------------------------------ recording
     def _wrap(self, fn, kind: str):
         def call(*args, **kwargs):
-            for bucket in ("model", "layer", "last", "head"):
+            for bucket in _FORWARD_BUCKETS:
                 self.counter.reset(bucket)
             self.counter.bucket = "model"
             try:
@@ -224,9 +228,18 @@ class ForwardLog:
 
     def _record(self, kind: str, args: tuple, kwargs: dict, out) -> ForwardRecord:
         c, syncs = self.counter.counts, self.counter.syncs
-        ops = (c.get("policy", 0), c["model"] + c["head"], c["layer"] + c["last"], c["last"], self._layers,
-               syncs.get("policy", 0), self.counter.before_sync.get("policy"), self._after_forward,
-               sum(syncs[b] for b in ("model", "layer", "last", "head")), syncs["head"])  # fmt: skip
+        ops = {
+            "policy_ops": c.get("policy", 0),
+            "model_ops": c["model"] + c["head"],
+            "layer_ops": c["layer"] + c["last"],
+            "last_layer_ops": c["last"],
+            "layers": self._layers,
+            "policy_syncs": syncs.get("policy", 0),
+            "policy_overlap_ops": self.counter.before_sync.get("policy"),
+            "after_forward": self._after_forward,
+            "model_syncs": sum(syncs[b] for b in _FORWARD_BUCKETS),
+            "late_syncs": syncs["head"],
+        }
         if kind == "full":
             ids = args[0] if args else kwargs["input_ids"]
             mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
@@ -234,7 +247,7 @@ class ForwardLog:
             lengths = mask.sum(-1).tolist()
             keep = kwargs.get("logits_mask")
             heads = int(keep.sum()) if keep is not None else ids.numel()
-            return ForwardRecord(kind, len(lengths), sum(lengths), heads, lengths, lengths, *ops)
+            return ForwardRecord(kind, len(lengths), sum(lengths), heads, lengths, lengths, **ops)
         cache = args[3] if len(args) > 3 else kwargs["cache"]
         rows = kwargs.get("rows", args[4] if len(args) > 4 else None)
         key_mask = cache.key_mask if rows is None else cache.key_mask[rows]
@@ -244,4 +257,4 @@ class ForwardLog:
             row_queries = (ends - starts + self.model.logit_shift).tolist()
         else:  # positions: the query mask the forward used
             row_queries = out.query_mask.sum(-1).tolist()
-        return ForwardRecord(kind, len(keys), sum(row_queries), out.logits.shape[0], keys, row_queries, *ops)
+        return ForwardRecord(kind, len(keys), sum(row_queries), out.logits.shape[0], keys, row_queries, **ops)
