@@ -29,6 +29,24 @@ def run_padded(model, prompts: list[list[int]], cfg):
     return model.generate(ids, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True)
 
 
+def spy_caches(monkeypatch, fill: float | None = None) -> list:
+    """Every ``BranchCache`` built from now on, in order; ``fill`` overwrites each new storage (NaN:
+    a decode that reads K/V nothing wrote turns its logits into NaN, a visible failure)."""
+    import hf_blockbatch as hb
+
+    built: list = []
+    init = hb.BranchCache.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if fill is not None:
+            self.storage.fill_(fill)
+        built.append(self)
+
+    monkeypatch.setattr(hb.BranchCache, "__init__", spy)
+    return built
+
+
 def output_head(model) -> torch.nn.Linear:
     return model.lm_head if hasattr(model, "lm_head") else model.model.transformer.ff_out
 

@@ -127,15 +127,18 @@ def _pruned_at(trace: list, after_syncs: int | None, n_branches: int) -> list[in
     return out
 
 
-# derandomized (the same examples every run) and without shrinking: a failure prints its example
-@settings(max_examples=24, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
-@given(
+_INVARIANT_ARGS = dict(
     cfg=configs,
     kind=st.sampled_from(["llada-peaked", "dream-peaked", "llada-eos", "dream-eos"]),
     prompt=st.lists(st.integers(0, 91), min_size=5, max_size=10),
     seed=st.integers(0, 2**16),
 )
+
+
+# derandomized (the same examples every run) and without shrinking: a failure prints its example
+@settings(max_examples=24, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+@given(**_INVARIANT_ARGS)
 def test_blockbatch_invariants(cfg, kind, prompt, seed):
     _check_invariants(_applicable(cfg), kind, prompt, seed)
 
@@ -145,19 +148,18 @@ beyond = configs.map(lambda c: {**c, "sync": True, "merge": True, "sync_threshol
 beyond = beyond.filter(lambda c: len(c["block_sizes"]) >= 2).map(
     lambda c: c if c["window_queries"] == "sparse" else {k: v for k, v in c.items() if k != "requery_radius"}
 )
-
-
-@settings(max_examples=96, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
-@given(
+_BEYOND_ARGS = dict(  # (the order in which examples are drawn: kept, so they stay the same)
     cfg=beyond,
     prune=st.sampled_from([1, 2]),
     agreement=st.sampled_from([0, 1, 2]),
     confident=st.sampled_from([None, 0.5, 0.9]),
-    kind=st.sampled_from(["llada-peaked", "dream-peaked", "llada-eos", "dream-eos"]),
-    prompt=st.lists(st.integers(0, 91), min_size=5, max_size=10),
-    seed=st.integers(0, 2**16),
+    **{k: v for k, v in _INVARIANT_ARGS.items() if k != "cfg"},
 )
+
+
+@settings(max_examples=96, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
+@given(**_BEYOND_ARGS)
 def test_blockbatch_invariants_with_prune_and_merge_guard(cfg, prune, agreement, confident, kind, prompt, seed):
     widest = cfg["early_stop"] and seed % 2 == 0
     cfg = {**cfg, "prune_after_syncs": prune, "merge_agreement": agreement, "eos_prefer_widest": widest,
@@ -594,3 +596,24 @@ def test_a_pruned_copy_never_wins_a_tie():
     state.advance()
     winner, by_eos = pick_winners(state, torch.tensor([True]), early_stop=False)
     assert int(winner[0]) == 1 and not bool(by_eos[0])
+
+
+# ----------------------------------------------------------------------------- a longer sweep (slow)
+@pytest.mark.slow
+def test_blockbatch_invariants_sweep():
+    """Both property tests above on many more examples (``HB_SWEEP_EXAMPLES`` each, default 400, drawn
+    from a fixed seed; ``pytest -m slow``), with every K/V storage filled with NaN when it is built, so
+    that a step reading K/V that nothing wrote fails too."""
+    import os
+
+    from _generation_helpers import spy_caches
+    from hypothesis import seed as fixed_seed
+
+    n = int(os.environ.get("HB_SWEEP_EXAMPLES", "400"))
+    wide = settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
+                    suppress_health_check=list(HealthCheck))  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        spy_caches(mp, fill=float("nan"))
+        for test, args in ((test_blockbatch_invariants, _INVARIANT_ARGS),
+                           (test_blockbatch_invariants_with_prune_and_merge_guard, _BEYOND_ARGS)):  # fmt: skip
+            fixed_seed(16)(wide(given(**args)(test.hypothesis.inner_test)))()

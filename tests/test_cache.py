@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _generation_helpers import spy_caches
 from conftest import VOCAB, make_tiny_dream, make_tiny_llada
 
 import hf_blockbatch as hb
@@ -218,21 +219,6 @@ def test_copied_rows_behave_as_their_source(family: str) -> None:
     torch.testing.assert_close(out.logits[:4], ref.logits, atol=1e-5, rtol=0)
 
 
-def _spy_caches(monkeypatch, fill: float | None = None) -> list[hb.BranchCache]:
-    """Every BranchCache built from now on, in order; ``fill`` overwrites each new storage."""
-    built: list[hb.BranchCache] = []
-    init = hb.BranchCache.__init__
-
-    def spy(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        if fill is not None:
-            self.storage.fill_(fill)
-        built.append(self)
-
-    monkeypatch.setattr(hb.BranchCache, "__init__", spy)
-    return built
-
-
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_decoding_never_reads_unwritten_kv(family: str, monkeypatch) -> None:
     """The storage is allocated uninitialized. Filled with NaN instead, every cached decoder must
@@ -265,7 +251,7 @@ def test_decoding_never_reads_unwritten_kv(family: str, monkeypatch) -> None:
 
     want = run()
     assert all(sum(st.get("lookahead_adopted", 0) for st in w.stats) > 0 for w in want[3:])  # drafts were read
-    built = _spy_caches(monkeypatch, fill=float("nan"))
+    built = spy_caches(monkeypatch, fill=float("nan"))
     for w, g in zip(want, run()):
         assert torch.equal(w.sequences, g.sequences)
         assert torch.equal(w.nfe, g.nfe)
@@ -281,7 +267,7 @@ def test_generate_reuses_cpu_storage_and_user_caches_never_share_it(monkeypatch)
     release_pooled_storage()
     model = make_tiny_llada()
     cfg = hb.BlockBatchConfig(max_new_tokens=16, block_sizes=[2, 4, 8], threshold=0.5)
-    built = _spy_caches(monkeypatch)
+    built = spy_caches(monkeypatch)
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
     first = model.generate(prompt, generation_config=cfg)
     second = model.generate(prompt, generation_config=cfg)
