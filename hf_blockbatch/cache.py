@@ -108,6 +108,15 @@ def release_pooled_storage() -> None:
     _POOL.release()
 
 
+def _stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as the cache keeps it: without autograd history (only a forward outside inference mode
+    and ``no_grad`` carries one) and in the cache's dtype. Returned as is when it already is: a
+    window forward writes every layer, and a no-op ``detach``/``to`` is still a call on the host."""
+    if t.requires_grad:
+        t = t.detach()
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class BranchCacheLayer(CacheLayerMixin):
     """K/V of one layer for all rows: ``keys``/``values`` of shape ``[R, L, H_kv, D]``."""
 
@@ -116,10 +125,15 @@ class BranchCacheLayer(CacheLayerMixin):
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
-        self.keys = keys
-        self.values = values
+        self.point_at(keys, values)
         self.is_initialized = True
         self.dtype, self.device = keys.dtype, keys.device
+
+    def point_at(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold ``keys``/``values`` ``[R, L, H_kv, D]`` and their ``[R * L, H_kv, D]`` views, which window
+        forwards scatter into (a layer's rows are one contiguous run, also in a prefix of its rows)."""
+        self.keys, self.values = keys, values
+        self.flat_keys, self.flat_values = keys.view(-1, *keys.shape[2:]), values.view(-1, *values.shape[2:])
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Never needed: the layer is preallocated when the cache is built."""
@@ -180,7 +194,7 @@ class BranchCache(Cache):
         else:
             storage = torch.empty(shape, dtype=dtype, device=device)
         super().__init__(layers=[BranchCacheLayer(storage[i, 0], storage[i, 1]) for i in range(num_layers)])
-        self._set_storage(storage)
+        self._set_storage(storage, point=False)  # the layers were just built on it
         self.model_type = model_type
         if attention_mask is None:
             attention_mask = torch.ones(num_rows, length, dtype=torch.bool, device=device)
@@ -212,9 +226,9 @@ class BranchCache(Cache):
             model_type=config.model_type,
         )
 
-    def _set_storage(self, storage: torch.Tensor, base: torch.Tensor | None = None) -> None:
-        """Point every layer at its slice of ``storage`` ``[layers, 2, R, L, H, D]``, the first rows
-        of the contiguous ``base`` (itself when ``None``; a prefix after :meth:`keep_rows`)."""
+    def _set_storage(self, storage: torch.Tensor, base: torch.Tensor | None = None, point: bool = True) -> None:
+        """Point every layer (unless ``point`` is off) at its slice of ``storage`` ``[layers, 2, R, L, H, D]``,
+        the first rows of the contiguous ``base`` (itself when ``None``; a prefix after :meth:`keep_rows`)."""
         self.storage = storage
         # Gathers and scatters across rows index the contiguous base, where a row or a flat
         # ``row * L + position`` slot sits at the same index: on CPUs, ``index_select`` along a
@@ -222,8 +236,9 @@ class BranchCache(Cache):
         # 40 ms for a 100-row tiny-model cache against 0.1 ms on the base.
         self._base = storage if base is None else base
         self._row_views: list[torch.Tensor] | None = None  # built on first use, per storage
-        for i, layer in enumerate(self.layers):
-            layer.keys, layer.values = storage[i, 0], storage[i, 1]
+        if point:
+            for i, layer in enumerate(self.layers):
+                layer.point_at(storage[i, 0], storage[i, 1])
 
     def set_attention_mask(self, attention_mask: torch.Tensor) -> None:
         """Set the key-padding mask; RoPE positions follow it so padding never shifts positions."""
@@ -274,20 +289,22 @@ class BranchCache(Cache):
     def write_rows(self, layer_idx: int, rows: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor):
         """Overwrite whole rows of one layer (a full-canvas forward over ``rows``)."""
         layer = self.layers[layer_idx]
+        keys, values = _stored(keys, layer.dtype), _stored(values, layer.dtype)
         if rows is None:
-            layer.keys.copy_(keys.detach())
-            layer.values.copy_(values.detach())
+            layer.keys.copy_(keys)
+            layer.values.copy_(values)
         else:
-            layer.keys.index_copy_(0, rows, keys.detach().to(layer.dtype))
-            layer.values.index_copy_(0, rows, values.detach().to(layer.dtype))
+            layer.keys.index_copy_(0, rows, keys)
+            layer.values.index_copy_(0, rows, values)
 
     def write_tokens(
         self, layer_idx: int, flat_slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
-        """Write packed K/V ``[T, H_kv, D]`` at flat slots ``row * L + position`` (a window forward)."""
+        """Write packed K/V ``[T, H_kv, D]`` at flat slots ``row * L + position`` (a window forward):
+        two calls per layer, on flat views made once per storage."""
         layer = self.layers[layer_idx]
-        layer.keys.view(-1, *layer.keys.shape[2:]).index_copy_(0, flat_slots, keys.detach().to(layer.dtype))
-        layer.values.view(-1, *layer.values.shape[2:]).index_copy_(0, flat_slots, values.detach().to(layer.dtype))
+        layer.flat_keys.index_copy_(0, flat_slots, _stored(keys, layer.dtype))
+        layer.flat_values.index_copy_(0, flat_slots, _stored(values, layer.dtype))
 
     # ------------------------------------------------------------------ row operations
     def _slabs(self) -> torch.Tensor:

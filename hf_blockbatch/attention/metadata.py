@@ -72,11 +72,13 @@ class WindowBatch:
     # read in place, with no per-layer gather
     seg_cu_q: torch.Tensor | None = None  # [2R+1] int32
     seg_cu_k: torch.Tensor | None = None  # [2R+1] int32
-    # echoes (a query forward's ``echo``): the K/V of packed queries ``echo_src`` [E] are also written
-    # at flat slots ``echo_slots`` [E] of other rows, before any row attends, so those rows see them
-    # as cached K/V (a lookahead draft row sees what its main row computes in the same forward)
-    echo_src: torch.Tensor | None = None
-    echo_slots: torch.Tensor | None = None
+    # echoes (a query forward's ``echo``): the K/V of some packed queries are also written at flat
+    # slots of other rows, before any row attends, so those rows see them as cached K/V (a lookahead
+    # draft row sees what its main row computes in the same forward). Each layer then writes once:
+    # the packed K/V gathered by ``write_src`` [T + E] (every query, then each echo's source) at
+    # ``write_slots`` [T + E] (``flat_slots``, then the echoes' slots); None without echoes
+    write_src: torch.Tensor | None = None
+    write_slots: torch.Tensor | None = None
 
     # the rows grouped by window length (for the grouped SDPA backend), built lazily once per step
     length_groups_: list[tuple[torch.Tensor, torch.Tensor, slice | None]] | None = None

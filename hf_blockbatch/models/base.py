@@ -370,13 +370,15 @@ def _head_rows(keep: torch.Tensor) -> torch.Tensor:
 
 
 def _add_echo(wb, queries: torch.Tensor, echo: torch.Tensor) -> None:
-    """Fill ``wb.echo_src`` / ``echo_slots`` (see :meth:`DiffusionLMMixin.forward_positions`)."""
+    """Fill ``wb.write_src`` / ``write_slots`` (see :meth:`DiffusionLMMixin.forward_positions`): built
+    once per forward, so that each layer writes its queries' K/V and the echoes in one scatter."""
     A, L = queries.shape
     if echo.shape != (A, L) or echo.dtype != torch.long:
         raise ValueError(f"echo must be a long [{A}, {L}] (a source row per position, -1 for none), got "
                          f"{echo.dtype} {tuple(echo.shape)}.")  # fmt: skip
     packed = packed_index(queries)  # packed token of each query
     source = echo.clamp_min(0)
+    # an echo lands where its row does not query: never on a slot the queries write themselves
     i, p = ((echo >= 0) & ~queries & queries.gather(0, source)).nonzero(as_tuple=True)
-    wb.echo_src = packed[source[i, p], p]
-    wb.echo_slots = wb.rows[i] * L + p
+    wb.write_src = torch.cat([torch.arange(wb.num_tokens, device=packed.device), packed[source[i, p], p]])
+    wb.write_slots = torch.cat([wb.flat_slots, wb.rows[i] * L + p])

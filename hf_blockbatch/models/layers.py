@@ -149,9 +149,12 @@ def self_attention(
         out = ctx.backend.dense(q, k, v, ctx.key_mask, scale)
     else:
         # write first, so the window's queries see the window's own fresh keys
-        ctx.cache.write_tokens(layer_idx, ctx.wb.flat_slots, k, v)
-        if ctx.wb.echo_src is not None:  # the K/V of some queries also go to other rows (lookahead drafts)
-            ctx.cache.write_tokens(layer_idx, ctx.wb.echo_slots, k[ctx.wb.echo_src], v[ctx.wb.echo_src])
+        wb = ctx.wb
+        if wb.write_src is None:
+            ctx.cache.write_tokens(layer_idx, wb.flat_slots, k, v)
+        else:  # the K/V of some queries also go to other rows (lookahead drafts): one scatter for both
+            ctx.cache.write_tokens(layer_idx, wb.write_slots, k.index_select(0, wb.write_src),
+                                   v.index_select(0, wb.write_src))  # fmt: skip
         layer = ctx.cache.layers[layer_idx]
         out = ctx.backend.window(q, layer.keys, layer.values, ctx.wb, scale)
     return o_proj(out.reshape(*lead, num_heads * head_dim))
