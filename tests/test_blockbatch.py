@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _generation_helpers import eos_model, peaked
+from _generation_helpers import eos_model, peaked, run_padded, spy_caches
 from conftest import EOS_ID, MASK_ID
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -112,6 +112,16 @@ def _applicable(cfg: dict) -> dict:
     return cfg
 
 
+def _with_rule(cfg: dict) -> dict:
+    """The drawn ``localleap`` entry (a relaxed threshold as a fraction of the anchor, a radius) as
+    the config's rule options; a copy."""
+    cfg = dict(cfg)
+    leap = cfg.pop("localleap")
+    if leap is not None:
+        cfg.update(rule="localleap", relaxed_threshold=leap[0] * cfg["threshold"], leap_radius=leap[1])
+    return cfg
+
+
 def _pruned_at(trace: list, after_syncs: int | None, n_branches: int) -> list[int | None]:
     """Per branch, the step at which Prune retired it: its ``after_syncs``-th sync after a block
     step (the initial forward's sync, at step 1, does not count)."""
@@ -198,13 +208,8 @@ def test_blockbatch_padded_batch_equals_alone_on_random_configs(cfg, prune, agre
 
 
 def _check_padded_equals_alone(cfg, prune, agreement, confident, widest, kind, prompt, other, dtype) -> None:
-    from _generation_helpers import run_padded
-
     cfg = _applicable({**cfg, "prune_after_syncs": prune, "merge_agreement": agreement})
-    cfg = {**cfg, "eos_prefer_widest": widest and cfg["early_stop"], "merge_source_confidence": confident}
-    leap = cfg.pop("localleap")
-    if leap is not None:
-        cfg.update(rule="localleap", relaxed_threshold=leap[0] * cfg["threshold"], leap_radius=leap[1])
+    cfg = _with_rule({**cfg, "eos_prefer_widest": widest and cfg["early_stop"], "merge_source_confidence": confident})
     config = BlockBatchConfig(max_new_tokens=16, **cfg)
     model = _model(kind, dtype)
     alone = _gen(model, prompt, config)
@@ -225,10 +230,7 @@ def _check_invariants(cfg: dict, kind: str, prompt: list[int], seed: int) -> dic
     model = _model(kind)
     G = 16
     n = len(cfg["block_sizes"])
-    cfg = dict(cfg)
-    leap = cfg.pop("localleap")
-    if leap is not None:
-        cfg.update(rule="localleap", relaxed_threshold=leap[0] * cfg["threshold"], leap_radius=leap[1])
+    cfg = _with_rule(cfg)
     config = BlockBatchConfig(max_new_tokens=G, output_trace=True, **cfg)
     out = _gen(model, prompt, config, generator=torch.Generator().manual_seed(seed))
     seq = out.sequences[0].tolist()
@@ -648,7 +650,6 @@ def test_blockbatch_invariants_sweep():
     that a step reading K/V that nothing wrote fails too; the padded batch against alone in float64."""
     import os
 
-    from _generation_helpers import spy_caches
     from hypothesis import seed as fixed_seed
 
     n = int(os.environ.get("HB_SWEEP_EXAMPLES", "400"))
