@@ -199,6 +199,26 @@ def test_streamer_receives_the_generated_tokens(family, cfg):
     assert all(len(chunk) > 0 for chunk in s.puts)
 
 
+def test_streamer_gets_ordinary_tensors_it_may_keep():
+    """The decode runs in inference mode; a streamer that keeps what it is given gets ordinary host
+    tensors (editable in place, as transformers' own generate gives it) that no later step of the
+    run changes."""
+    kept: list[torch.Tensor] = []
+
+    class Keeping(RecordingStreamer):
+        def put(self, value: torch.Tensor) -> None:
+            super().put(value)
+            kept.append(value)
+
+    s = Keeping()
+    _gen(peaked("llada"), PROMPT, BlockBatchConfig(max_new_tokens=G, block_sizes=[2, 4, 8], threshold=0.47), streamer=s)
+    assert len(kept) > 1
+    assert [t.reshape(-1).tolist() for t in kept] == s.puts  # unchanged since put
+    for t in kept:
+        assert not t.is_inference() and t.device.type == "cpu"
+        t.add_(0)  # in place, outside inference mode
+
+
 # ----------------------------------------------------------------------------- 8. errors before any forward
 def _counting(model):
     calls = {"n": 0}

@@ -33,7 +33,7 @@ from hf_blockbatch.generation.plans import DecodePlan
 from hf_blockbatch.generation.policies import StepContext
 from hf_blockbatch.generation.sampling import Sampled, sample_tokens
 from hf_blockbatch.generation.state import DecodeState, in_window
-from hf_blockbatch.generation.trace import Recorder
+from hf_blockbatch.generation.trace import Recorder, for_streamer
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ def run_plan(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if streamer is not None:
-            streamer.put(input_ids[0][attention_mask[0].bool()].cpu())
+            streamer.put(for_streamer(input_ids[0][attention_mask[0].bool()]))
         with reuse_storage():  # the run's cache never leaves it: its CPU storage serves the next call
             result = Run(model, input_ids, attention_mask, plan, mask_id, eos_ids, pad_id, generator, streamer).run()
     if not caller_in_inference:  # two small tensors; the stats are host values

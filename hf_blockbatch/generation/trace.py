@@ -85,6 +85,15 @@ def event_from_dict(data: dict[str, Any]) -> TraceEvent:
 _COUNTS = ("committed", "merged", "copied", "syncs", "refreshes")
 
 
+def for_streamer(tokens: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tokens`` on the host, made outside inference mode: the decode runs in it
+    (``engine.run_plan``), and a streamer that keeps what it is given may edit it in place later or
+    use it in a training step, as it can with transformers' own ``generate``; a copy, not a view of
+    the decode's canvas, whose storage the run goes on using."""
+    with torch.inference_mode(False):
+        return tokens.to("cpu", copy=True)
+
+
 def _query_tokens(host: dict[str, list[int]], rows: list[int]) -> int:
     """Positions a request fed through the model: its rows' block steps, every full forward of a row
     (its real length; ``refreshes`` counts the initial forward too), and the initial forward once,
@@ -243,7 +252,7 @@ class Recorder:
             n = int((~agree).float().argmax()) if bool((~agree).any()) else agree.shape[0]
             gen = gen[0]
         if n > self.streamed:
-            self.streamer.put(gen[self.streamed : n].cpu())
+            self.streamer.put(for_streamer(gen[self.streamed : n]))
             self.streamed = n
         if final:
             self.streamer.end()
