@@ -88,8 +88,8 @@ _COUNTS = ("committed", "merged", "copied", "syncs", "refreshes")
 def for_streamer(tokens: torch.Tensor) -> torch.Tensor:
     """A copy of ``tokens`` on the host, made outside inference mode: the decode runs in it
     (``engine.run_plan``), and a streamer that keeps what it is given may edit it in place later or
-    use it in a training step, as it can with transformers' own ``generate``; a copy, not a view of
-    the decode's canvas, whose storage the run goes on using."""
+    use it in a training step, as it can with transformers' own ``generate``; and a copy, never a
+    view of the run's tensors."""
     with torch.inference_mode(False):
         return tokens.to("cpu", copy=True)
 
