@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 from _generation_helpers import eos_model, peaked, ref_generate
-from conftest import EOS_ID, MASK_ID, make_tiny_llada
+from conftest import EOS_ID, MASK_ID, make_tiny_dream, make_tiny_llada
 from transformers import GenerationConfig
 
 import hf_blockbatch as hb
@@ -487,6 +487,41 @@ def test_a_model_split_over_gpus_is_refused_where_a_cache_is_needed():
     assert out.shape == (1, len(PROMPT) + 8)
     m.hf_device_map = {"": 0}  # one device: the cache is fine
     m.generate(torch.tensor([PROMPT]), generation_config=FastDLLMConfig(max_new_tokens=8, block_length=4))
+
+
+@pytest.mark.parametrize("family,tied", [("llada", False), ("llada", True), ("dream", False), ("dream", True)])
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_a_model_offloaded_by_accelerate_decodes_as_loaded(family, tied, offload, tmp_path):
+    """accelerate's offloading (``cpu_offload``, ``disk_offload``, a ``device_map`` with "disk") leaves the
+    weights on ``meta`` between forwards: the decoders' state and cache must live on the hooks' execution
+    device, and a tied LLaDA head must load the embedding's weight (a linear with a meta weight returns
+    uninitialised memory, not an error). Every strategy decodes as the model did before it was offloaded."""
+    from accelerate import cpu_offload, disk_offload
+
+    if family == "llada":
+        model = make_tiny_llada(weight_tying=True) if tied else make_tiny_llada()
+    else:
+        model = make_tiny_dream(tie_word_embeddings=True) if tied else make_tiny_dream()
+    ids = torch.tensor([PROMPT, [9, 8, 7, 6, 5, 4, 3]])
+    configs = [VanillaDiffusionConfig(max_new_tokens=12, steps=12), FastDLLMConfig(max_new_tokens=12, block_length=4),
+               FastDLLMConfig.drafted(exact=False, max_new_tokens=12, block_length=4),
+               BlockBatchConfig(max_new_tokens=12, block_sizes=[2, 4], threshold=0.5)]  # fmt: skip
+    loaded = [model.generate(ids, generation_config=cfg) for cfg in configs]
+    if offload == "cpu":
+        cpu_offload(model, execution_device=torch.device("cpu"))
+    else:
+        disk_offload(model, str(tmp_path), execution_device=torch.device("cpu"))
+    assert next(model.parameters()).device.type == "meta" and model.device == torch.device("cpu")
+    for cfg, expected in zip(configs, loaded):
+        assert torch.equal(model.generate(ids, generation_config=cfg), expected), type(cfg).__name__
+
+
+def test_a_model_left_on_meta_is_refused_with_what_to_do():
+    """Weights on ``meta`` with no accelerate hook (``init_empty_weights`` never loaded) cannot compute:
+    said before any forward, not as torch's "cannot copy out of meta tensor"."""
+    model = make_tiny_llada().to("meta")
+    with pytest.raises(RuntimeError, match="meta device and no accelerate hook.*load them"):
+        model.generate(torch.tensor([PROMPT]), generation_config=FastDLLMConfig(max_new_tokens=8, block_length=4))
 
 
 def test_config_from_dict_rejects_unknown_strategy():

@@ -150,7 +150,7 @@ class HFBlockBatchLM(_LMBase):
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self._device = next(self.model.parameters()).device
+        self._device = self.model.device
         self._end_ids = end_token_ids(self.tokenizer, self.model.config)
         self.method = method
         self.gen_length = int(gen_length) if gen_length is not None else None

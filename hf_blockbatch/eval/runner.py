@@ -541,10 +541,12 @@ def _load(settings: BenchSettings, shard: ShardInfo) -> tuple[Any, Any]:
 
 
 def _input_device(model: Any) -> torch.device:
+    """Where the prompts go: the embedding's device (the first GPU of a ``device_map``), or, when
+    accelerate has offloaded it to ``meta``, the device the model says it computes on."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if emb is not None and hasattr(emb, "weight"):
+    if emb is not None and hasattr(emb, "weight") and emb.weight.device.type != "meta":
         return emb.weight.device
-    return next(model.parameters()).device
+    return model.device
 
 
 def _encode(tokenizer: Any, texts: Sequence[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

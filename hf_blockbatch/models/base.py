@@ -82,6 +82,29 @@ class DiffusionLMMixin:
     #: ``forward_positions`` is available (``window_queries="sparse"`` needs it)
     supports_position_queries: bool = True
 
+    # ---- where the forward runs ------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """The device this model computes on, where the decoders keep their state and the cache.
+
+        transformers says the first parameter's device. That is right unless accelerate has offloaded
+        the weights (``cpu_offload``, ``disk_offload``, or a ``device_map`` whose first module is
+        offloaded): they then sit on ``meta`` between forwards, and a tensor made there has no data.
+        The forward runs on its hooks' execution device, so that is the answer then."""
+        p = next(self.parameters())
+        if p.device.type != "meta":
+            return p.device
+        for module in self.modules():
+            hook = getattr(module, "_hf_hook", None)
+            for h in getattr(hook, "hooks", (hook,)):  # accelerate's SequentialHook holds several
+                if getattr(h, "execution_device", None) is not None:
+                    return torch.device(h.execution_device)
+        raise RuntimeError(
+            f"{type(self).__name__}'s weights are on the meta device and no accelerate hook says where they "
+            "compute: load them (from_pretrained without device_map='meta', or init_empty_weights followed by "
+            "load_checkpoint_and_dispatch) before generating."
+        )
+
     # ---- provided by the family classes --------------------------------------------------
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -110,13 +133,13 @@ class DiffusionLMMixin:
     def attention_backend(self) -> AttentionBackend:
         """The backend for window forwards, chosen from ``config.window_attention`` on first use
         (``auto``: flash varlen, else torch varlen on CUDA, else padded SDPA) and logged once."""
-        p = next(self.parameters())
-        key = (self.config.window_attention, p.device, p.dtype)
+        device, dtype = self.device, next(self.parameters()).dtype
+        key = (self.config.window_attention, device, dtype)
         if getattr(self, "_backend_key", None) != key:
-            self._backend = get_backend(self.config.window_attention, p.device, p.dtype)
+            self._backend = get_backend(self.config.window_attention, device, dtype)
             self._backend_key = key
             logger.info("%s: window attention backend %r on %s/%s", type(self).__name__, self._backend.name,
-                        p.device, p.dtype)
+                        device, dtype)
         return self._backend
 
     def set_attention_backend(self, name: str) -> None:
@@ -136,9 +159,9 @@ class DiffusionLMMixin:
                 "one device: decode it without a cache (VanillaDiffusionConfig, or FastDLLMConfig(cache='none')), or "
                 "load it on one GPU (device='cuda'; LLaDA-8B and Dream-7B fit one GPU in bf16)."
             )
-        p = next(self.parameters())
         return BranchCache.for_model(
-            self.config, num_rows, length, dtype=p.dtype, device=p.device, attention_mask=attention_mask
+            self.config, num_rows, length, dtype=next(self.parameters()).dtype, device=self.device,
+            attention_mask=attention_mask,
         )
 
     def _check_cache(self, cache: BranchCache, length: int) -> None:

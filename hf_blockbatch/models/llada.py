@@ -277,7 +277,16 @@ class LLaDAModelLM(DiffusionLMMixin, BlockBatchGenerationMixin, LLaDAPreTrainedM
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self.model.transformer.ln_f(hidden)
         if self.config.weight_tying:
-            logits = F.linear(hidden, self.model.transformer.wte.weight)
+            wte = self.model.transformer.wte
+            if wte.weight.device.type == "meta":
+                # Offloaded by accelerate: the tied weight is loaded only around the embedding's own forward,
+                # and a linear with a meta weight returns uninitialised memory rather than an error.
+                from accelerate.utils import align_module_device
+
+                with align_module_device(wte):
+                    logits = F.linear(hidden, wte.weight)
+            else:
+                logits = F.linear(hidden, wte.weight)
         else:
             logits = self.model.transformer.ff_out(hidden)
         if self.config.scale_logits:

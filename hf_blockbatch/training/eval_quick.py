@@ -56,7 +56,7 @@ def greedy_decode(
     filled in ``ceil(block_length / tokens_per_step)`` steps, committing the highest-probability
     predictions among the still-masked positions of the block.
     """
-    device = next(model.parameters()).device
+    device = model.device
     shift = int(getattr(model, "logit_shift", 0))
     B = len(prompts)
     P = max(len(p) for p in prompts)
@@ -106,7 +106,7 @@ def masked_token_accuracy(
     The batches are noised once, with a fixed seed, so successive evaluations are comparable.
     """
     shift = int(getattr(model, "logit_shift", 0))
-    device = next(model.parameters()).device
+    device = model.device
     tot_loss, tot_correct, tot_n = 0.0, 0, 0
     for noisy, clean, masked in batches:
         noisy, clean, masked = noisy.to(device), clean.to(device), masked.to(device)
