@@ -200,3 +200,23 @@ def test_model_backend_follows_config_and_device() -> None:
     assert model.attention_backend.name == get_backend("auto", "cpu", torch.float32).name
     model.to(torch.bfloat16)  # re-chosen for the new dtype, not cached from before
     assert model.attention_backend.name == get_backend("auto", "cpu", torch.bfloat16).name
+
+
+def test_attn_implementation_flash_attention_2_asks_for_flash_varlen() -> None:
+    """transformers' spelling, ``attn_implementation="flash_attention_2"``, selects ``flash_varlen`` while
+    ``window_attention`` is ``auto``; where it cannot run that is said, not replaced in silence by
+    another backend. A backend named with ``set_attention_backend`` wins."""
+    import importlib.util
+
+    from conftest import make_tiny_llada
+
+    if importlib.util.find_spec("flash_attn") is None:  # transformers refuses it at load time, clearly
+        with pytest.raises(ImportError, match="FlashAttention2"):
+            hb.load_model("tiny-llada", attn_implementation="flash_attention_2")
+    model = make_tiny_llada()
+    model.config._attn_implementation = "flash_attention_2"  # what from_pretrained sets when flash-attn is there
+    with pytest.raises(ValueError, match=r"'flash_varlen' cannot run on cpu with torch.float32"):
+        model.generate(torch.tensor([[1, 2, 3]]), generation_config=hb.FastDLLMConfig(max_new_tokens=8, block_length=4))
+    model.set_attention_backend("sdpa")
+    assert model.attention_backend.name == "sdpa"
+    model.generate(torch.tensor([[1, 2, 3]]), generation_config=hb.FastDLLMConfig(max_new_tokens=8, block_length=4))

@@ -132,11 +132,17 @@ class DiffusionLMMixin:
     @property
     def attention_backend(self) -> AttentionBackend:
         """The backend for window forwards, chosen from ``config.window_attention`` on first use
-        (``auto``: flash varlen, else torch varlen on CUDA, else padded SDPA) and logged once."""
-        device, dtype = self.device, next(self.parameters()).dtype
-        key = (self.config.window_attention, device, dtype)
+        (``auto``: flash varlen, else torch varlen on CUDA, else padded SDPA) and logged once.
+
+        transformers' spelling, ``from_pretrained(..., attn_implementation="flash_attention_2")``, asks
+        for ``flash_varlen`` when ``window_attention`` is ``auto``: the user said flash, and a backend
+        that cannot run here should say so rather than fall back in silence."""
+        name, device, dtype = self.config.window_attention, self.device, next(self.parameters()).dtype
+        if name == "auto" and getattr(self.config, "_attn_implementation", None) == "flash_attention_2":
+            name = "flash_varlen"
+        key = (name, device, dtype)
         if getattr(self, "_backend_key", None) != key:
-            self._backend = get_backend(self.config.window_attention, device, dtype)
+            self._backend = get_backend(name, device, dtype)
             self._backend_key = key
             logger.info("%s: window attention backend %r on %s/%s", type(self).__name__, self._backend.name,
                         device, dtype)

@@ -242,6 +242,8 @@ class LLaDAPreTrainedModel(PreTrainedModel):
     config_class = LLaDAConfig
     base_model_prefix = "model"
     _no_split_modules = ["LLaDALlamaBlock"]
+    #: attn_implementation="flash_attention_2" selects the flash_varlen backend (DiffusionLMMixin.attention_backend)
+    _supports_flash_attn = True
     supports_gradient_checkpointing = False
 
     def _init_weights(self, module: nn.Module) -> None:
