@@ -524,6 +524,31 @@ def test_a_model_left_on_meta_is_refused_with_what_to_do():
         model.generate(torch.tensor([PROMPT]), generation_config=FastDLLMConfig(max_new_tokens=8, block_length=4))
 
 
+def test_generate_takes_transformers_argument_names_and_refuses_left_to_right_ones():
+    """``generate(inputs=...)`` is transformers' name for the prompts; its left-to-right arguments are
+    refused with why (not reported as unknown config options), on the model's own ``generate`` and on a
+    contract model made generative with ``enable``; empty processor lists ask for nothing and pass."""
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+
+    model = make_tiny_llada()
+    cfg = FastDLLMConfig(max_new_tokens=8, block_length=4)
+    ids = torch.tensor([PROMPT])
+    expected = model.generate(ids, generation_config=cfg)
+    assert torch.equal(model.generate(inputs=ids, generation_config=cfg), expected)
+    assert torch.equal(hb.enable(make_tiny_llada()).generate(inputs=ids, generation_config=cfg), expected)
+    assert torch.equal(model.generate(ids, generation_config=cfg, logits_processor=LogitsProcessorList(),
+                                      stopping_criteria=StoppingCriteriaList(), synced_gpus=False), expected)  # fmt: skip
+    refused = {
+        "inputs": (dict(input_ids=ids, inputs=ids), "given twice"),
+        "stopping_criteria": (dict(input_ids=ids, stopping_criteria=[lambda *a: True]), "does not use stopping_criteria"),
+        "inputs_embeds": (dict(inputs_embeds=torch.zeros(1, 7, 64)), "remove inputs_embeds and pass the prompts as token ids"),
+        "position_ids": (dict(input_ids=ids, position_ids=torch.arange(7)[None]), "builds the canvas.*remove position_ids"),
+    }  # fmt: skip
+    for kwargs, message in refused.values():
+        with pytest.raises(ValueError, match=message):
+            model.generate(generation_config=cfg, **kwargs)
+
+
 def test_config_from_dict_rejects_unknown_strategy():
     with pytest.raises(ValueError, match="Unknown strategy"):
         config_from_dict({"strategy": "beam"})

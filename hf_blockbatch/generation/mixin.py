@@ -210,6 +210,38 @@ def _asks_nothing(value: Any) -> bool:
     return value is None or (isinstance(value, (list, tuple)) and not value)
 
 
+#: arguments of a left-to-right ``generate`` that a masked canvas builds for itself from ``input_ids``
+_BUILT_FROM_INPUT_IDS = ("inputs_embeds", "past_key_values", "position_ids", "cache_position")
+
+
+def _front_door(input_ids: Any, kwargs: dict[str, Any]) -> Any:
+    """The prompts, from ``input_ids`` or transformers' name for them, ``inputs``; and the arguments of
+    transformers' ``generate`` that have no meaning here refused with what to do, rather than
+    reported as unknown config options or ignored. Every ``generate`` entry point calls it."""
+    inputs = kwargs.pop("inputs", None)
+    if inputs is not None:
+        if input_ids is not None:
+            raise ValueError("The prompts were given twice (input_ids and inputs): pass one of them.")
+        input_ids = inputs
+    given = [k for k in _LEFT_TO_RIGHT_ONLY if not _asks_nothing(kwargs.pop(k, None))]
+    if given:
+        raise ValueError(
+            f"Masked-diffusion decoding does not use {', '.join(given)}: "
+            f"{'it acts' if len(given) == 1 else 'they act'} on left-to-right steps, one token at a time, and "
+            "a diffusion step commits many positions at once. Remove "
+            f"{'it' if len(given) == 1 else 'them'} (EOS ends an answer: early_stop; sampling: temperature)."
+        )
+    built = [k for k in _BUILT_FROM_INPUT_IDS if kwargs.pop(k, None) is not None]
+    if built:
+        raise ValueError(
+            f"generate() builds the canvas, its positions and its cache from input_ids: remove {', '.join(built)}"
+            + (" and pass the prompts as token ids (input_ids)." if "inputs_embeds" in built else ".")
+        )
+    for key in _NOT_USED:
+        kwargs.pop(key, None)
+    return input_ids
+
+
 def custom_generate(inputs: torch.LongTensor | None = None, *, model, **kwargs: Any):
     """These strategies as a transformers Hub ``custom_generate``.
 
@@ -220,12 +252,7 @@ def custom_generate(inputs: torch.LongTensor | None = None, *, model, **kwargs: 
     ``trust_remote_code=True``, binds it as ``generate`` with ``model=``); the model must implement
     the forward contract. The rest is :func:`diffusion_generate`.
     """
-    given = [k for k in _LEFT_TO_RIGHT_ONLY if not _asks_nothing(kwargs.pop(k, None))]
-    if given:
-        raise ValueError(f"Masked-diffusion decoding does not use {', '.join(given)}: remove {'it' if len(given) == 1 else 'them'}.")
-    for key in _NOT_USED:
-        kwargs.pop(key, None)
-    input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+    input_ids = _front_door(inputs if inputs is not None else kwargs.pop("input_ids", None), kwargs)
     if input_ids is None:
         raise ValueError("Pass the prompts as input_ids ([batch, prompt_length]).")
     return diffusion_generate(model, input_ids, **kwargs)
@@ -251,7 +278,7 @@ def enable(model):
 
     def generate(input_ids=None, attention_mask=None, **kwargs):
         kwargs.update(_pipeline_options(kwargs))
-        return diffusion_generate(model, input_ids, attention_mask, **kwargs)
+        return diffusion_generate(model, _front_door(input_ids, kwargs), attention_mask, **kwargs)
 
     model.generate = generate
     return model
@@ -308,7 +335,7 @@ def _generate_with_hub_arguments(model, input_ids, attention_mask, kwargs: dict[
     custom = kwargs.pop("custom_generate", None)
     trust = kwargs.pop("trust_remote_code", None)
     if custom is None:
-        return diffusion_generate(model, input_ids, attention_mask, **kwargs)
+        return diffusion_generate(model, _front_door(input_ids, kwargs), attention_mask, **kwargs)
     if not isinstance(custom, str):
         raise ValueError(
             f"custom_generate={custom!r}: a callable replaces transformers' left-to-right decoding loop, which "
@@ -333,7 +360,7 @@ class BlockBatchGenerationMixin:
         kwargs.update(_pipeline_options(kwargs))
         if kwargs.get("custom_generate") is not None or "trust_remote_code" in kwargs:
             return _generate_with_hub_arguments(self, input_ids, attention_mask, kwargs)
-        return diffusion_generate(self, input_ids, attention_mask, **kwargs)
+        return diffusion_generate(self, _front_door(input_ids, kwargs), attention_mask, **kwargs)
 
     def can_generate(self) -> bool:  # transformers asks before loading a generation config
         return True
