@@ -108,7 +108,9 @@ def load_model(
 
     ``device_map`` (e.g. ``"auto"``) is passed to ``from_pretrained`` so that accelerate spreads a
     model larger than one GPU over the visible GPUs; the model is then left where accelerate put
-    it (``device`` is ignored), since moving a dispatched model would undo the placement.
+    it (``device`` is ignored), since moving a dispatched model would undo the placement. Layers
+    offloaded to ``"cpu"`` or ``"disk"`` (with ``offload_folder``) wait on ``meta`` between forwards;
+    ``model.device`` is then where they compute, and every strategy decodes there.
 
     A name that is neither embedded nor a folder is a Hub id: when the Hub cannot be reached it
     loads from the local Hub cache, or fails at once (not after the Hub client's retries).
