@@ -160,7 +160,19 @@ def _unreadable_safetensors(folder: Path) -> list[str]:
     return bad
 
 
+#: what a folder holds when it holds a tokenizer (any one, for the fast, slow and BPE formats)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 def _load(path: str, device, dtype, **kwargs):
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / name).exists() for name in _TOKENIZER_FILES):
+        # model.save_pretrained(folder) alone saves no tokenizer; transformers would say it cannot convert
+        # "a slow tokenizer" and ask for sentencepiece, after loading the weights
+        raise FileNotFoundError(
+            f"{path!r} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): save it beside the weights with "
+            f"tokenizer.save_pretrained({path!r}), or load the model with AutoModel.from_pretrained({path!r})."
+        )
     if kwargs.get("device_map") is not None:
         if dtype is None:
             dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32

@@ -167,6 +167,18 @@ def _(**_):
     return _generate(custom_generate=print, max_new_tokens=8)
 
 
+@case("inputs-embeds")
+def _(**_):
+    from conftest import make_tiny_llada
+
+    return _message(lambda: make_tiny_llada().generate(inputs_embeds=torch.zeros(1, 3, 64)))
+
+
+@case("stopping-criteria")
+def _(**_):
+    return _generate(stopping_criteria=[lambda *a: True])
+
+
 # ---------------------------------------------------------------------------------- load_model
 
 
@@ -189,6 +201,15 @@ def _(tmp_path, **_):
     shutil.copytree(hb.TINY_LLADA, folder)
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return _message(lambda: hb.load_model(str(folder)))
+
+
+@case("folder-without-tokenizer")
+def _(tmp_path, **_):
+    folder = tmp_path / "weights-only"  # what model.save_pretrained(folder) alone writes
+    folder.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(Path(hb.TINY_LLADA) / name, folder / name)
     return _message(lambda: hb.load_model(str(folder)))
 
 
