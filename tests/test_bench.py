@@ -692,3 +692,16 @@ def test_gpu_check_latency_section_runs_and_prices_every_step_on_the_cpu():
     assert out["projection"][f"{backends[0]}_packed_4_to_128"]["query_tokens"] == 4 + 8 + 16 + 32 + 64 + 128
     assert out["projection"][f"{backends[0]}_b64_rows3"]["query_tokens"] == 3 * 64
     assert out["projection"]["full_forward_1row"]["query_tokens"] == 768
+
+
+def test_bench_refuses_a_misspelt_task_or_method_before_loading_the_model(tmp_path, monkeypatch):
+    """A typo in ``--task`` or ``--methods`` is said at once, not after minutes of loading an 8B model."""
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the model was loaded before the tasks and methods were checked")
+
+    monkeypatch.setattr(runner, "_load", no_load)
+    with pytest.raises(ValueError, match="unknown task 'gsm9k'"):
+        run_bench(BenchSettings(tasks=["gsm9k"], output_dir=str(tmp_path / "t")))
+    with pytest.raises(ValueError, match="unknown method 'blockbach'"):
+        run_bench(BenchSettings(tasks=["arith"], methods=["blockbach"], limit=2, output_dir=str(tmp_path / "m")))

@@ -652,12 +652,7 @@ def run_bench(
         raise ValueError(f"latency_batch_1 must be an integer >= 0 (items re-timed alone; 0: off), got {n_alone!r}.")
     out_dir = Path(settings.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if model is None or tokenizer is None:
-        model, tokenizer = _load(settings, shard)
-    end_ids = end_token_ids(tokenizer, model.config)
-    device = _input_device(model)
-    chat = settings.chat if settings.chat is not None else bool(getattr(tokenizer, "chat_template", None))
-
+    # tasks, items and configs first: a misspelt task or method is said before minutes of loading an 8B model
     plans: list[tuple[str, Task, list[EvalItem], int, dict[str, Any]]] = []
     for name in settings.tasks:
         task = load_task(name, settings.data_paths.get(name))
@@ -665,6 +660,12 @@ def run_bench(
         gen_length = int(settings.gen_length or task.default_gen_length)
         configs = build_method_configs(settings.methods, gen_length, settings.overrides, settings.sweep_blocks)
         plans.append((name, task, items, gen_length, configs))
+
+    if model is None or tokenizer is None:
+        model, tokenizer = _load(settings, shard)
+    end_ids = end_token_ids(tokenizer, model.config)
+    device = _input_device(model)
+    chat = settings.chat if settings.chat is not None else bool(getattr(tokenizer, "chat_template", None))
 
     # a sweep point identical to the baseline (b=32 with the default fast_dllm) is not decoded twice
     aliases: dict[str, dict[str, str]] = {}
