@@ -520,6 +520,19 @@ def test_lm_eval_adapter_generate_until(tiny):
     assert van.overrides["vanilla"]["steps"] == 256
 
 
+def test_lm_eval_adapter_refuses_a_bad_field_before_loading_the_model(monkeypatch):
+    """``--model_args`` with a bad config field is said at once, not after loading the checkpoint."""
+    import hf_blockbatch.hub as hub
+    from hf_blockbatch.eval.lm_eval_model import HFBlockBatchLM
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the model was loaded before its model_args were checked")
+
+    monkeypatch.setattr(hub, "load_model", no_load)
+    with pytest.raises(ValueError, match="threshold must be in"):
+        HFBlockBatchLM(pretrained="tiny-llada", method="blockbatch", threshold=1.5)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
 def test_lm_eval_adapter_takes_the_harness_default_device_on_a_cpu_machine(tiny, caplog):
     """The harness passes ``device='cuda:0'`` unless told otherwise; without CUDA the model stays on the

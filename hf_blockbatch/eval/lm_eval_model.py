@@ -122,6 +122,12 @@ class HFBlockBatchLM(_LMBase):
         super().__init__()
         if method not in METHODS:  # every method the bench knows (a new one is one entry of METHODS)
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        self.method = method
+        self.gen_length = int(gen_length) if gen_length is not None else None
+        self.overrides = {method: {k: _field_value(v) for k, v in config_fields.items()}}
+        # fail on a bad field now, before loading the model and the data (at the length the first request will
+        # likely use)
+        build_method_configs([method], self.gen_length or DEFAULT_GEN_LENGTH, self.overrides)
         shard = shard_info()
         self._rank, self._world_size = shard.rank, shard.world_size
         if self._world_size > 1:
@@ -152,13 +158,8 @@ class HFBlockBatchLM(_LMBase):
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self._device = self.model.device
         self._end_ids = end_token_ids(self.tokenizer, self.model.config)
-        self.method = method
-        self.gen_length = int(gen_length) if gen_length is not None else None
         # "auto" (the harness's batch-size search) has no meaning here: decode one at a time
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1
-        self.overrides = {method: {k: _field_value(v) for k, v in config_fields.items()}}
-        # fail on a bad field now, not after loading data (at the length the first request will likely use)
-        build_method_configs([method], self.gen_length or DEFAULT_GEN_LENGTH, self.overrides)
         #: NFE of every request decoded so far, in order
         self.nfe: list[int] = []
         #: per request decoded so far: its task, document, NFE and decoding stats (for annotate_results)
