@@ -78,8 +78,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from hf_blockbatch import BlockBatchConfig, FastDLLMConfig, answer_texts, end_token_ids
     from hf_blockbatch.hub import load_model
 
-    model, tokenizer = load_model(args.model, device=args.device)
-    ids = _encode(tokenizer, args.prompt, chat=not args.no_chat).to(model.device)
     common = {"max_new_tokens": args.max_new_tokens, "threshold": args.threshold}
     # the paper's baseline, BlockBatch, and (beyond the paper, RESULTS §8, §13) the baseline to beat:
     # Fast-dLLM with early stop, and the same with exact lookahead drafts
@@ -91,6 +89,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "Fast-dLLM drafted(exact=False) (drafts also adopted when the step committed more)":
             FastDLLMConfig.drafted(exact=False, **common),
     }
+    # the configs first: a bad --threshold is said before the model loads
+    model, tokenizer = load_model(args.model, device=args.device)
+    ids = _encode(tokenizer, args.prompt, chat=not args.no_chat).to(model.device)
     print(f"model: {args.model}  device: {model.device}  prompt: {args.prompt!r}\n")
     rows = []
     for name, cfg in configs.items():

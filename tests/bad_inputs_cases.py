@@ -231,6 +231,17 @@ def _(capsys, **_):
     return _cli(["generate", "--threshold", "nan"], capsys)
 
 
+@case("cli-threshold-range")
+def _(capsys, monkeypatch, **_):
+    import hf_blockbatch.hub as hub
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the model was loaded before --threshold was checked")
+
+    monkeypatch.setattr(hub, "load_model", no_load)
+    return _cli(["generate", "--threshold", "1.5"], capsys)
+
+
 @case("cli-demo-port")
 def _(capsys, **_):
     return _cli(["demo", "--port", "99999"], capsys)
