@@ -538,11 +538,14 @@ def test_generate_takes_transformers_argument_names_and_refuses_left_to_right_on
     assert torch.equal(hb.enable(make_tiny_llada()).generate(inputs=ids, generation_config=cfg), expected)
     assert torch.equal(model.generate(ids, generation_config=cfg, logits_processor=LogitsProcessorList(),
                                       stopping_criteria=StoppingCriteriaList(), synced_gpus=False), expected)  # fmt: skip
+    # a tokenizer that returns token_type_ids: generate(**tokenizer(...)) works while they are all 0
+    assert torch.equal(model.generate(ids, token_type_ids=torch.zeros_like(ids), generation_config=cfg), expected)
     refused = {
         "inputs": (dict(input_ids=ids, inputs=ids), "given twice"),
         "stopping_criteria": (dict(input_ids=ids, stopping_criteria=[lambda *a: True]), "does not use stopping_criteria"),
         "inputs_embeds": (dict(inputs_embeds=torch.zeros(1, 7, 64)), "remove inputs_embeds and pass the prompts as token ids"),
         "position_ids": (dict(input_ids=ids, position_ids=torch.arange(7)[None]), "builds the canvas.*remove position_ids"),
+        "token_type_ids": (dict(input_ids=ids, token_type_ids=torch.ones_like(ids)), "no token types"),
     }  # fmt: skip
     for kwargs, message in refused.values():
         with pytest.raises(ValueError, match=message):

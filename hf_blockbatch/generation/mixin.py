@@ -239,6 +239,12 @@ def _front_door(input_ids: Any, kwargs: dict[str, Any]) -> Any:
         )
     for key in _NOT_USED:
         kwargs.pop(key, None)
+    types = kwargs.pop("token_type_ids", None)  # some tokenizers return them: generate(**tokenizer(...))
+    if types is not None and bool(torch.as_tensor(types).ne(0).any()):
+        raise ValueError(
+            "token_type_ids holds a segment other than 0: these models have no token types. Encode the prompt as one "
+            "segment (tokenizer(..., return_token_type_ids=False)) and pass input_ids and attention_mask."
+        )
     return input_ids
 
 
