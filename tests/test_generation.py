@@ -552,6 +552,28 @@ def test_generate_takes_transformers_argument_names_and_refuses_left_to_right_on
             model.generate(generation_config=cfg, **kwargs)
 
 
+def test_padded_prompts_without_a_mask(caplog):
+    """A left-padded batch given without its ``attention_mask`` (``model.generate(enc.input_ids)``): with a
+    padding id of its own, the mask is inferred from the leading padding, as transformers does; when the
+    padding id is the EOS id (LLaDA, Dream) it cannot be, and a warning says to pass the mask."""
+    cfg = FastDLLMConfig(max_new_tokens=8, block_length=4)
+    PAD = 91
+    ids = torch.tensor([[PAD, PAD, 3, 4, 5], [1, 2, 3, 4, 5]])
+    mask = (ids != PAD).long()
+    own_pad = make_tiny_llada(pad_token_id=PAD)
+    assert torch.equal(own_pad.generate(ids, generation_config=cfg), own_pad.generate(ids, mask, generation_config=cfg))
+    model = make_tiny_llada()  # pad = EOS
+    padded = ids.masked_fill(ids == PAD, EOS_ID)
+    with caplog.at_level("WARNING", logger="hf_blockbatch.generation.mixin"):
+        model.generate(padded, generation_config=cfg)
+    assert f"row(s) [0] start with the padding id {EOS_ID}, which is also the EOS id" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_blockbatch.generation.mixin"):
+        model.generate(padded, (padded != EOS_ID).long(), generation_config=cfg)  # given: nothing to say
+        model.generate(padded[1:], generation_config=cfg)  # no row starts with it
+    assert not caplog.records
+
+
 def test_config_from_dict_rejects_unknown_strategy():
     with pytest.raises(ValueError, match="Unknown strategy"):
         config_from_dict({"strategy": "beam"})

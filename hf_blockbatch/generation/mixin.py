@@ -103,6 +103,27 @@ def _checked_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torc
     return attention_mask
 
 
+def _padding_without_a_mask(input_ids: torch.Tensor, pad_id: int, eos_ids: list[int]) -> torch.Tensor | None:
+    """Prompts that start with the padding id but came without an ``attention_mask``: left padding,
+    most likely (``tokenizer(texts, padding=True)`` without passing its mask on). As transformers'
+    ``generate``: when the padding id is not an EOS id, the mask is inferred from each row's leading run
+    of it; when it is (LLaDA and Dream: pad = EOS), it cannot be told from text, so a warning says to
+    pass the mask, since padding read as prompt changes the answer. One host read per call."""
+    leading = input_ids[:, 0] == pad_id
+    if not bool(leading.any()):
+        return None
+    rows = leading.nonzero().flatten().tolist()
+    if pad_id not in eos_ids:
+        logger.info("no attention_mask: rows %s start with the padding id %d, masked as left padding", rows, pad_id)
+        return ((input_ids != pad_id).cumsum(1) > 0).long()
+    logger.warning(
+        "No attention_mask, and prompt row(s) %s start with the padding id %d, which is also the EOS id: if they are "
+        "left-padded, pass attention_mask (tokenizer(..., return_tensors='pt') returns it), or the padding is "
+        "decoded as prompt text.", rows, pad_id,
+    )  # fmt: skip
+    return None
+
+
 def _checked_inputs(model, cfg: DiffusionGenerationConfig, input_ids: Any, attention_mask: torch.Tensor | None,
                     generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """The prompts and their mask on the model's device, refused before any forward when they
@@ -112,7 +133,9 @@ def _checked_inputs(model, cfg: DiffusionGenerationConfig, input_ids: Any, atten
     if input_ids.shape[1] == 0:
         raise ValueError("The prompt is empty: a masked-diffusion model needs at least one prompt token.")
     _check_token_ids(model, input_ids, attention_mask)
-    _token_ids(cfg, model.config)  # a missing mask or EOS id is said before the context check
+    _, eos_ids, pad_id = _token_ids(cfg, model.config)  # a missing mask or EOS id is said before the context check
+    if attention_mask is None:
+        attention_mask = _padding_without_a_mask(input_ids, pad_id, eos_ids)
     check_context(model.config, input_ids.shape[1], cfg.max_new_tokens)
     device = model.device
     if generator is not None and generator.device.type != device.type:
