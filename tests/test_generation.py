@@ -572,6 +572,9 @@ def test_padded_prompts_without_a_mask(caplog):
         model.generate(padded, (padded != EOS_ID).long(), generation_config=cfg)  # given: nothing to say
         model.generate(padded[1:], generation_config=cfg)  # no row starts with it
     assert not caplog.records
+    with caplog.at_level("WARNING", logger="hf_blockbatch.generation.mixin"):
+        model.generate(padded.roll(-2, dims=1), generation_config=cfg)  # right padding, as transformers warns
+    assert f"row(s) [0] end with the padding id {EOS_ID}: right padding" in caplog.text
 
 
 def test_config_from_dict_rejects_unknown_strategy():

@@ -108,11 +108,18 @@ def _padding_without_a_mask(input_ids: torch.Tensor, pad_id: int, eos_ids: list[
     most likely (``tokenizer(texts, padding=True)`` without passing its mask on). As transformers'
     ``generate``: when the padding id is not an EOS id, the mask is inferred from each row's leading run
     of it; when it is (LLaDA and Dream: pad = EOS), it cannot be told from text, so a warning says to
-    pass the mask, since padding read as prompt changes the answer. One host read per call."""
-    leading = input_ids[:, 0] == pad_id
-    if not bool(leading.any()):
+    pass the mask, since padding read as prompt changes the answer. Rows of a batch that *end* with it
+    get transformers' right-padding warning. One host read per call."""
+    leading, trailing = (torch.stack([input_ids[:, 0], input_ids[:, -1]]) == pad_id).tolist()
+    if any(trailing) and input_ids.shape[0] > 1:  # transformers' check for decoder-only models, for the same reason
+        logger.warning(
+            "No attention_mask, and prompt row(s) %s end with the padding id %d: right padding would be read as "
+            "prompt text. Set tokenizer.padding_side = 'left' and pass attention_mask.",
+            [i for i, t in enumerate(trailing) if t], pad_id,
+        )  # fmt: skip
+    if not any(leading):
         return None
-    rows = leading.nonzero().flatten().tolist()
+    rows = [i for i, t in enumerate(leading) if t]
     if pad_id not in eos_ids:
         logger.info("no attention_mask: rows %s start with the padding id %d, masked as left padding", rows, pad_id)
         return ((input_ids != pad_id).cumsum(1) > 0).long()
