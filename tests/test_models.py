@@ -510,3 +510,25 @@ def test_supported_llada_options_build() -> None:
     assert "model.transformer.ff_out.weight" not in model.state_dict()
     assert "model.transformer.blocks.0.q_proj.bias" in model.state_dict()
     assert model(canvas(1, 8)).logits.shape == (1, 8, VOCAB)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_forward_says_what_it_does_not_return(family: str) -> None:
+    """transformers' other forward arguments pass through unused, except those whose answer this forward
+    does not give: hidden states and attention weights are refused rather than silently missing, and
+    ``labels`` get the official LLaDA code's warning (no loss here) with the logits unchanged."""
+    import warnings
+
+    model = make_tiny_llada() if family == "llada" else make_tiny_dream()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    expected = model(ids).logits
+    with pytest.raises(NotImplementedError, match="output_hidden_states.*forward hook"):
+        model(ids, output_hidden_states=True)
+    with pytest.raises(NotImplementedError, match="output_attentions.*no weights"):
+        model(ids, output_attentions=True)
+    with pytest.warns(UserWarning, match="labels are not used.*sft_loss"):
+        out = model(ids, labels=ids)
+    assert torch.equal(out.logits, expected) and "loss" not in out
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # False / None ask for nothing: no warning, no error
+        assert torch.equal(model(ids, output_hidden_states=False, output_attentions=None, labels=None).logits, expected)

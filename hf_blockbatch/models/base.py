@@ -31,6 +31,7 @@ Subclasses provide the embedding, the decoder layers and the head under the offi
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,25 @@ from hf_blockbatch.models.layers import ForwardContext, RopeTable
 logger = logging.getLogger(__name__)
 
 __all__ = ["DiffusionLMOutput", "PositionOutput", "WindowOutput", "DiffusionLMMixin"]
+
+
+def _check_forward_extras(kwargs: dict) -> None:
+    """What ``forward``'s ``**kwargs`` (transformers' other forward arguments) must not pass in silence."""
+    if kwargs.get("output_hidden_states"):
+        raise NotImplementedError(
+            "output_hidden_states: this forward returns logits (and the cache) only; register a forward hook on the "
+            "decoder layers to read their hidden states."
+        )
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError("output_attentions: attention here is fused (SDPA / flash): no weights exist to return.")
+    if kwargs.get("labels") is not None:
+        warnings.warn(
+            "labels are not used: a masked-diffusion loss needs the noised input and its masked positions, so no loss "
+            "is computed here (as the official LLaDA code). hf_blockbatch.training.objective has apply_noise and "
+            "sft_loss.",
+            UserWarning,
+            stacklevel=3,  # the forward (frame 2) is called by nn.Module: frame 3 is as near the caller as it gets
+        )
 
 
 @dataclass
@@ -232,7 +252,11 @@ class DiffusionLMMixin:
 
         ``past_key_values`` is accepted as the older name of ``cache`` (transformers 5 renamed it).
         ``logits_mask`` (bool ``[B, L]``): return only those positions' logits, packed ``[n, V]``.
+        Other keyword arguments of transformers' forwards are accepted and unused, except those whose
+        answer this forward does not give: ``output_hidden_states`` / ``output_attentions`` are refused,
+        and ``labels`` gets the official LLaDA code's warning (no loss is computed here).
         """
+        _check_forward_extras(kwargs)
         if cache is None:
             cache = past_key_values
         self._check_ids(input_ids)
