@@ -167,6 +167,11 @@ def _(**_):
     return _generate(custom_generate=print, max_new_tokens=8)
 
 
+@case("llada-official-options")
+def _(**_):
+    return _generate(gen_length=32, steps=32, block_length=8)
+
+
 @case("inputs-embeds")
 def _(**_):
     from conftest import make_tiny_llada

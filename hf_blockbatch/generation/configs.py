@@ -69,6 +69,17 @@ _INSTEAD = {
     "num_beams": "there is no beam search over a masked canvas; num_return_sequences with temperature > 0 samples",
 }
 
+#: the official codes' names for what these configs spell otherwise, or do not do (LLaDA's generate(), Dream's
+#: diffusion_generate()): said for an unknown option of that name instead of a near spelling of ours
+_OFFICIAL_NAMES = {
+    "gen_length": "LLaDA's name for max_new_tokens",
+    "cfg_scale": "LLaDA's classifier-free guidance, which is not implemented: remove it",
+    "alg": "Dream's sampler choice, whose samplers are not implemented: remasking='low_confidence' is LLaDA's",
+    "alg_temp": "a parameter of Dream's samplers, which are not implemented: remove it",
+    "eps": "Dream's timestep floor, which these samplers do not use: remove it",
+    "output_history": "Dream's per-step history: output_trace=True records each step's commits in stats",
+}
+
 
 def _is_neutral(name: str, value: Any) -> bool:
     """Whether a standard field's value asks for nothing (unset, off, empty, or its no-op value)."""
@@ -260,8 +271,24 @@ class DiffusionGenerationConfig(GenerationConfig):
         unknown = sorted(k for k in vars(self) if not k.startswith("_") and k not in _STANDARD and k not in ours)
         if unknown:
             options = sorted(ours - {"strategy"})
-            close = {k: difflib.get_close_matches(k, options, n=1) for k in unknown}
-            hint = " ".join(f"Did you mean {close[k][0]!r} instead of {k!r}?" for k in unknown if close[k])
+            hints, elsewhere = [], {}
+            for k in unknown:
+                # another strategy's option (LLaDA's steps / block_length on the default BlockBatchConfig), an
+                # official code's name, then a near spelling of ours
+                owners = tuple(c.__name__ for c in DiffusionGenerationConfig.__subclasses__() if c is not type(self)
+                               and k in c._ours)  # fmt: skip
+                close = difflib.get_close_matches(k, options, n=1)
+                if owners:
+                    elsewhere.setdefault(owners, []).append(repr(k))
+                elif k in _OFFICIAL_NAMES:
+                    hints.append(f"{k!r} is {_OFFICIAL_NAMES[k]}.")
+                elif close:
+                    hints.append(f"Did you mean {close[0]!r} instead of {k!r}?")
+            for owners, names in elsewhere.items():
+                are = "is an option" if len(names) == 1 else "are options"
+                hints.insert(0, f"{' and '.join(names)} {are} of {' and '.join(owners)}: pass "
+                                f"generation_config={owners[0]}(...).")  # fmt: skip
+            hint = " ".join(hints)
             raise TypeError(
                 f"Unknown option(s) for {name}: {', '.join(unknown)}. " + (hint + " " if hint else "")
                 + f"Its options: {', '.join(options)}."
