@@ -111,9 +111,18 @@ class DiffusionLMMixin:
         the weights (``cpu_offload``, ``disk_offload``, or a ``device_map`` whose first module is
         offloaded): they then sit on ``meta`` between forwards, and a tensor made there has no data.
         The forward runs on its hooks' execution device, so that is the answer then."""
+        return self._placement()[0]
+
+    def _placement(self) -> tuple[torch.device, torch.dtype]:
+        """``(device, dtype)`` from one parameter read: :attr:`device` and what the backend and the cache
+        are built for (the backend is asked every forward)."""
         p = next(self.parameters())
         if p.device.type != "meta":
-            return p.device
+            return p.device, p.dtype
+        return self._execution_device(), p.dtype
+
+    def _execution_device(self) -> torch.device:
+        """Where accelerate's hooks run the forward of weights offloaded to ``meta``."""
         for module in self.modules():
             hook = getattr(module, "_hf_hook", None)
             for h in getattr(hook, "hooks", (hook,)):  # accelerate's SequentialHook holds several
@@ -157,7 +166,8 @@ class DiffusionLMMixin:
         transformers' spelling, ``from_pretrained(..., attn_implementation="flash_attention_2")``, asks
         for ``flash_varlen`` when ``window_attention`` is ``auto``: the user said flash, and a backend
         that cannot run here should say so rather than fall back in silence."""
-        name, device, dtype = self.config.window_attention, self.device, next(self.parameters()).dtype
+        name = self.config.window_attention
+        device, dtype = self._placement()
         if name == "auto" and getattr(self.config, "_attn_implementation", None) == "flash_attention_2":
             name = "flash_varlen"
         key = (name, device, dtype)
@@ -185,10 +195,9 @@ class DiffusionLMMixin:
                 "one device: decode it without a cache (VanillaDiffusionConfig, or FastDLLMConfig(cache='none')), or "
                 "load it on one GPU (device='cuda'; LLaDA-8B and Dream-7B fit one GPU in bf16)."
             )
-        return BranchCache.for_model(
-            self.config, num_rows, length, dtype=next(self.parameters()).dtype, device=self.device,
-            attention_mask=attention_mask,
-        )
+        device, dtype = self._placement()
+        return BranchCache.for_model(self.config, num_rows, length, dtype=dtype, device=device,
+                                     attention_mask=attention_mask)  # fmt: skip
 
     def _check_cache(self, cache: BranchCache, length: int) -> None:
         if not isinstance(cache, BranchCache):

@@ -13,6 +13,7 @@ refused with a clear error rather than silently computed wrong.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -280,14 +281,14 @@ class LLaDAModelLM(DiffusionLMMixin, BlockBatchGenerationMixin, LLaDAPreTrainedM
         hidden = self.model.transformer.ln_f(hidden)
         if self.config.weight_tying:
             wte = self.model.transformer.wte
+            loaded = contextlib.nullcontext()
             if wte.weight.device.type == "meta":
                 # Offloaded by accelerate: the tied weight is loaded only around the embedding's own forward,
                 # and a linear with a meta weight returns uninitialised memory rather than an error.
                 from accelerate.utils import align_module_device
 
-                with align_module_device(wte):
-                    logits = F.linear(hidden, wte.weight)
-            else:
+                loaded = align_module_device(wte)
+            with loaded:
                 logits = F.linear(hidden, wte.weight)
         else:
             logits = self.model.transformer.ff_out(hidden)
