@@ -137,16 +137,14 @@ class GroupedSDPABackend(AttentionBackend):
 
     def window(self, q, k_cache, v_cache, wb, scale):
         out = torch.empty_like(q)
-        for local, index, view in wb.length_groups():
-            if view is not None:  # evenly spaced cache rows: a strided view, no copy
-                k, v = k_cache[view].transpose(1, 2), v_cache[view].transpose(1, 2)
+        for g in wb.length_groups():  # indices and masks built once per step (``LengthGroup``)
+            if g.view is not None:  # evenly spaced cache rows: a strided view, no copy
+                k, v = k_cache[g.view], v_cache[g.view]
             else:
-                rows = wb.rows[local]
-                k = k_cache.index_select(0, rows).transpose(1, 2)
-                v = v_cache.index_select(0, rows).transpose(1, 2)
-            mask = None if wb.key_mask is None else wb.key_mask[local][:, None, None, :]
-            o = _sdpa(q[index].transpose(1, 2), k, v, mask, scale)
-            out[index.reshape(-1)] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
+                k, v = k_cache.index_select(0, g.rows), v_cache.index_select(0, g.rows)
+            qg = q.index_select(0, g.index).view(g.count, g.width, *q.shape[1:])
+            o = _sdpa(qg.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.key_mask, scale)
+            out.index_copy_(0, g.index, o.transpose(1, 2).reshape(-1, *q.shape[1:]))
         return out
 
 

@@ -15,7 +15,7 @@ import torch
 
 from hf_blockbatch.cache import BranchCache
 
-__all__ = ["WindowBatch", "build_query_batch", "build_window_batch", "pack_ranges", "packed_index"]
+__all__ = ["LengthGroup", "WindowBatch", "build_query_batch", "build_window_batch", "pack_ranges", "packed_index"]
 
 
 def packed_index(valid: torch.Tensor) -> torch.Tensor:
@@ -40,6 +40,19 @@ def pack_ranges(
     token_row = torch.arange(starts.shape[0], device=starts.device)[:, None].expand_as(pad_valid)[pad_valid]
     token_col = offsets.expand_as(pad_valid)[pad_valid]
     return token_row, token_col, starts[token_row] + token_col, packed_index(pad_valid), pad_valid
+
+
+@dataclass(frozen=True)
+class LengthGroup:
+    """The rows of a step whose windows (or query sets) have one length ``width``: what
+    ``sdpa_grouped`` needs to attend them in one call, built once per step for every layer."""
+
+    index: torch.Tensor  # [count * width] packed query index of each slot, row-major
+    count: int  # rows in the group
+    width: int  # queries per row
+    rows: torch.Tensor | None  # [count] cache rows to gather (None: read through ``view``)
+    view: slice | None  # the rows as a strided slice of the cache (evenly spaced rows), else None
+    key_mask: torch.Tensor | None  # [count, 1, 1, L] valid keys, as SDPA takes them; None if no padding
 
 
 @dataclass
@@ -81,18 +94,17 @@ class WindowBatch:
     write_slots: torch.Tensor | None = None
 
     # the rows grouped by window length (for the grouped SDPA backend), built lazily once per step
-    length_groups_: list[tuple[torch.Tensor, torch.Tensor, slice | None]] | None = None
+    length_groups_: list[LengthGroup] | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.token_pos.shape[0]
 
-    def length_groups(self) -> list[tuple[torch.Tensor, torch.Tensor, slice | None]]:
-        """``[(local_rows [A_w], packed_index [A_w, w], cache_slice)]``, one entry per distinct
-        window length ``w``: every row of a group is attended without padding. ``cache_slice`` is
-        a strided slice of the cache rows when the group's rows are evenly spaced (BlockBatch: the
-        branches of one block size sit every N rows), so the backend reads the cache as a view
-        instead of gathering it; otherwise ``None``. One host sync per step."""
+    def length_groups(self) -> list[LengthGroup]:
+        """One :class:`LengthGroup` per distinct window length ``w``: every row of a group is
+        attended without padding. Built once per step (one host sync), with every index and mask
+        a layer needs, so that a layer's work per group is its gathers, one attention call and one
+        scatter (a step with lookahead drafts has a dozen groups in each of the model's layers)."""
         if self.length_groups_ is None:
             groups = []
             lengths, rows = self.lengths.tolist(), self.rows.tolist()
@@ -103,7 +115,9 @@ class WindowBatch:
                 step = cache_rows[1] - cache_rows[0] if len(cache_rows) > 1 else 1
                 even = step > 0 and all(b - a == step for a, b in zip(cache_rows, cache_rows[1:]))
                 view = slice(cache_rows[0], cache_rows[-1] + 1, step) if even else None
-                groups.append((local, self.pad_index[local, :w], view))
+                key_mask = None if self.key_mask is None else self.key_mask[local][:, None, None, :]
+                groups.append(LengthGroup(self.pad_index[local, :w].reshape(-1), len(idx), w,
+                                          None if even else self.rows[local], view, key_mask))  # fmt: skip
             self.length_groups_ = groups
         return self.length_groups_
 

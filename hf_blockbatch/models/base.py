@@ -161,7 +161,7 @@ class DiffusionLMMixin:
     @property
     def attention_backend(self) -> AttentionBackend:
         """The backend for window forwards, chosen from ``config.window_attention`` on first use
-        (``auto``: flash varlen, else torch varlen on CUDA, else padded SDPA) and logged once.
+        (``auto``: flash varlen, else torch varlen on CUDA, else SDPA grouped by window length) and logged once.
 
         transformers' spelling, ``from_pretrained(..., attn_implementation="flash_attention_2")``, asks
         for ``flash_varlen`` when ``window_attention`` is ``auto``: the user said flash, and a backend
