@@ -16,7 +16,8 @@ model commits about one token per step, the worst case for per-step policy cost.
 Each strategy runs ``--repeats`` times over the same prompts; the run with the median policy share
 is reported, with every run's share. Timings move between machines and sessions, so one more,
 untimed pass counts the policy's tensor operations per model forward call (exact, and the same on
-any machine for the same code and inputs: what a change to the policy should be compared by).
+any machine for the same code and inputs: what a change to the policy should be compared by), and
+with ``--callers N`` the N functions that run most of them.
 Writes ``benchmarks/results/policy_overhead.json``.
 """
 
@@ -26,6 +27,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,17 +46,25 @@ def build_model(args):
     return hb.load_model(args.model, device="cpu")
 
 
-def count_policy_ops(model, prompts, masks, cfg, batch_size: int) -> dict[str, float]:
+def count_policy_ops(model, prompts, masks, cfg, batch_size: int, callers: int = 0) -> dict[str, Any]:
     """Tensor operations of the policy per model forward call, and its host syncs, over one pass of every
-    batch: counted for the whole of ``generate`` except inside the model's forwards (``ForwardLog``)."""
-    with ForwardLog(model) as log:
+    batch: counted for the whole of ``generate`` except inside the model's forwards (``ForwardLog``).
+    ``callers`` > 0: also the ``callers`` functions that run most of them, with their operations and syncs
+    per forward (``ForwardLog(by_caller=True)``): which part a change to the policy moves."""
+    with ForwardLog(model, by_caller=callers > 0) as log:
         for i in range(0, prompts.shape[0], batch_size):
             model.generate(prompts[i : i + batch_size], attention_mask=masks[i : i + batch_size], generation_config=cfg)
             log.end_decode()
     forwards = len(log.records)
-    return {"policy_ops": log.policy_ops, "forward_calls": forwards, "policy_ops_per_forward": log.policy_ops / forwards,
-            # reads back to the host (forward_log.is_sync): what keeps a GPU waiting for the policy
-            "policy_syncs_per_forward": sum(r.policy_syncs for r in log.records) / forwards}  # fmt: skip
+    out: dict[str, Any] = {
+        "policy_ops": log.policy_ops, "forward_calls": forwards, "policy_ops_per_forward": log.policy_ops / forwards,
+        # reads back to the host (forward_log.is_sync): what keeps a GPU waiting for the policy
+        "policy_syncs_per_forward": sum(r.policy_syncs for r in log.records) / forwards,
+    }  # fmt: skip
+    if callers:
+        out["policy_callers"] = [{"caller": name, "ops_per_forward": ops / forwards, "syncs_per_forward": syncs / forwards}
+                                 for name, ops, syncs in log.policy_callers[:callers]]  # fmt: skip
+    return out
 
 
 def main() -> None:
@@ -75,6 +85,9 @@ def main() -> None:
                         help="also Fast-dLLM dual b32 with this many lookahead draft rows (issue 16)")
     parser.add_argument("--lookahead-accept", default="exact", choices=["exact", "contained"],
                         help="which drafts are adopted (FastDLLMConfig.lookahead_accept; RESULTS §16)")
+    parser.add_argument("--callers", type=int, default=0, metavar="N",
+                        help="also the N functions running most of the policy's operations, with their operations "
+                             "and host syncs per forward (exact; RESULTS §26)")
     parser.add_argument("--presets", action="store_true",
                         help="also FastDLLMConfig.drafted() and drafted(exact=False) at block 32, and the latter "
                              "without its query budget (RESULTS §17)")
@@ -144,7 +157,7 @@ def main() -> None:
                 "mean_nfe": nfe / args.prompts,
             })  # fmt: skip
         median = sorted(runs, key=lambda r: r["policy_fraction"])[len(runs) // 2]
-        ops = count_policy_ops(model, prompts, masks, cfg, args.batch_size)
+        ops = count_policy_ops(model, prompts, masks, cfg, args.batch_size, args.callers)
         report["strategies"][name] = {**median, "policy_fraction_runs": [r["policy_fraction"] for r in runs], **ops}
         print(name, json.dumps(report["strategies"][name]))
     out_dir = Path(__file__).parent / "results"

@@ -3,6 +3,7 @@ operations between forwards."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import EOS_ID, MASK_ID, make_tiny_llada
 
@@ -107,3 +108,32 @@ def test_host_syncs_are_the_calls_that_read_the_device_back():
     assert all(is_sync(f, args, {}) for f, args in syncs)
     assert not any(is_sync(f, args, {}) for f, args in queued)
     assert not is_sync(torch.repeat_interleave, (x, torch.tensor([1] * 6)), {"output_size": 6})
+
+
+def test_the_policy_s_operations_are_counted_per_calling_function():
+    """``ForwardLog(by_caller=True)`` splits the policy's operations and syncs by the package function
+    that ran them: they add up to the totals, a lookahead decode names its draft policy and a plain one
+    does not, and the decode is the same decode."""
+    model = make_tiny_llada()
+    ids, mask = _prompts()
+    plain_cfg = hb.FastDLLMConfig(max_new_tokens=32, block_length=16, threshold=0.05, mask_token_id=MASK_ID)
+    drafted_cfg = hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=32, block_length=16, threshold=0.05,
+                                            mask_token_id=MASK_ID)  # fmt: skip
+    for cfg, drafts in ((plain_cfg, False), (drafted_cfg, True)):
+        alone = model.generate(ids, attention_mask=mask, generation_config=cfg)
+        with ForwardLog(model, by_caller=True) as log:
+            out = model.generate(ids, attention_mask=mask, generation_config=cfg)
+            log.end_decode()
+        assert torch.equal(out, alone)
+        callers = log.policy_callers
+        assert sum(ops for _, ops, _ in callers) == log.policy_ops
+        # every sync is counted against a caller: those after the last forward as well as between forwards
+        assert sum(syncs for *_, syncs in callers) >= sum(r.policy_syncs for r in log.records) > 0
+        names = [name for name, _, _ in callers]
+        assert all(ops > 0 for _, ops, _ in callers) and [c[1] for c in callers] == sorted((c[1] for c in callers), reverse=True)
+        assert "generation/commit.py:write_commits" in names and "?" not in names
+        assert ("generation/policies/lookahead.py:Lookahead.apply" in names) == drafts
+    with ForwardLog(model) as log:
+        pass
+    with pytest.raises(ValueError, match="by_caller=True"):
+        _ = log.policy_callers

@@ -14,7 +14,10 @@ Used by ``benchmarks/policy_overhead.py`` (operations per forward) and
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -50,6 +53,24 @@ _INDEXING = {"__getitem__", "__setitem__", "index_put", "index_put_"}
 #: and after the last one ("head")
 _FORWARD_BUCKETS = ("model", "layer", "last", "head")
 
+#: the package's folder, and this file: a caller is the innermost frame in the first and not the second
+#: (as the interpreter names them: frames carry the path the module was imported from)
+_PACKAGE = str(Path(__file__).parents[1]) + os.sep
+_THIS_FILE = __file__
+
+
+def _caller() -> str:
+    """``"generation/policies/lookahead.py:Lookahead.apply"``: the innermost function of the package
+    on the stack (below this module), which a policy operation is counted against; ``"?"`` when none is."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_PACKAGE) and path != _THIS_FILE:
+            code = frame.f_code
+            return f"{path[len(_PACKAGE):]}:{getattr(code, 'co_qualname', code.co_name)}"
+        frame = frame.f_back
+    return "?"
+
 
 def is_sync(func, args: tuple, kwargs: dict | None) -> bool:
     """Whether a torch call would stop the host until the device has run everything queued before it."""
@@ -72,14 +93,19 @@ class OpCounter(TorchFunctionMode):
     would stop the host on a GPU (:func:`is_sync`) into ``syncs[bucket]``, none while ``bucket`` is
     ``None``; ``before_sync[bucket]`` holds the calls counted before that bucket's first sync (since
     the bucket was last reset): the same counts on any machine for the same code and inputs, unlike
-    a time."""
+    a time.
 
-    def __init__(self) -> None:
+    With ``by_caller``, ``callers`` also counts the ``"policy"`` bucket's calls and syncs per calling
+    function of the package (:func:`_caller`): which part of the policy a change should be judged by
+    (a stack walk per call: for untimed passes only)."""
+
+    def __init__(self, by_caller: bool = False) -> None:
         super().__init__()
         self.bucket: str | None = None
         self.counts: dict[str, int] = {}
         self.syncs: dict[str, int] = {}
         self.before_sync: dict[str, int] = {}
+        self.callers: dict[str, list[int]] | None = {} if by_caller else None
 
     def reset(self, bucket: str) -> None:
         self.counts[bucket] = self.syncs[bucket] = 0
@@ -89,10 +115,15 @@ class OpCounter(TorchFunctionMode):
         bucket = self.bucket
         if bucket is not None and getattr(func, "__name__", "") not in _NOT_OPS:
             n = self.counts.get(bucket, 0)
-            if is_sync(func, args, kwargs):
+            sync = is_sync(func, args, kwargs)
+            if sync:
                 self.syncs[bucket] = self.syncs.get(bucket, 0) + 1
                 self.before_sync.setdefault(bucket, n)
             self.counts[bucket] = n + 1
+            if self.callers is not None and bucket == "policy":
+                entry = self.callers.setdefault(_caller(), [0, 0])
+                entry[0] += 1
+                entry[1] += sync
         return func(*args, **(kwargs or {}))
 
 
@@ -158,9 +189,11 @@ class ForwardLog:
     model: torch.nn.Module
     records: list[ForwardRecord] = field(default_factory=list)
     tail_ops: int = 0
+    #: also count the policy's operations and syncs per calling function (:attr:`policy_callers`)
+    by_caller: bool = False
 
     def __post_init__(self) -> None:
-        self.counter = OpCounter()
+        self.counter = OpCounter(self.by_caller)
         self._hooks: list = []
         self._after_forward = False  # the policy's operations now follow a forward of this decode
 
@@ -208,6 +241,15 @@ class ForwardLog:
     @property
     def policy_ops(self) -> int:
         return sum(r.policy_ops for r in self.records) + self.tail_ops + self.counter.counts.get("policy", 0)
+
+    @property
+    def policy_callers(self) -> list[tuple[str, int, int]]:
+        """``(caller, operations, syncs)`` of every function of the package that ran the policy's
+        operations while logged (``by_caller``), most operations first; they add up to
+        :attr:`policy_ops`."""
+        if self.counter.callers is None:
+            raise ValueError("ForwardLog(model, by_caller=True) counts the policy's operations per caller.")
+        return sorted(((k, ops, syncs) for k, (ops, syncs) in self.counter.callers.items()), key=lambda c: (-c[1], c[0]))
 
     # ------------------------------------------------------------------ recording
     def _wrap(self, fn, kind: str):
