@@ -11,11 +11,18 @@ Compares, for one layer's attention over a cache of ``L`` positions and the six 
 
 Writes ``benchmarks/results/attention_cpu.json``. Usage:
 ``python benchmarks/attention_cpu.py [--length 384] [--heads 4] [--head-dim 32] [--repeats 200]``.
+
+``--groups`` measures instead what ``sdpa_grouped`` weighs when it merges query counts: one group's
+call (gathers, SDPA's setup, the scatter back) against padded attention work, by timing groups of
+``n`` rows of ``w`` queries and fitting ``time = call + n * row + n * w * L * heads * head_dim * unit``.
+``call / unit`` is the ``GROUP_CALL_COST`` of this CPU (``hf_blockbatch/attention/metadata.py``);
+writes ``benchmarks/results/attention_cpu_groups.json`` (RESULTS §27).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -23,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hf_blockbatch.attention import build_window_batch, get_backend
+from hf_blockbatch.attention import build_window_batch, get_backend, metadata
 from hf_blockbatch.cache import BranchCache
 
 
@@ -43,9 +50,12 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--groups", action="store_true", help="fit the grouped backend's cost of a call (RESULTS §27)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.groups:
+        return group_costs(args)
     sizes = [4, 8, 16, 32, 64, 128]
     R, L, H, D = len(sizes), args.length, args.heads, args.head_dim
     cache = BranchCache(1, R, L, H, D)
@@ -88,6 +98,57 @@ def main() -> None:
     out.mkdir(exist_ok=True)
     (out / "attention_cpu.json").write_text(json.dumps(results, indent=1))
 
+
+def group_costs(args) -> None:
+    """What ``sdpa_grouped`` trades when it merges query counts (see the module docstring): a call,
+    from ``G`` single-row groups of distinct counts 8…8+G-1 attended one call each (merging off),
+    against a padded query slot, from one group of ``n`` rows x ``w`` queries over a range of sizes."""
+    L, H, D = args.length, args.heads, args.head_dim
+    grouped = get_backend("sdpa_grouped", "cpu", torch.float32)
+    scale = D**-0.5
+
+    def cache_of(n):
+        cache = BranchCache(1, n, L, max(1, H // 2), D)
+        return cache, cache.layers[0].keys.normal_(), cache.layers[0].values.normal_()
+
+    samples = []  # one group: (rows, width, us)
+    for n in (1, 4, 16):
+        cache, k, v = cache_of(n)
+        for w in (1, 8, 16, 32, 64):
+            starts = torch.full((n,), L - 64)
+            wb = build_window_batch(cache, starts, starts + w)
+            q = torch.randn(n * w, H, D)
+            samples.append((n, w, timed(functools.partial(grouped.window, q, k, v, wb, scale), args.repeats)))
+    design = torch.tensor([[1.0, n, n * w * L * H * D] for n, w, _ in samples], dtype=torch.float64)
+    times = torch.tensor([[t] for *_, t in samples], dtype=torch.float64)
+    _, row, unit = torch.linalg.lstsq(design, times).solution[:, 0].tolist()
+    calls = []  # G groups of one row each, one call per group: (G, us)
+    shipped, metadata.GROUP_CALL_COST = metadata.GROUP_CALL_COST, 0.0  # merging off: the call cost, no padding
+    try:
+        for G in (2, 4, 8, 12):
+            cache, k, v = cache_of(G)
+            starts = torch.full((G,), L - 64)
+            wb = build_window_batch(cache, starts, starts + 8 + torch.arange(G))
+            q = torch.randn(wb.num_tokens, H, D)
+            calls.append((G, timed(functools.partial(grouped.window, q, k, v, wb, scale), args.repeats)))
+    finally:
+        metadata.GROUP_CALL_COST = shipped
+    gs = torch.tensor([[1.0, g] for g, _ in calls], dtype=torch.float64)
+    _, per_group = torch.linalg.lstsq(gs, torch.tensor([[t] for _, t in calls], dtype=torch.float64)).solution[:, 0]
+    call = float(per_group) - row
+    results = {
+        "geometry": {"length": L, "heads": H, "head_dim": D, "threads": args.threads},
+        "one_group_us": [{"rows": n, "width": w, "us": round(t, 1)} for n, w, t in samples],
+        "one_call_per_group_us": [{"groups": g, "us": round(t, 1)} for g, t in calls],
+        "fit": {"call_us": call, "row_us": row, "unit_ns": unit * 1e3, "padded_slot_us": unit * L * H * D},
+        "call_cost_units": call / unit,
+        "padded_slots_per_call": call / (unit * L * H * D),
+        "shipped_GROUP_CALL_COST": metadata.GROUP_CALL_COST,
+    }
+    print(json.dumps(results, indent=1))
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    (out / "attention_cpu_groups.json").write_text(json.dumps(results, indent=1))
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_blockbatch as hb
-from hf_blockbatch.attention import BACKENDS, available_backends, build_window_batch, get_backend
+from hf_blockbatch.attention import BACKENDS, available_backends, build_window_batch, get_backend, metadata
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 CASES = [(d, b) for d in DEVICES for b in available_backends(torch.device(d), torch.float32)]
@@ -109,6 +109,45 @@ def test_window_batch_metadata() -> None:
     assert build_window_batch(cache, torch.tensor([0, 0, 0]), torch.tensor([1, 1, 1]), torch.arange(3)).all_rows
     # no padding anywhere: no mask to apply
     assert build_window_batch(hb.BranchCache(1, 2, 4, 1, 2), torch.tensor([0, 1]), torch.tensor([2, 4])).key_mask is None
+
+
+@pytest.mark.parametrize("pads", [[0, 0, 0, 0], [0, 3, 1, 5]], ids=["unpadded", "left-padded"])
+@pytest.mark.parametrize(
+    ("call_cost", "groups"),
+    [
+        (0.0, [(6, 1, False), (5, 1, False), (2, 1, False), (1, 1, False)]),  # one call per query count
+        (1.5, [(6, 2, True), (2, 2, True)]),  # a call is worth 1.5 padded slots: 6+5 and 2+1
+        (None, [(6, 4, True)]),  # the shipped cost at this tiny width: one padded call
+    ],
+    ids=["exact", "two-padded", "shipped"],
+)
+def test_grouped_backend_pads_rows_only_where_a_call_costs_more(monkeypatch, pads, call_cost, groups) -> None:
+    """``sdpa_grouped`` merges query counts while the padding costs less than an attention call
+    (``GROUP_CALL_COST``, in padded slot x key x head-dimension units); a padded group writes back
+    its real queries only, and every grouping attends as the brute force does."""
+    if call_cost is not None:  # in padded slots: this test's slot over L keys, HQ heads of D is L * HQ * D units
+        monkeypatch.setattr(metadata, "GROUP_CALL_COST", call_cost * L * HQ * D)
+    cache, g = setup("cpu", pads)
+    wb = build_window_batch(cache, torch.tensor([0, 4, 10, 11]), torch.tensor([6, 9, 12, 12]))  # counts 6, 5, 2, 1
+    q = torch.randn(wb.num_tokens, HQ, D, generator=g) * 2
+    got = get_backend("sdpa_grouped", "cpu", torch.float32).window(q, cache.layers[0].keys, cache.layers[0].values,
+                                                                     wb, D**-0.5)  # fmt: skip
+    assert [(grp.width, grp.count, grp.real is not None) for grp in wb.length_groups(HQ * D)] == groups
+    ref = brute_force_window(q, cache.layers[0].keys, cache.layers[0].values, wb.rows, wb.starts, wb.lengths,
+                             cache.key_mask, D**-0.5)  # fmt: skip
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_grouped_backend_keeps_a_call_per_query_count_at_a_realistic_width() -> None:
+    """At an 8B model's width (32 heads of 128) over 600 keys one padded slot costs more than a call:
+    the groups are the exact query counts, as before padding was considered. At the tiny models'
+    width (4 heads of 32) a call is worth 13 padded slots over 600 keys: 12, 11 and 8 pad to 21
+    (9, 10 and 13 slots), 4 would take 17 and gets its own call."""
+    cache = hb.BranchCache(1, 6, 600, 1, 2)
+    wb = build_window_batch(cache, torch.tensor([500] * 6), torch.tensor([521, 512, 511, 508, 521, 504]))
+    assert sorted(grp.width for grp in wb.length_groups(32 * 128)) == [4, 8, 11, 12, 21]
+    assert all(grp.real is None for grp in wb.length_groups(32 * 128))
+    assert [(grp.width, grp.count) for grp in wb.length_groups(4 * 32)] == [(21, 5), (4, 1)]
 
 
 def strict_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, scale=None, causal=False, enable_gqa=False):

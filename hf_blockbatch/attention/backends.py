@@ -9,9 +9,9 @@ Every backend answers the same two questions:
   tensors, ``key_mask`` ``[B, L]`` or ``None``.
 
 Backends: ``flash_varlen`` (flash-attn, CUDA, fp16/bf16), ``torch_varlen`` (PyTorch's own
-varlen kernel, CUDA), ``sdpa_grouped`` (one ``scaled_dot_product_attention`` per distinct window
-length: no padded query is computed, which makes it the fastest on CPU for BlockBatch's windows
-of different sizes, see ``benchmarks/attention_cpu.py``), ``sdpa`` (windows padded to the longest) and ``reference``
+varlen kernel, CUDA), ``sdpa_grouped`` (one ``scaled_dot_product_attention`` per group of rows with equal
+query counts, merged where padding is cheaper than a call: the fastest on CPU for BlockBatch's
+windows of different sizes and lookahead's drafts, see ``benchmarks/attention_cpu.py``), ``sdpa`` (windows padded to the longest) and ``reference``
 (explicit float32 softmax, for tests). ``auto`` picks the first that can run.
 """
 
@@ -128,24 +128,38 @@ class SDPABackend(AttentionBackend):
 
 
 class GroupedSDPABackend(AttentionBackend):
-    """Rows grouped by window length, one ``scaled_dot_product_attention`` per group: no padded
-    query slots (BlockBatch's windows 4…128 waste two thirds of a padded batch), at the price of
-    gathering each group's cache rows. On CPUs this is the faster path once the windows of a step
-    differ (see ``benchmarks/attention_cpu.py``)."""
+    """Rows grouped by query count, one ``scaled_dot_product_attention`` per group, at the price of
+    gathering each group's cache rows: BlockBatch's windows 4…128 would waste two thirds of a batch
+    padded to the longest. Where padding a few shorter rows is cheaper than another call (small
+    widths, few rows: a batch-1 step with lookahead drafts), groups are merged and padded
+    (``WindowBatch.length_groups``, ``GROUP_CALL_COST``). On CPUs this is the fastest path once the
+    windows of a step differ (see ``benchmarks/attention_cpu.py``)."""
 
     name = "sdpa_grouped"
 
     def window(self, q, k_cache, v_cache, wb, scale):
+        groups = wb.length_groups(q.shape[1] * q.shape[2])  # indices and masks built once per step
+        if len(groups) == 1:  # every row in one call: the step's own padded layout, no scatter
+            k, v = self._rows(groups[0], k_cache, v_cache)
+            return _unpad(_sdpa(_pad(q, wb), k.transpose(1, 2), v.transpose(1, 2), groups[0].key_mask, scale), wb)
         out = torch.empty_like(q)
-        for g in wb.length_groups():  # indices and masks built once per step (``LengthGroup``)
-            if g.view is not None:  # evenly spaced cache rows: a strided view, no copy
-                k, v = k_cache[g.view], v_cache[g.view]
-            else:
-                k, v = k_cache.index_select(0, g.rows), v_cache.index_select(0, g.rows)
+        for g in groups:
+            k, v = self._rows(g, k_cache, v_cache)
             qg = q.index_select(0, g.index).view(g.count, g.width, *q.shape[1:])
             o = _sdpa(qg.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.key_mask, scale)
-            out.index_copy_(0, g.index, o.transpose(1, 2).reshape(-1, *q.shape[1:]))
+            o = o.transpose(1, 2).reshape(-1, *q.shape[1:])
+            if g.real is None:
+                out.index_copy_(0, g.index, o)
+            else:  # a padded group: its real slots only
+                out.index_copy_(0, g.target, o.index_select(0, g.real))
         return out
+
+    @staticmethod
+    def _rows(g, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A group's cache rows: evenly spaced ones as a strided view (no copy), others gathered."""
+        if g.view is not None:
+            return k_cache[g.view], v_cache[g.view]
+        return k_cache.index_select(0, g.rows), v_cache.index_select(0, g.rows)
 
 
 class _VarlenBackend(AttentionBackend):

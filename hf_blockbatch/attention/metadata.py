@@ -15,7 +15,7 @@ import torch
 
 from hf_blockbatch.cache import BranchCache
 
-__all__ = ["LengthGroup", "WindowBatch", "build_query_batch", "build_window_batch", "pack_ranges", "packed_index"]
+__all__ = ["GROUP_CALL_COST", "LengthGroup", "WindowBatch", "build_query_batch", "build_window_batch", "pack_ranges", "packed_index"]
 
 
 def packed_index(valid: torch.Tensor) -> torch.Tensor:
@@ -42,17 +42,29 @@ def pack_ranges(
     return token_row, token_col, starts[token_row] + token_col, packed_index(pad_valid), pad_valid
 
 
+#: ``sdpa_grouped`` pads a group's shorter query rows to its widest while that is cheaper than one more
+#: attention call. A call (the rows' gathers, SDPA's own setup, the scatter back) costs about as much
+#: as this many units of padded attention work, a unit being one padded query slot x one key x one
+#: (head x head dimension) entry. Measured on this project's CPUs (``benchmarks/attention_cpu.py
+#: --groups``): 80-100 us a call against 0.08-0.10 ns a unit, 0.9-1.2e6 units. So on the tiny models
+#: (160 keys, 4 heads of 32) a call is worth ~49 padded slots, and at a realistic width (600 keys, 32
+#: heads of 128) less than one: there every query count keeps its own call, as before (RESULTS §27).
+GROUP_CALL_COST = 1.0e6
+
+
 @dataclass(frozen=True)
 class LengthGroup:
-    """The rows of a step whose windows (or query sets) have one length ``width``: what
-    ``sdpa_grouped`` needs to attend them in one call, built once per step for every layer."""
+    """Rows of a step attended in one SDPA call, padded to the group's widest query row ``width``:
+    what ``sdpa_grouped`` needs, built once per step for every layer."""
 
-    index: torch.Tensor  # [count * width] packed query index of each slot, row-major
+    index: torch.Tensor  # [count * width] packed query of each slot, row-major (a padded slot repeats a real query)
     count: int  # rows in the group
-    width: int  # queries per row
+    width: int  # query slots per row
     rows: torch.Tensor | None  # [count] cache rows to gather (None: read through ``view``)
     view: slice | None  # the rows as a strided slice of the cache (evenly spaced rows), else None
     key_mask: torch.Tensor | None  # [count, 1, 1, L] valid keys, as SDPA takes them; None if no padding
+    real: torch.Tensor | None = None  # [n] the slots holding a real query (None: all of them)
+    target: torch.Tensor | None = None  # [n] their packed query index (None: ``index``)
 
 
 @dataclass
@@ -93,33 +105,52 @@ class WindowBatch:
     write_src: torch.Tensor | None = None
     write_slots: torch.Tensor | None = None
 
-    # the rows grouped by window length (for the grouped SDPA backend), built lazily once per step
-    length_groups_: list[LengthGroup] | None = None
+    # the rows grouped for the grouped SDPA backend, built lazily once per step: (unit, groups)
+    length_groups_: tuple[int, list[LengthGroup]] | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.token_pos.shape[0]
 
-    def length_groups(self) -> list[LengthGroup]:
-        """One :class:`LengthGroup` per distinct window length ``w``: every row of a group is
-        attended without padding. Built once per step (one host sync), with every index and mask
-        a layer needs, so that a layer's work per group is its gathers, one attention call and one
-        scatter (a step with lookahead drafts has a dozen groups in each of the model's layers)."""
-        if self.length_groups_ is None:
-            groups = []
+    def length_groups(self, unit: int = 0) -> list[LengthGroup]:
+        """The step's rows as :class:`LengthGroup` s, built once per step (one host sync) with every
+        index and mask a layer needs, so that a layer's work per group is its gathers, one attention
+        call and one scatter. Rows are taken widest first; a row joins the current group, padded to
+        its width, while the padded work ``rows x (width - own) x L x unit`` (``unit``: heads x head
+        dimension) costs less than another call (:data:`GROUP_CALL_COST`), else it starts a group.
+        ``unit`` 0: one group per distinct query count (no padding). A step with lookahead drafts has
+        a dozen query counts: on a CPU at the tiny models' width, grouping by count alone made a
+        batch-1 step call SDPA once per row in each layer."""
+        if self.length_groups_ is None or self.length_groups_[0] != unit:
             lengths, rows = self.lengths.tolist(), self.rows.tolist()
-            for w in sorted(set(lengths)):
-                idx = [i for i, n in enumerate(lengths) if n == w]
+            by_width: dict[int, list[int]] = {}
+            for i, n in enumerate(lengths):
+                by_width.setdefault(n, []).append(i)
+            budget = GROUP_CALL_COST / (self.length * unit) if unit else 0.0  # padded slots a call is worth
+            plan: list[tuple[int, list[int]]] = []  # (width, local rows)
+            for w in sorted(by_width, reverse=True):
+                if plan and len(by_width[w]) * (plan[-1][0] - w) <= budget:
+                    plan[-1][1].extend(by_width[w])
+                else:
+                    plan.append((w, list(by_width[w])))
+            groups = []
+            for w, idx in plan:
+                idx.sort()
                 local = torch.tensor(idx, device=self.rows.device)
                 cache_rows = [rows[i] for i in idx]
                 step = cache_rows[1] - cache_rows[0] if len(cache_rows) > 1 else 1
                 even = step > 0 and all(b - a == step for a, b in zip(cache_rows, cache_rows[1:]))
                 view = slice(cache_rows[0], cache_rows[-1] + 1, step) if even else None
                 key_mask = None if self.key_mask is None else self.key_mask[local][:, None, None, :]
-                groups.append(LengthGroup(self.pad_index[local, :w].reshape(-1), len(idx), w,
-                                          None if even else self.rows[local], view, key_mask))  # fmt: skip
-            self.length_groups_ = groups
-        return self.length_groups_
+                index = self.pad_index[local, :w].reshape(-1)
+                real = target = None
+                if any(lengths[i] != w for i in idx):  # padded: only the real slots go back
+                    real = self.pad_valid[local, :w].reshape(-1).nonzero().squeeze(1)
+                    target = index[real]
+                groups.append(LengthGroup(index, len(idx), w, None if even else self.rows[local], view, key_mask,
+                                          real, target))  # fmt: skip
+            self.length_groups_ = (unit, groups)
+        return self.length_groups_[1]
 
     def ensure_segments(self) -> None:
         """Build the two-segments-per-row layout for the varlen kernels (lazily, once per step)."""
