@@ -139,19 +139,20 @@ class GroupedSDPABackend(AttentionBackend):
 
     def window(self, q, k_cache, v_cache, wb, scale):
         groups = wb.length_groups(q.shape[1] * q.shape[2])  # indices and masks built once per step
-        if len(groups) == 1:  # every row in one call: the step's own padded layout, no scatter
-            k, v = self._rows(groups[0], k_cache, v_cache)
-            return _unpad(_sdpa(_pad(q, wb), k.transpose(1, 2), v.transpose(1, 2), groups[0].key_mask, scale), wb)
-        out = torch.empty_like(q)
+        # one group holds every row in order, so its real slots are already in packed order: no scatter
+        single = len(groups) == 1
+        out = None if single else torch.empty_like(q)
         for g in groups:
             k, v = self._rows(g, k_cache, v_cache)
-            qg = q.index_select(0, g.index).view(g.count, g.width, *q.shape[1:])
+            qg = q if single and g.real is None else q.index_select(0, g.index)  # (single, unpadded: in order)
+            qg = qg.reshape(g.count, g.width, *q.shape[1:])
             o = _sdpa(qg.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.key_mask, scale)
             o = o.transpose(1, 2).reshape(-1, *q.shape[1:])
-            if g.real is None:
-                out.index_copy_(0, g.index, o)
-            else:  # a padded group: its real slots only
-                out.index_copy_(0, g.target, o.index_select(0, g.real))
+            if g.real is not None:  # a padded group: its real slots only
+                o = o.index_select(0, g.real)
+            if single:
+                return o
+            out.index_copy_(0, g.index if g.real is None else g.target, o)
         return out
 
     @staticmethod
