@@ -335,8 +335,8 @@ def test_with_sparse_queries_a_draft_stands_only_for_its_parents_next_step(spars
     assert s.draft_parent.tolist() == [-1, 0, 0, 1]
     s.canvas[0, 2:6] = torch.tensor([mask, 21, mask, 23])  # the main row commits ranks 0 and 1
     ctx = StepContext(s, None, SimpleNamespace(tracing=False), False, True)
-    adopted = Lookahead(3).apply(ctx)
-    assert adopted != sparse and int(s.adopted[0]) == (0 if sparse else 1)
+    moved = Lookahead(3).apply(ctx)  # an adoption moves no window itself (the Advance policy does)
+    assert moved is False and int(s.adopted[0]) == (0 if sparse else 1)
 
 
 def _bench_options(name: str) -> dict:
@@ -382,11 +382,14 @@ def _one_request_drafted(sparse: bool = False):
 
 
 def _apply(s, accept: str) -> bool:
+    """Whether the request adopted a draft in this step (``apply`` itself reports no moved window)."""
     from hf_blockbatch.generation.policies import StepContext
     from hf_blockbatch.generation.policies.lookahead import Lookahead
 
     ctx = StepContext(s, None, SimpleNamespace(tracing=False), False, True)
-    return Lookahead(3, accept=accept).apply(ctx)
+    before = int(s.adopted[0])
+    assert Lookahead(3, accept=accept).apply(ctx) is False
+    return int(s.adopted[0]) > before
 
 
 @pytest.mark.parametrize("accept", ["exact", "contained"])
@@ -504,6 +507,41 @@ def _check_contained_invariants(model, seed: int, settings: int = 16) -> int:
         _main_row_replay(out, width, [EOS_ID])
         gained += int(_adopted(out).sum() - _adopted(exact).sum())
     return gained
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_an_adoption_completes_a_window_only_in_a_step_that_completed_one(family, monkeypatch):
+    """``Lookahead.apply`` reports no moved window and leaves advancing, stopping and refreshing to the
+    ``Advance`` policy after it, which acts only when the step's ``completed`` is true. That is sound
+    only if every adoption that leaves the main row's window complete comes in such a step: a draft row
+    of that request completed its own window in it. Checked on every step of the contained-acceptance
+    invariant settings (exact and contained, dense and sparse); such adoptions do occur."""
+    from hf_blockbatch.generation.policies.lookahead import Lookahead
+    from hf_blockbatch.generation.state import canvas_positions, in_window
+
+    original, seen = Lookahead.apply, {"complete": 0}
+
+    def window_left(s) -> torch.Tensor:  # [requests, branches]: a mask left in the row's window
+        inside = in_window(canvas_positions(s.length, s.canvas.device), s.win_start, s.win_end)
+        return s.per_request(((s.canvas == s.mask_id) & inside).any(-1))
+
+    def checked(self, ctx):
+        s = ctx.state
+        before = s.per_request(s.adopted)[:, 0].clone()
+        # a draft row that rode in this step and has no mask left in its window completed it in this step
+        drafts_done = (~window_left(s)[:, 1:] & ~s.per_request(s.pruned)[:, 1:]).any(-1)
+        moved = original(self, ctx)
+        took = s.per_request(s.adopted)[:, 0] > before
+        completes = took & ~window_left(s)[:, 0]
+        if bool(completes.any()):
+            seen["complete"] += 1
+            assert ctx.completed and bool(drafts_done[completes].all()), "an adoption completed a window no row completed"
+        assert moved is False
+        return moved
+
+    monkeypatch.setattr(Lookahead, "apply", checked)
+    _check_contained_invariants(peaked(family), seed=5, settings=16)
+    assert seen["complete"] > 0
 
 
 def test_contained_acceptance_saves_forwards_on_the_checkpoints(trained):

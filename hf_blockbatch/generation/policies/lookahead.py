@@ -238,12 +238,18 @@ class Lookahead:
     def apply(self, ctx: StepContext) -> bool:
         """After a block step: the main row takes the state of the draft (chain) that held exactly
         its next canvas (``contained``: or whose drafted tokens its commit holds, keeping its own
-        commit), then every draft row is parked. Returns whether a window may have moved."""
+        commit), then every draft row is parked.
+
+        Returns False: an adoption moves no window itself. A main row's window is complete after one
+        only when the adopted canvas is a draft's own after this step (exact, a chain's last draft, or a
+        contained merge equal to it; one that leaves a mask completes nothing), and a draft keeps a mask
+        when drafted, so that draft row completed its window in this step: the step's ``completed`` is
+        true, and the :class:`Advance` policy after this one moves the window and ends the request or
+        makes it due for a refresh. Saying True on every adoption cost a stop and refresh check each."""
         s = ctx.state
         live = ~s.per_request(s.pruned)[:, 1:]  # [B, K]
         if not bool(live.any()):  # no draft rode in this step: they are parked already
             return False
-        adopted = False
         if not ctx.full:
             B, K = live.shape
             canvas = s.per_request(s.canvas)
@@ -325,7 +331,6 @@ class Lookahead:
                     ctx.recorder.commit(s, dst, at, gained, "adopt")
                 # no advance here: a draft that completed its window made the step's ``completed``
                 # true, and the Advance policy after this one moves every completed window
-                adopted = True
         _park(s)
         s.per_request(s.eos_hit)[:, 1:] = False
-        return adopted
+        return False
