@@ -74,7 +74,8 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=128, help="random model width (tiny checkpoints: 128)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--out", default="policy_overhead.json")
+    parser.add_argument("--out", default="policy_overhead.json",
+                        help="a file name (written under benchmarks/results/) or a path")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -92,6 +93,9 @@ def main() -> None:
                         help="also FastDLLMConfig.drafted() and drafted(exact=False) at block 32, and the latter "
                              "without its query budget (RESULTS §17)")
     args = parser.parse_args()
+    # a bare name goes under benchmarks/results/, a path where it says; its folder exists before the run
+    out_path = Path(args.out) if Path(args.out).parent != Path() else Path(__file__).parent / "results" / args.out
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     model, tokenizer = build_model(args)
     vocab = model.config.vocab_size
@@ -160,9 +164,7 @@ def main() -> None:
         ops = count_policy_ops(model, prompts, masks, cfg, args.batch_size, args.callers)
         report["strategies"][name] = {**median, "policy_fraction_runs": [r["policy_fraction"] for r in runs], **ops}
         print(name, json.dumps(report["strategies"][name]))
-    out_dir = Path(__file__).parent / "results"
-    out_dir.mkdir(exist_ok=True)
-    (out_dir / args.out).write_text(json.dumps(report, indent=1))
+    out_path.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
