@@ -4,7 +4,8 @@ Compares, for one layer's attention over a cache of ``L`` positions and the six 
 (4, 8, 16, 32, 64, 128):
 
 * ``sdpa``: the library's padded path (every row padded to the longest window, one SDPA call);
-* ``sdpa_grouped``: the library's grouped path (one SDPA call per distinct window length);
+* ``sdpa_grouped``: the library's grouped path (one SDPA call per group of window lengths, padded
+  where that is cheaper than a call: here, at 4 heads of 32 over 384 keys, 4 and 8 share one, 16 and 32 another);
 * ``per_row``: one SDPA call per row on its exact window (no padding waste, a Python loop);
 * ``reference``: the library's explicit float32 softmax path;
 * ``single_32``: one row, one window of 32 (Fast-dLLM dual), for scale.

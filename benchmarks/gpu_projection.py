@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--backend", default="sdpa",
                    help="window attention backend of the logged decodes: the padded one issues the same operations "
                         "per layer whatever the windows, as a GPU's varlen kernel does (the CPU's default, "
-                        "sdpa_grouped, calls attention once per distinct window length)")  # fmt: skip
+                        "sdpa_grouped, calls attention once per group of query counts)")  # fmt: skip
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="benchmarks/results/gpu_projection")
     p.add_argument("--tag", default="", help="suffix of the output files' names")

@@ -15,7 +15,10 @@ import torch
 
 from hf_blockbatch.cache import BranchCache
 
-__all__ = ["GROUP_CALL_COST", "LengthGroup", "WindowBatch", "build_query_batch", "build_window_batch", "pack_ranges", "packed_index"]
+__all__ = [
+    "GROUP_CALL_COST", "LengthGroup", "WindowBatch", "build_query_batch", "build_window_batch", "pack_ranges",
+    "packed_index",
+]
 
 
 def packed_index(valid: torch.Tensor) -> torch.Tensor:
