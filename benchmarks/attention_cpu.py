@@ -35,6 +35,14 @@ from hf_blockbatch.attention import build_window_batch, get_backend, metadata
 from hf_blockbatch.cache import BranchCache
 
 
+def report(results: dict, name: str) -> None:
+    """Print ``results`` and write them to ``benchmarks/results/<name>``."""
+    print(json.dumps(results, indent=1))
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    (out / name).write_text(json.dumps(results, indent=1))
+
+
 def timed(fn, repeats: int) -> float:
     for _ in range(5):
         fn()
@@ -94,10 +102,7 @@ def main() -> None:
     }
     assert torch.allclose(sdpa.window(q, k, v, wb, scale), per_row(), atol=1e-5)
     assert torch.allclose(grouped.window(q, k, v, wb, scale), per_row(), atol=1e-5)
-    print(json.dumps(results, indent=1))
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / "attention_cpu.json").write_text(json.dumps(results, indent=1))
+    report(results, "attention_cpu.json")
 
 
 def group_costs(args) -> None:
@@ -146,10 +151,7 @@ def group_costs(args) -> None:
         "padded_slots_per_call": call / (unit * L * H * D),
         "shipped_GROUP_CALL_COST": metadata.GROUP_CALL_COST,
     }
-    print(json.dumps(results, indent=1))
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / "attention_cpu_groups.json").write_text(json.dumps(results, indent=1))
+    report(results, "attention_cpu_groups.json")
 
 if __name__ == "__main__":
     main()

@@ -152,7 +152,7 @@ class GroupedSDPABackend(AttentionBackend):
                 o = o.index_select(0, g.real)
             if single:
                 return o
-            out.index_copy_(0, g.index if g.real is None else g.target, o)
+            out.index_copy_(0, g.target, o)
         return out
 
     @staticmethod

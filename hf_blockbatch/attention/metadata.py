@@ -66,8 +66,8 @@ class LengthGroup:
     rows: torch.Tensor | None  # [count] cache rows to gather (None: read through ``view``)
     view: slice | None  # the rows as a strided slice of the cache (evenly spaced rows), else None
     key_mask: torch.Tensor | None  # [count, 1, 1, L] valid keys, as SDPA takes them; None if no padding
-    real: torch.Tensor | None = None  # [n] the slots holding a real query (None: all of them)
-    target: torch.Tensor | None = None  # [n] their packed query index (None: ``index``)
+    real: torch.Tensor | None  # [n] the slots holding a real query (None: all of them)
+    target: torch.Tensor  # [n] their packed query index, where the group's outputs go (``index`` when unpadded)
 
 
 @dataclass
@@ -146,7 +146,7 @@ class WindowBatch:
                 view = slice(cache_rows[0], cache_rows[-1] + 1, step) if even else None
                 key_mask = None if self.key_mask is None else self.key_mask[local][:, None, None, :]
                 index = self.pad_index[local, :w].reshape(-1)
-                real = target = None
+                real, target = None, index
                 if any(lengths[i] != w for i in idx):  # padded: only the real slots go back
                     real = self.pad_valid[local, :w].reshape(-1).nonzero().squeeze(1)
                     target = index[real]

@@ -329,8 +329,6 @@ class Lookahead:
                     gained = was_masked & (s.canvas[dst] != s.mask_id)
                     at = canvas_positions(s.length, dst.device).expand(dst.shape[0], -1)
                     ctx.recorder.commit(s, dst, at, gained, "adopt")
-                # no advance here: a draft that completed its window made the step's ``completed``
-                # true, and the Advance policy after this one moves every completed window
         _park(s)
         s.per_request(s.eos_hit)[:, 1:] = False
         return False
