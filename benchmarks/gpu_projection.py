@@ -27,6 +27,11 @@ No GPU has been lent to this project yet, so this script prices what the tiny ch
   the padded SDPA backend (``--backend``), which, like a GPU's varlen kernel, issues the same
   operations per layer whatever the step's window lengths.
 
+Beside what a forward reads, what a decoder keeps resident: the cache rows a request holds (logged,
+``ForwardLog.kv_slots``: one for Fast-dLLM, one per branch or draft row), their size at the geometry
+for a canvas of ``--kv-length`` positions, and the largest batch whose K/V fit beside the weights in
+``--memory`` bytes (activations not counted).
+
 What it does not model: the tiny checkpoints' trajectories stand in for the large model's (the
 same NFE, query tokens and canvas lengths; a real 8B model commits differently), and kernel
 efficiencies beyond the two constants (``--bandwidth-eff``, ``--flops-eff``). It is a projection to
@@ -55,7 +60,7 @@ from typing import Any
 import torch
 
 from hf_blockbatch.eval.forward_log import ForwardLog, ForwardRecord
-from hf_blockbatch.eval.roofline import Geometry, Hardware, project
+from hf_blockbatch.eval.roofline import Geometry, Hardware, kv_residency, project
 from hf_blockbatch.eval.runner import _encode, load_task
 from hf_blockbatch.generation.configs import config_from_dict
 
@@ -69,10 +74,11 @@ def decode_logged(model: Any, tokenizer: Any, prompts: list[str], cfg_dict: dict
                   batch_size: int) -> tuple[list[ForwardRecord], int, dict[str, list[int]]]:  # fmt: skip
     """Decode every prompt with one config, logging its forwards; returns the records, the policy's
     operations after the batches' last forwards, and per item its NFE and query tokens (the engine's
-    own counts, for the check that the log saw every query token)."""
+    own counts, for the check that the log saw every query token); and, per batch, its cache's K/V slots
+    and its canvases' positions (``kv_slots``, ``canvas_slots``), whose ratio is the cache rows a request holds."""
     cfg = config_from_dict({"max_new_tokens": gen_length, **cfg_dict})
     cfg.validate()
-    counts: dict[str, list[int]] = {"nfe": [], "query_tokens": []}
+    counts: dict[str, list[int]] = {"nfe": [], "query_tokens": [], "canvas_slots": []}
     with ForwardLog(model) as log, torch.inference_mode():
         for b0 in range(0, len(prompts), batch_size):
             ids, mask = _encode(tokenizer, prompts[b0 : b0 + batch_size], torch.device("cpu"))
@@ -80,6 +86,8 @@ def decode_logged(model: Any, tokenizer: Any, prompts: list[str], cfg_dict: dict
             log.end_decode()
             counts["nfe"] += out.nfe.tolist()
             counts["query_tokens"] += [int(st["query_tokens"]) for st in out.stats]
+            counts["canvas_slots"].append(ids.shape[0] * (ids.shape[1] + gen_length))
+    counts["kv_slots"] = log.kv_slots
     return log.records, log.tail_ops, counts
 
 
@@ -94,13 +102,15 @@ def render(report: dict[str, Any]) -> str:
              "policy's. *Syncs*: the policy's host syncs per forward, and its operations from the first one on "
              "(serial). A projection "
              "from exact counts, not a measurement (the script's docstring says what it leaves out). Ratios "
-             f"against `{base}` on the same items.", ""]  # fmt: skip
+             f"against `{base}` on the same items. *K/V*: the cache rows a request holds (logged), what they occupy at "
+             f"{g['name']} for a canvas of {report['kv_length']} positions, and the largest batch whose K/V fit beside "
+             f"the weights in {hw['memory'] / 1e9:.0f} GB (activations not counted; – : no cache).", ""]  # fmt: skip
     for suite, rows in report["suites"].items():
         b = rows[base]
         lines += [f"## {suite}", "", "| config | NFE | NFE × | query tok × | tokens / forward | compute-bound | host-bound "
                   "(eager) | policy ops / forward | syncs · serial ops / forward | gpu ms/item | policy ms/item | gpu × | "
-                  "graphed × | async × | eager × |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "graphed × | async × | eager × | K/V rows · GB / request | max batch |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for name, r in rows.items():
             x = {
                 k: r[k] / b[k]
@@ -111,7 +121,9 @@ def render(report: dict[str, Any]) -> str:
                          f"{100 * r['host_bound_share']:.0f} % | {r['policy_ops_per_forward']:.0f} | "
                          f"{r['policy_syncs_per_forward']:.1f} · {r['serial_ops_per_forward']:.0f} | "
                          f"{r['gpu_ms_item']:.2f} | {r['policy_ms_item']:.2f} | {x['gpu_ms_item']:.3f} | "
-                         f"{x['graphed_ms_item']:.3f} | {x['async_ms_item']:.3f} | {x['eager_ms_item']:.3f} |")  # fmt: skip
+                         f"{x['graphed_ms_item']:.3f} | {x['async_ms_item']:.3f} | {x['eager_ms_item']:.3f} | "
+                         f"{r['kv_rows_per_request']:.2f} · {r['kv_gb_per_request']:.2f} | "
+                         f"{'–' if r['max_batch'] is None else r['max_batch']} |")  # fmt: skip
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -143,6 +155,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="window attention backend of the logged decodes: the padded one issues the same operations "
                         "per layer whatever the windows, as a GPU's varlen kernel does (the CPU's default, "
                         "sdpa_grouped, calls attention once per group of query counts)")  # fmt: skip
+    p.add_argument("--kv-length", type=int, default=1024,
+                   help="canvas length (prompt + generated) at which to state the resident K/V per request and the "
+                        "largest batch whose K/V fit beside the weights (the tiny suites' canvases are 100-160)")  # fmt: skip
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="benchmarks/results/gpu_projection")
     p.add_argument("--tag", default="", help="suffix of the output files' names")
@@ -169,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         family if args.geometry == "auto" else args.geometry]()  # fmt: skip
     chat = bool(getattr(tokenizer, "chat_template", None))
     report: dict[str, Any] = {"model": args.model, "limit": args.limit, "batch_size": args.batch_size, "backend": args.backend,
+                              "kv_length": args.kv_length,
                               "baseline": args.baseline, "geometry": asdict(geometry), "hardware": asdict(hw),
                               "configs": {n: configs[n] for n in names}, "suites": {}}  # fmt: skip
     for suite in args.suites:
@@ -185,8 +201,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if logged != sum(counts["query_tokens"]):  # the log and the engine count the same positions
                 raise RuntimeError(f"{suite} {name}: the forwards carried {logged} query tokens, the engine counted "
                                    f"{sum(counts['query_tokens'])}")  # fmt: skip
+            rows_per_request = sum(counts["kv_slots"]) / sum(counts["canvas_slots"])
             row = {"nfe": statistics.fmean(counts["nfe"]), "query_tokens": statistics.fmean(counts["query_tokens"]),
-                   **project(records, tail, geometry, hw, items=len(prompts))}  # fmt: skip
+                   **project(records, tail, geometry, hw, items=len(prompts)),
+                   **kv_residency(rows_per_request, geometry, hw, args.kv_length)}  # fmt: skip
             report["suites"][suite][name] = row
             logger.info("%s %-36s nfe %5.2f  tok/fwd %5.0f  gpu %6.2f  graphed %6.2f  async %6.2f  eager %6.2f ms/item",
                         suite, name, row["nfe"], row["query_tokens_per_forward"], row["gpu_ms_item"],

@@ -670,6 +670,11 @@ def test_gpu_projection_prices_what_the_forwards_carried(tmp_path):
     assert json.loads((tmp_path / "tiny-llada_3_b2.json").read_text())["suites"]["arith"] == rows
     table = (tmp_path / "tiny-llada_3_b2.md").read_text()
     assert f"| {drafted['eager_ms_item'] / base['eager_ms_item']:.3f} |" in table
+    # what stays resident: one cache row per request, and one more per draft (logged, not assumed)
+    assert (base["kv_rows_per_request"], drafted["kv_rows_per_request"]) == (1, 4)
+    assert drafted["kv_gb_per_request"] == pytest.approx(4 * base["kv_gb_per_request"])
+    assert base["max_batch"] // 4 - 1 <= drafted["max_batch"] <= base["max_batch"] // 4
+    assert f"| 4.00 · {drafted['kv_gb_per_request']:.2f} | {drafted['max_batch']} |" in table
 
 
 def test_gpu_check_prices_a_measured_step_beside_its_time():

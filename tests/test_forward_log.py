@@ -22,10 +22,12 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
 def test_a_logged_decode_is_the_same_decode_and_counts_every_forward():
     model = make_tiny_llada()
     ids, mask = _prompts()
-    for cfg in (hb.FastDLLMConfig(max_new_tokens=32, block_length=16, threshold=0.05, mask_token_id=MASK_ID),
-                hb.FastDLLMConfig(max_new_tokens=32, block_length=16, threshold=0.05, mask_token_id=MASK_ID,
-                                  window_queries="sparse", requery_radius=2, lookahead=2),
-                hb.BlockBatchConfig(max_new_tokens=32, block_sizes=[8, 16], threshold=0.05, mask_token_id=MASK_ID)):  # fmt: skip
+    for cfg, rows_per_request in (
+        (hb.FastDLLMConfig(max_new_tokens=32, block_length=16, threshold=0.05, mask_token_id=MASK_ID), 1),
+        (hb.FastDLLMConfig(max_new_tokens=32, block_length=16, threshold=0.05, mask_token_id=MASK_ID,
+                           window_queries="sparse", requery_radius=2, lookahead=2), 3),
+        (hb.BlockBatchConfig(max_new_tokens=32, block_sizes=[8, 16], threshold=0.05, mask_token_id=MASK_ID), 2),
+    ):  # fmt: skip
         plain = model.generate(ids, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True)
         for alone in (False, True):
             with ForwardLog(model) as log:
@@ -47,6 +49,8 @@ def test_a_logged_decode_is_the_same_decode_and_counts_every_forward():
             assert sum(r.queries for r in log.records) == queries  # LLaDA: no shifted window queries
             assert all(r.policy_ops > 0 for r in log.records) and log.tail_ops > 0
             assert log.policy_ops == sum(r.policy_ops for r in log.records) + log.tail_ops
+            # what each decode kept resident: its requests' cache rows (a row per branch, and per draft) × canvas
+            assert log.kv_slots == [(sl.stop - sl.start) * rows_per_request * (12 + 32) for sl in rows]
             firsts = [i for i, r in enumerate(log.records) if not r.after_forward]
             assert len(firsts) == len(rows) and firsts[0] == 0  # each decode's first forward follows no forward
             for r in log.records:

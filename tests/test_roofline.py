@@ -6,7 +6,7 @@ import pytest
 
 import hf_blockbatch as hb
 from hf_blockbatch.eval.forward_log import ForwardRecord
-from hf_blockbatch.eval.roofline import Geometry, Hardware, price, project
+from hf_blockbatch.eval.roofline import Geometry, Hardware, kv_residency, price, project
 
 
 def test_geometries_are_the_real_models():
@@ -24,6 +24,21 @@ def test_geometries_are_the_real_models():
     small = hb.LLaDAConfig(d_model=64, n_heads=4, n_kv_heads=2, n_layers=3, mlp_hidden_size=96, vocab_size=50,
                            embedding_size=64)  # fmt: skip
     assert Geometry.from_config(small) == Geometry("llada", 3, 64, 32, 96, 64)
+
+
+def test_resident_kv_per_request_and_the_batch_it_leaves_room_for():
+    """A cache row of a 1024-position canvas at LLaDA-8B (32 layers of 4096-wide keys and values, bf16)
+    is 0.54 GB; Dream-7B's grouped heads make it 9x smaller. Rows multiply it, and divide the batch."""
+    llada, dream, hw = Geometry.llada_8b(), Geometry.dream_7b(), Hardware()
+    assert llada.kv_bytes_per_token == 2 * 32 * 4096 * 2 and dream.kv_bytes_per_token == 2 * 28 * 512 * 2
+    one, four = (kv_residency(r, llada, hw, 1024) for r in (1, 4))
+    assert one["kv_gb_per_request"] == pytest.approx(0.537, abs=1e-3) and four["kv_gb_per_request"] == pytest.approx(
+        4 * one["kv_gb_per_request"])
+    room = hw.memory - llada.weight_bytes
+    assert one["max_batch"] == int(room // (1024 * llada.kv_bytes_per_token)) and four["max_batch"] == int(
+        room // (4 * 1024 * llada.kv_bytes_per_token))
+    assert kv_residency(0, llada, hw, 1024)["max_batch"] is None  # no cache: the K/V bound no batch
+    assert kv_residency(1, dream, hw, 1024)["max_batch"] > 8 * one["max_batch"]
 
 
 def test_a_forward_costs_its_weights_read_until_its_flops_outweigh_it():

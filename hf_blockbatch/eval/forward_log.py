@@ -191,11 +191,15 @@ class ForwardLog:
     tail_ops: int = 0
     #: also count the policy's operations and syncs per calling function (:attr:`policy_callers`)
     by_caller: bool = False
+    #: per closed decode, the K/V slots its cache held (cache rows × canvas length, padding included,
+    #: the most at any forward): what a decoder keeps resident, where ``records`` say what it reads
+    kv_slots: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.counter = OpCounter(self.by_caller)
         self._hooks: list = []
         self._after_forward = False  # the policy's operations now follow a forward of this decode
+        self._kv_slots = 0  # the open decode's largest cache so far
 
     # ------------------------------------------------------------------ entering
     def __enter__(self) -> ForwardLog:
@@ -237,6 +241,8 @@ class ForwardLog:
         self.tail_ops += self.counter.counts.get("policy", 0)
         self.counter.reset("policy")
         self._after_forward = False
+        self.kv_slots.append(self._kv_slots)
+        self._kv_slots = 0
 
     @property
     def policy_ops(self) -> int:
@@ -282,6 +288,11 @@ class ForwardLog:
             "model_syncs": sum(syncs[b] for b in _FORWARD_BUCKETS),
             "late_syncs": syncs["head"],
         }
+        cache = args[3] if len(args) > 3 else kwargs.get("cache")  # every entry point's fourth argument
+        if cache is None and kind == "full":
+            cache = kwargs.get("past_key_values")  # transformers' name for it
+        if cache is not None:
+            self._kv_slots = max(self._kv_slots, cache.num_rows * cache.length)
         if kind == "full":
             ids = args[0] if args else kwargs["input_ids"]
             mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
@@ -290,7 +301,6 @@ class ForwardLog:
             keep = kwargs.get("logits_mask")
             heads = int(keep.sum()) if keep is not None else ids.numel()
             return ForwardRecord(kind, len(lengths), sum(lengths), heads, lengths, lengths, **ops)
-        cache = args[3] if len(args) > 3 else kwargs["cache"]
         rows = kwargs.get("rows", args[4] if len(args) > 4 else None)
         key_mask = cache.key_mask if rows is None else cache.key_mask[rows]
         keys = key_mask.sum(-1).tolist()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from hf_blockbatch.eval.forward_log import ForwardRecord
 
-__all__ = ["Geometry", "Hardware", "price", "project"]
+__all__ = ["Geometry", "Hardware", "kv_residency", "price", "project"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,16 @@ class Geometry:
     @property
     def head_params(self) -> int:
         return self.d_model * self.vocab
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """One cached position of one row: a key and a value per layer."""
+        return 2 * self.layers * self.d_kv * self.bytes_per_value
+
+    @property
+    def weight_bytes(self) -> int:
+        """What the weights occupy: the layers, the head and the embedding table (untied, as both models)."""
+        return self.bytes_per_value * (self.body_params + 2 * self.head_params)
 
     @classmethod
     def from_config(cls, config, name: str | None = None) -> Geometry:
@@ -84,6 +94,7 @@ class Hardware:
     bandwidth_eff: float = 0.8
     flops_eff: float = 0.6
     op_us: float = 5.0  # host time per tensor operation (eager PyTorch: about 5-10 µs per small CUDA op)
+    memory: float = 141e9  # bytes of device memory (HBM3e)
 
 
 def price(rec: ForwardRecord, g: Geometry, hw: Hardware) -> tuple[float, bool]:
@@ -102,6 +113,18 @@ def price(rec: ForwardRecord, g: Geometry, hw: Hardware) -> tuple[float, bool]:
     memory_s = (weights + kv) / (hw.bandwidth * hw.bandwidth_eff)
     compute_s = flops / (hw.flops * hw.flops_eff)
     return max(memory_s, compute_s), compute_s > memory_s
+
+
+def kv_residency(rows_per_request: float, g: Geometry, hw: Hardware, length: int) -> dict[str, float | None]:
+    """What a decoder's cache keeps resident per request at ``g``, for a canvas of ``length``
+    positions, and how many requests' caches fit beside the weights in ``hw.memory`` (activations and
+    the allocator's slack not counted: an upper bound). ``rows_per_request``: cache rows a request
+    holds (1 for Fast-dLLM, one per branch for BlockBatch, 1 + drafts with lookahead), as logged
+    (``ForwardLog.kv_slots``); 0 for a decoder without a cache, whose batch the K/V do not bound
+    (``max_batch`` None). A decoder that reads fewer bytes per forward can still hold more."""
+    per_request = rows_per_request * length * g.kv_bytes_per_token
+    return {"kv_rows_per_request": rows_per_request, "kv_gb_per_request": per_request / 1e9,
+            "max_batch": int(max(hw.memory - g.weight_bytes, 0) // per_request) if per_request else None}  # fmt: skip
 
 
 def project(
