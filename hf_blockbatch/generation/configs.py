@@ -451,7 +451,12 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         §13). On the test splits, at the tuned block, it is within 1 point of a tuned dense Fast-dLLM on
         every suite at 0.75-0.83x its forwards and 0.74-0.94x its query tokens (1.10x on one suite).
         ``drafted(lookahead=2)`` spends 0.05-0.09x fewer query tokens for 0.00-0.02x more forwards, and
-        less CPU time: 0.86-1.03x the tuned baseline's at batch 1 and 32, against 0.91-1.08x (§14, §15)."""
+        less CPU time: 0.86-1.03x the tuned baseline's at batch 1 and 32, against 0.91-1.08x (§14, §15).
+
+        Memory: every draft row holds a whole cache row, so a request keeps ``1 + lookahead`` rows of
+        K/V resident (4 here, against Fast-dLLM's 1): at LLaDA-8B and a 1024-position canvas 2.1 GB a
+        request, which caps an H200's batch at about 58 against 232 (RESULTS §28; Dream-7B's grouped
+        heads make both 9x smaller). ``lookahead=2`` or ``1`` keeps 3 or 2 rows."""
         return cls(**{**(DRAFTED if exact else DRAFTED_CONTAINED), **kwargs})
 
     def validate(self, **kwargs: Any) -> None:
@@ -580,6 +585,9 @@ def _check_beyond(cfg: Any) -> None:
 
 class BlockBatchConfig(DiffusionGenerationConfig):
     """BlockBatch: one branch per block size, decoded together in one packed forward per step.
+
+    Each branch is a row of its own, with its own cache row: a request keeps ``len(block_sizes)`` rows
+    of K/V resident (6 by default, against Fast-dLLM's 1; RESULTS §28).
 
     Args:
         block_sizes: the branches (paper: 4, 8, 16, 32, 64, 128).
