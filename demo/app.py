@@ -928,6 +928,9 @@ def render_banner(
     if "query_tokens" in block.stats and "query_tokens" in fast.stats:  # the compute, next to the forwards
         queries = (f"<span>query tokens <b>{block.stats['query_tokens']}</b> vs "
                    f"<b>{fast.stats['query_tokens']}</b></span>")  # fmt: skip
+    if "branches" in block.stats and "branches" in fast.stats:  # and the memory: a K/V cache row per branch
+        queries += (f"<span>K/V rows per request <b>{len(block.stats['branches'])}</b> vs "
+                    f"<b>{len(fast.stats['branches'])}</b></span>")  # fmt: skip
     return (
         f'<div class="bb-banner"><span class="big">{abs(saving):.1f}% {verb} forward passes</span>'
         f"<span>BlockBatch <b>{block.nfe}</b> NFE vs Fast-dLLM <b>{fast.nfe}</b></span>{queries}"

@@ -3,8 +3,9 @@
 ``hf-blockbatch generate`` answers one prompt with Fast-dLLM (dual cache, block 32, τ 0.9, the
 paper's baseline) and BlockBatch (default settings) side by side, then with the baseline to beat,
 Fast-dLLM with early stop, and with its lookahead drafts (``FastDLLMConfig.drafted()``, exact, and
-``drafted(exact=False)``, contained), with NFE, query tokens and wall time, on the embedded tiny LLaDA by default or on any supported
-checkpoint (``--model``).
+``drafted(exact=False)``, contained), with NFE, query tokens, the K/V cache rows each keeps per request
+(one per branch or draft row: what bounds the batch on a GPU) and wall time, on the embedded tiny
+LLaDA by default or on any supported checkpoint (``--model``).
 
 ``hf-blockbatch bench`` runs vanilla, Fast-dLLM (with and without early stop) and BlockBatch on
 task suites and benchmarks and writes per-sample JSONL, a Markdown table with the paper's columns
@@ -103,7 +104,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         rows.append((nfe, seconds))
         extra = (f"drafts adopted {stats['lookahead_adopted']}" if "lookahead_adopted" in stats
                  else f"winner block {stats['winner_block_size']}")  # fmt: skip
-        print(f"── {name}\n{text}\n   NFE {nfe}   query tokens {stats['query_tokens']}   {seconds:.2f} s   {extra}\n")
+        # every config here keeps a dual cache: one K/V row per branch (or draft row) of the request
+        print(f"── {name}\n{text}\n   NFE {nfe}   query tokens {stats['query_tokens']}   K/V rows {len(stats['branches'])}   "
+              f"{seconds:.2f} s   {extra}\n")
     (nfe_f, t_f), (nfe_b, t_b), (nfe_e, _), (nfe_d, _), (nfe_c, _) = rows
     print(f"BlockBatch / Fast-dLLM: NFE {nfe_b}/{nfe_f} = {nfe_b / nfe_f:.2f}, time {t_b / t_f:.2f}x")
     print(f"against Fast-dLLM + early stop (NFE {nfe_e}): BlockBatch {nfe_b / nfe_e:.2f}x, drafted() {nfe_d / nfe_e:.2f}x, "

@@ -148,7 +148,7 @@ def test_fast_dllm_baseline_is_chosen_by_the_visitor() -> None:
 
 
 def test_sparse_queries_are_a_visitor_switch_for_both(loaded) -> None:
-    """The switch reaches both configs, and the banner reports query tokens beside the NFE."""
+    """The switch reaches both configs, and the banner reports query tokens and K/V rows beside the NFE."""
     plain = app.check_settings("hi")
     assert plain.fast_config().window_queries == plain.blockbatch_config().window_queries == "all"
     sparse = app.check_settings(PROMPT, max_new_tokens=32, block_sizes=["4", "16"], sparse=True)
@@ -159,6 +159,7 @@ def test_sparse_queries_are_a_visitor_switch_for_both(loaded) -> None:
     assert block.stats["query_tokens"] == out.stats[0]["query_tokens"] and "sparse queries" in block.subtitle
     banner = app.render_banner(fast, block, None)
     assert f"query tokens <b>{block.stats['query_tokens']}</b> vs <b>{fast.stats['query_tokens']}</b>" in banner
+    assert "K/V rows per request <b>2</b> vs <b>1</b>" in banner  # blocks 4 and 16: a cache row each
 
 
 def test_guarded_merges_are_a_visitor_switch_for_blockbatch(loaded) -> None:

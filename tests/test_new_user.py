@@ -207,6 +207,8 @@ def test_the_cli_default_prompt_is_answered_right_by_every_decoder(capsys):
     answers = re.findall(r"^── [^\n]*\n(.*?)\n   NFE", out, re.M | re.S)
     assert len(answers) == 5 and all(get_suite("arith").score(item, a).correct for a in answers), answers
     assert "drafts adopted" in out and "against Fast-dLLM + early stop" in out and "drafted(exact=False)" in out
+    # the K/V rows each decoder keeps per request: one, one per branch, one per draft row and the main row
+    assert [int(n) for n in re.findall(r"K/V rows (\d+)", out)] == [1, 6, 1, 4, 4]
 
 
 # --------------------------------------------------------------------------------- custom_generate
