@@ -104,7 +104,7 @@ def price(rec: ForwardRecord, g: Geometry, hw: Hardware) -> tuple[float, bool]:
     per head slot, 4 × layers × d per query-key pair) over the peak, each at its efficiency."""
     b = g.bytes_per_value
     weights = b * (g.body_params + g.head_params) + b * g.d_model * rec.queries
-    kv = 2 * g.layers * g.d_kv * b * sum(rec.keys)
+    kv = g.kv_bytes_per_token * sum(rec.keys)
     flops = (
         2 * g.body_params * rec.queries
         + 2 * g.head_params * rec.heads
