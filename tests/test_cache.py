@@ -285,6 +285,26 @@ def test_generate_reuses_cpu_storage_and_user_caches_never_share_it(monkeypatch)
     assert not _POOL._free
 
 
+def test_a_pooled_buffer_too_small_grows_with_headroom() -> None:
+    """Batches of one run differ by a few prompt tokens: a buffer replaced at the exact size asked
+    would be replaced again by the next, slightly longer batch, faulting in fresh pages each time."""
+    from hf_blockbatch.cache import _POOL, release_pooled_storage, reuse_storage
+
+    release_pooled_storage()
+    with reuse_storage():
+        first = _POOL.take(1000, torch.float32)
+    with reuse_storage():
+        grown = _POOL.take(1010, torch.float32)  # too small: replaced, with room to spare
+        assert grown.numel() == 1010 and grown.untyped_storage().nbytes() == 1250 * 4
+    with reuse_storage():
+        again = _POOL.take(1200, torch.float32)  # a longer batch still fits: the same memory
+        assert again.data_ptr() == grown.data_ptr()
+    with reuse_storage():
+        assert _POOL.take(4000, torch.float32).untyped_storage().nbytes() == 4000 * 4  # more than the growth: as asked
+    assert first.data_ptr() != grown.data_ptr()
+    release_pooled_storage()
+
+
 def test_caches_of_one_block_and_of_concurrent_decodes_do_not_share_storage() -> None:
     import threading
 
