@@ -47,7 +47,10 @@ def init_weights(module: nn.Module, std: float) -> None:
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``cos, sin`` of shape ``[*positions.shape, 1, head_dim]`` (half-rotation layout).
+    """float32 ``cos, sin`` of shape ``[*positions.shape, 1, head_dim]`` (half-rotation layout), the
+    sine's first half negated: :func:`apply_rope` multiplies it by the halves swapped, which is the
+    official ``rotate_half(x) * sin`` with the negation moved from ``x`` onto the sine (exact in
+    any float format), one operation instead of three.
 
     Computed per call from the positions: cheap (head_dim/2 frequencies), and it sidesteps
     non-persistent buffers, which meta-device loading leaves uninitialised.
@@ -56,8 +59,8 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
         theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     )
     freqs = positions.float()[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]
-    return emb.cos(), emb.sin()
+    sin = freqs.sin()
+    return torch.cat([freqs, freqs], dim=-1).cos()[..., None, :], torch.cat([-sin, sin], dim=-1)[..., None, :]
 
 
 class RopeTable:
@@ -84,19 +87,16 @@ class RopeTable:
         return cos[positions][..., None, :], sin[positions][..., None, :]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, full_precision: bool) -> torch.Tensor:
-    """Rotate ``x`` (``[..., H, D]``). LLaDA rotates in float32 (``rope_full_precision``); Dream
-    rotates in the activation dtype; the choice changes bf16 results, so it follows the config."""
+    """Rotate ``x`` (``[..., H, D]``) by :func:`rope_cos_sin`'s tables (its sine signed). LLaDA rotates
+    in float32 (``rope_full_precision``); Dream rotates in the activation dtype; the choice changes
+    bf16 results, so it follows the config."""
+    half = x.shape[-1] // 2
     if full_precision:
         xf = x.float()
-        return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+        return (xf * cos + xf.roll(half, -1) * sin).to(x.dtype)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + x.roll(half, -1) * sin
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
