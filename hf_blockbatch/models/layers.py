@@ -59,8 +59,8 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
         theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     )
     freqs = positions.float()[..., None] * inv_freq
-    sin = freqs.sin()
-    return torch.cat([freqs, freqs], dim=-1).cos()[..., None, :], torch.cat([-sin, sin], dim=-1)[..., None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat([cos, cos], dim=-1)[..., None, :], torch.cat([-sin, sin], dim=-1)[..., None, :]
 
 
 class RopeTable:
