@@ -379,6 +379,77 @@ def test_logits_mask_returns_exactly_the_masked_logits(family: str) -> None:
         model(ids, logits_mask=mask[:, :15])
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("device", "backend"), BACKEND_CASES, ids=BACKEND_IDS)
+@torch.no_grad()
+def test_per_query_mask_packs_sequences_exactly(family: str, device: str, backend: str) -> None:
+    """A bool per-query mask (transformers' custom 4D mask): two canvases packed into one row with a
+    block-diagonal mask and their own positions give each canvas's logits alone; a query that may not
+    see one key (a leave-one-out query) gives what a canvas without that key gives; an all-True mask is
+    the plain forward; ``[B, L, L]`` and ``[B, 1, L, L]`` are the same mask; ``logits_mask`` still packs."""
+    model = make(family).to(device)
+    model.set_attention_backend(backend)
+    a, b = canvas(1, 9, seed=1).to(device), canvas(1, 6, seed=2).to(device)
+    alone = [model(a).logits[0], model(b).logits[0]]
+    ids = torch.cat([a, b], 1)
+    mask = torch.zeros(1, 15, 15, dtype=torch.bool, device=device)
+    mask[0, :9, :9] = mask[0, 9:, 9:] = True
+    pos = torch.cat([torch.arange(9), torch.arange(6)]).to(device)[None]
+    packed = model(ids, attention_mask=mask, position_ids=pos).logits[0]
+    torch.testing.assert_close(packed[:9], alone[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(packed[9:], alone[1], atol=ATOL, rtol=0)
+    four = model(ids, attention_mask=mask[:, None], position_ids=pos).logits
+    torch.testing.assert_close(four[0], packed, atol=0, rtol=0)
+    pick = torch.zeros(1, 15, dtype=torch.bool, device=device)
+    pick[0, [2, 11]] = True
+    out = model(ids, attention_mask=mask, position_ids=pos, logits_mask=pick).logits
+    torch.testing.assert_close(out, packed[[2, 11]], atol=ATOL, rtol=0)
+    # a shadow query beside the canvas: a copy of token 7 at position 7, which the canvas does not see,
+    # seeing the canvas but for key 7 (it has its own) is position 7's query exactly; hiding key 4 from
+    # it as well (a leave-one-out query) changes what it predicts, and nothing of the canvas's
+    c = canvas(1, 10, seed=3).to(device)
+    plain = model(c).logits[0]
+    ids2 = torch.cat([c, c[:, 7:8]], 1)
+    pos2 = torch.cat([torch.arange(10), torch.tensor([7])]).to(device)[None]
+    twin = torch.ones(1, 11, 11, dtype=torch.bool, device=device)
+    twin[0, :10, 10] = False
+    twin[0, 10, 7] = False
+    got = model(ids2, attention_mask=twin, position_ids=pos2).logits[0]
+    torch.testing.assert_close(got[:10], plain, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[10], plain[7], atol=ATOL, rtol=0)
+    loo = twin.clone()
+    loo[0, 10, 4] = False
+    got = model(ids2, attention_mask=loo, position_ids=pos2).logits[0]
+    torch.testing.assert_close(got[:10], plain, atol=ATOL, rtol=0)
+    assert (got[10] - plain[7]).abs().max() > 1e-3
+    full = model(ids).logits
+    torch.testing.assert_close(model(ids, attention_mask=torch.ones(1, 15, 15, dtype=torch.bool, device=device)).logits,
+                               full, atol=ATOL, rtol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_per_query_mask_errors(family: str) -> None:
+    model = make(family)
+    ids = canvas(2, 8)
+    ok = torch.ones(2, 8, 8, dtype=torch.bool)
+    with pytest.raises(ValueError, match="works without a cache"):
+        model(ids, attention_mask=ok, use_cache=True)
+    with pytest.raises(ValueError, match="works without a cache"):
+        model(ids, attention_mask=ok, cache=model.new_cache(2, 8))
+    with pytest.raises(ValueError, match=r"must be bool.*`m == 0`"):
+        model(ids, attention_mask=ok.float())
+    with pytest.raises(ValueError, match=r"expected \(2, 8, 8\) or \(2, 1, 8, 8\)"):
+        model(ids, attention_mask=ok[:, :7])
+    with pytest.raises(ValueError, match=r"\[batch, 1, length, length\]"):
+        model(ids, attention_mask=ok[:, None].expand(2, 4, 8, 8))
+    empty = ok.clone()
+    empty[1, 3] = False
+    with pytest.raises(ValueError, match="leaves a query with no key"):
+        model(ids, attention_mask=empty)
+    with pytest.raises(ValueError, match=r"position_ids has shape \(2, 7\), expected \(2, 8\)"):
+        model(ids, attention_mask=ok, position_ids=torch.zeros(2, 7, dtype=torch.long))
+
+
 @pytest.fixture(params=FAMILIES)
 def filled(request):
     model = make(request.param)

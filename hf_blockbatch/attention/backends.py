@@ -6,7 +6,7 @@ Every backend answers the same two questions:
   attend to their own row of the cache (``[R, L, H_kv, D]``, already holding the window's fresh
   K/V); returns ``[T, H, D]``.
 * ``dense(q, k, v, key_mask, scale)``: a full-canvas bidirectional forward, ``[B, L, H, D]``
-  tensors, ``key_mask`` ``[B, L]`` or ``None``.
+  tensors, ``key_mask`` ``[B, L]`` (valid keys), ``[B, L, L]`` (keys per query) or ``None``.
 
 Backends: ``flash_varlen`` (flash-attn, CUDA, fp16/bf16), ``torch_varlen`` (PyTorch's own
 varlen kernel, CUDA), ``sdpa_grouped`` (one ``scaled_dot_product_attention`` per group of rows with equal
@@ -49,7 +49,10 @@ def _rows_kv(cache_t: torch.Tensor, wb: WindowBatch) -> torch.Tensor:
 
 
 def _bool_key_mask(key_mask: torch.Tensor | None) -> torch.Tensor | None:
-    return None if key_mask is None else key_mask[:, None, None, :]
+    """``[B, L]`` valid keys or ``[B, W, L]`` keys per query → SDPA's ``[B, 1, 1 or W, L]``."""
+    if key_mask is None:
+        return None
+    return key_mask[:, None] if key_mask.dim() == 3 else key_mask[:, None, None, :]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, scale: float):
@@ -94,13 +97,13 @@ class ReferenceBackend(AttentionBackend):
 
     @staticmethod
     def _attend(q, k, v, key_mask, scale):
-        # q [B, H, W, D], k/v [B, H_kv, L, D], key_mask [B, L] | None
+        # q [B, H, W, D], k/v [B, H_kv, L, D], key_mask [B, L] | [B, W, L] | None
         groups = q.shape[1] // k.shape[1]
         k = k.float().repeat_interleave(groups, dim=1)
         v = v.float().repeat_interleave(groups, dim=1)
         scores = torch.einsum("bhwd,bhld->bhwl", q.float(), k) * scale
         if key_mask is not None:
-            scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+            scores = scores.masked_fill(~_bool_key_mask(key_mask), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         return torch.einsum("bhwl,bhld->bhwd", probs, v).to(q.dtype)
 

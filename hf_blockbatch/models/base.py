@@ -12,6 +12,9 @@
   query per row, whose K/V refresh is a bonus, and whose last hidden state is simply not sent
   through the head. The decoders never see the shift.
 * Rows may be left-padded: padding is masked out of attention and does not shift positions.
+* The full forward also takes a bool per-query mask (``[B, L, L]`` or ``[B, 1, L, L]``, transformers'
+  custom 4D mask) with ``position_ids``, without a cache: queries that see different keys, such as a
+  research decoder's leave-one-out checks (``benchmarks/commit_rules_probe.py``).
 * Both forwards take an optional ``logits_mask`` (bool, over the rows of the logits they would
   return): only those hidden states go through the head, and the logits come back packed,
   ``[n, V]`` in row-major order. A decoder reads a fraction of the positions it queries (the
@@ -261,6 +264,8 @@ class DiffusionLMMixin:
 
         ``past_key_values`` is accepted as the older name of ``cache`` (transformers 5 renamed it).
         ``logits_mask`` (bool ``[B, L]``): return only those positions' logits, packed ``[n, V]``.
+        ``attention_mask`` is the ``[B, L]`` padding mask, or a bool per-query mask ``[B, L, L]`` /
+        ``[B, 1, L, L]`` (uncached; positions default to ``0..L-1``, see :meth:`_forward_custom_mask`).
         Other keyword arguments of transformers' forwards are accepted and unused, except those whose
         answer this forward does not give: ``output_hidden_states`` / ``output_attentions`` are refused,
         and ``labels`` gets the official LLaDA code's warning (no loss is computed here).
@@ -270,6 +275,9 @@ class DiffusionLMMixin:
             cache = past_key_values
         self._check_ids(input_ids)
         B, L = input_ids.shape
+        if attention_mask is not None and attention_mask.dim() in (3, 4):
+            return self._forward_custom_mask(input_ids, attention_mask, position_ids, cache, use_cache, logits_mask,
+                                             return_dict)  # fmt: skip
         if attention_mask is not None:
             attention_mask = attention_mask.to(input_ids.device).bool()
             if attention_mask.shape != (B, L):
@@ -318,6 +326,48 @@ class DiffusionLMMixin:
         if return_dict is False:
             return (logits, cache)
         return DiffusionLMOutput(logits=logits, cache=cache)
+
+    def _forward_custom_mask(self, input_ids, attention_mask, position_ids, cache, use_cache, logits_mask,
+                             return_dict) -> DiffusionLMOutput | tuple:  # fmt: skip
+        """``forward`` with a per-query mask (bool ``[B, L, L]`` or ``[B, 1, L, L]``, True where query ``i``
+        may attend to key ``j``), as transformers' models take a custom 4D mask. Why: research decoders
+        ask questions one canvas cannot, e.g. leave-one-out "shadow" queries that must not see their own
+        position (``benchmarks/commit_rules_probe.py``). Uncached: a cache row records one key mask per
+        row, which a per-query mask does not have."""
+        B, L = input_ids.shape
+        if cache is not None or use_cache:
+            raise ValueError("A 3D/4D attention_mask (one per query) works without a cache: drop cache/use_cache, "
+                             "or pass a [batch, length] padding mask.")  # fmt: skip
+        if attention_mask.dtype != torch.bool:
+            raise ValueError(
+                f"A 3D/4D attention_mask must be bool (True: the query may attend to the key), got {attention_mask.dtype}; "
+                "an additive float mask m converts as `m == 0`."
+            )
+        mask = attention_mask.to(input_ids.device)
+        if mask.dim() == 4:
+            if mask.shape[1] != 1:
+                raise ValueError(f"A 4D attention_mask must be [batch, 1, length, length] (one mask for all heads), "
+                                 f"got {tuple(mask.shape)}.")  # fmt: skip
+            mask = mask[:, 0]
+        if tuple(mask.shape) != (B, L, L):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, L, L)} or "
+                             f"{(B, 1, L, L)} for a per-query mask, or {(B, L)} for padding.")  # fmt: skip
+        if not bool(mask.any(-1).all()):
+            raise ValueError("attention_mask leaves a query with no key to attend to: every row of the mask needs a True.")
+        if position_ids is None:  # nothing to infer positions from: the canvas order (pass position_ids to repeat one)
+            position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
+        elif tuple(position_ids.shape) != (B, L):
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected {(B, L)}.")
+        if logits_mask is not None and tuple(logits_mask.shape) != (B, L):
+            raise ValueError(f"logits_mask has shape {tuple(logits_mask.shape)}, expected {(B, L)}.")
+        ctx = self._context("dense", position_ids.to(input_ids.device), L, cache=None, rows=None, key_mask=mask)
+        hidden = self._run(self._embed(input_ids), ctx)
+        if logits_mask is not None:
+            hidden = hidden.reshape(B * L, -1).index_select(0, _head_rows(logits_mask))
+        logits = self._head(hidden)
+        if return_dict is False:
+            return (logits, None)
+        return DiffusionLMOutput(logits=logits, cache=None)
 
     def forward_windows(
         self,
