@@ -1,0 +1,258 @@
+"""Commit rules that need a decoding loop of their own, beside plain thresholds (RESULTS §31).
+
+Two published training-free rules promise fewer forwards than Fast-dLLM's threshold, and neither fits the
+library's decoders, whose invariants they break on purpose (a committed token is masked again; a whole window
+commits on a signal other than each token's confidence). This probe runs them in a plain uncached loop, so
+that their claim can be checked on any checkpoint the library loads (the tiny ones here; a real LLaDA or
+Dream the same way):
+
+* **revokable commits** (WINO: Hong et al. 2025, arXiv 2507.18578): commit the block's masks at a low
+  threshold τ_in; a *shadow* copy of the block rides in the same forward, each shadow query seeing the whole
+  canvas but the position it checks (a leave-one-out prediction, through the model's per-query attention
+  mask); a committed token whose leave-one-out probability is under τ_back is masked again, fewer than the
+  step committed (so a step always moves forward). ``wino``: as released, every committed token checked at
+  every step that commits more than one, shadows seeing each other; ``-loo``: shadows do not see each other
+  (what a shifted model needs: a shadow there holds the real token of the position before the one it checks);
+  ``-extras``: a token committed at ≥ τ_back is trusted, one committed below is checked until it passes once;
+* **all-in completion** (after Prophet: Li et al. 2025, arXiv 2508.19982): Fast-dLLM's threshold, and when the
+  gap between the two most likely tokens of the block's masks (their smallest, ``allin-min``, or their mean,
+  ``allin-mean``) reaches g, every mask of the block is committed at once.
+
+The loop is Fast-dLLM without a cache: blocks left to right, a full forward per step, the library's greedy
+proposals (``sample_tokens``) and threshold rule (``threshold_select``), and its early stop (the first completed
+block holding an end token). ``threshold:0.9`` is therefore ``FastDLLMConfig(cache="none", early_stop=True)``
+exactly (``tests/test_commit_rules_probe.py``), and every rule is compared with it on the
+same items: the tiny suites' training items by default, where rules are chosen, never their test splits.
+
+    PYTHONPATH=$PWD python benchmarks/commit_rules_probe.py --model tiny-llada --limit 200 \\
+        --rules threshold:0.8 threshold:0.7 wino:0.8 wino:0.7 wino-extras:0.8 wino-extras:0.7 wino-extras:0.6 \\
+                allin-min:0.7 allin-min:0.6 allin-min:0.5 allin-mean:0.9
+    # tiny-dream (shifted): the leave-one-out variants, wino-loo:… and wino-loo-extras:…
+
+A real checkpoint: ``--model <folder or repo> --device cuda --dtype bfloat16 --suites gsm8k --split test`` (the
+real benchmarks ship their test split only, found where ``hf-blockbatch bench`` finds them). Writes
+``benchmarks/results/commit_rules/<model>[_<split>]_<limit>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from hf_blockbatch.eval.runner import _check_prompts_fit, _encode, _score_all, load_task
+from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
+from hf_blockbatch.generation.rules.threshold import threshold_select
+from hf_blockbatch.generation.sampling import sample_tokens
+
+logger = logging.getLogger("commit_rules_probe")
+
+BASELINE = "threshold:0.9"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One commit rule of the probe (see the module docstring); parsed from ``name:value``."""
+
+    spec: str
+    tau_in: float
+    tau_back: float | None = None  # the leave-one-out check's threshold; None: no check
+    shadows_see_shadows: bool = True
+    extras_only: bool = False
+    allin: str | None = None  # "min" | "mean": the gap statistic of the all-in step
+    gap: float = 1.0
+
+    @classmethod
+    def parse(cls, spec: str, tau_back: float = 0.9) -> Rule:
+        name, _, value = spec.partition(":")
+        try:
+            x = float(value)
+        except ValueError:
+            raise ValueError(f"Rule {spec!r}: write name:number, e.g. threshold:0.8 or wino:0.7.") from None
+        if name == "threshold":
+            return cls(spec, x)
+        if name in ("allin-min", "allin-mean"):
+            return cls(spec, 0.9, allin=name.split("-")[1], gap=x)
+        if name.startswith("wino") and set(name.split("-")[1:]) <= {"loo", "extras"}:
+            return cls(spec, x, tau_back, shadows_see_shadows="loo" not in name, extras_only="extras" in name)
+        raise ValueError(f"Unknown rule {spec!r}: threshold, wino, wino-loo, wino-extras, wino-loo-extras, allin-min, "
+                         "allin-mean (each :value).")  # fmt: skip
+
+
+def decode(model, prompt: torch.Tensor, gen_length: int, block: int, rule: Rule, mask_id: int,
+           end_ids: torch.Tensor) -> tuple[torch.Tensor, int, int]:  # fmt: skip
+    """One request (``prompt`` ``[1, P]``, no padding): the canvas ``[1, P + gen_length]``, the forwards and the
+    query tokens it took."""
+    P = prompt.shape[1]
+    L, sh, dev = P + gen_length, model.logit_shift, prompt.device
+    if rule.tau_back is not None and sh and rule.shadows_see_shadows:
+        raise ValueError(f"{rule.spec}: on a shifted model (Dream) a shadow holds the real token before the one it "
+                         "checks, which the shadow of the next position would see: use wino-loo / wino-loo-extras.")  # fmt: skip
+    x = torch.full((1, L), mask_id, dtype=torch.long, device=dev)
+    x[:, :P] = prompt
+    nfe = queries = 0
+    for s in range(P, L, block):
+        e = min(s + block, L)
+        n = e - s
+        mask = pos = None
+        if rule.tau_back is not None:  # the canvas, then a shadow query per block position (at p - shift)
+            T = L + n
+            pos = torch.cat([torch.arange(L, device=dev), torch.arange(s - sh, e - sh, device=dev)])[None]
+            mask = torch.ones(1, T, T, dtype=torch.bool, device=dev)
+            mask[0, :, L:] = False  # nobody sees a shadow ...
+            if rule.shadows_see_shadows:
+                mask[0, L:, L:] = True  # ... but the shadows (as released)
+            mask[0, L:, s:e] = ~torch.eye(n, dtype=torch.bool, device=dev)  # a shadow never sees what it checks
+        trusted = torch.zeros(n, dtype=torch.bool, device=dev)  # committed at >= tau_back, or checked once
+        last_commits = n + 1
+        while bool((x[0, s:e] == mask_id).any()):
+            cur = x[0, s:e]
+            masked = cur == mask_id
+            if mask is None:
+                logits = model(x).logits[0]
+            else:
+                shadow_in = x[:, s - sh : e - sh] if sh else torch.full((1, n), mask_id, device=dev)
+                logits = model(torch.cat([x, shadow_in], 1), attention_mask=mask, position_ids=pos).logits[0]
+            nfe += 1
+            queries += logits.shape[0]
+            got = sample_tokens(logits[s - sh : e - sh], 0.0, "low_confidence", 2, mask_id=mask_id)
+            scores = got.confidence.masked_fill(~masked, float("-inf"))
+            take = threshold_select(scores[None], rule.tau_in)[0]
+            if rule.allin is not None:
+                gap = (got.top_probs[:, 0] - got.top_probs[:, 1])[masked]
+                if float(gap.min() if rule.allin == "min" else gap.mean()) >= rule.gap:
+                    take = masked
+            remask = torch.zeros_like(take)
+            if rule.tau_back is not None and (rule.extras_only or int(take.sum()) > 1):
+                loo = torch.log_softmax(logits[L:].float(), -1).gather(1, cur[:, None]).squeeze(1).exp()
+                loo = loo.masked_fill(masked | (trusted if rule.extras_only else torch.zeros_like(trusted)), 2.0)
+                if rule.extras_only:
+                    trusted |= ~masked & (loo >= rule.tau_back)
+                remask = loo < rule.tau_back
+                if int(remask.sum()) >= last_commits:  # mask again fewer than the last step committed
+                    remask = torch.zeros_like(remask)
+                    remask[loo.topk(last_commits - 1, largest=False).indices] = True
+            new = torch.where(take, got.tokens, cur).masked_fill(remask, mask_id)
+            if rule.tau_back is not None:
+                trusted = (trusted | (take & (got.confidence >= rule.tau_back))) & ~remask
+            x[0, s:e] = new
+            last_commits = int(take.sum())
+        if bool(torch.isin(x[0, s:e], end_ids).any()):  # early stop: a completed block holding an end token
+            return x, nfe, queries
+    return x, nfe, queries
+
+
+def run_suite(model, tokenizer, suite: str, limit: int, block: int, rules: list[Rule], split: str = "train") -> dict:
+    """Every rule on the suite's first ``limit`` items of ``split``: per rule, correct items, forwards, query tokens."""
+    task = load_task(suite)
+    items = task.items(split, limit=limit)
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    prompts = [task.prompt(it, tokenizer, chat=chat) for it in items]
+    gen_length = int(task.default_gen_length)
+    # before any decode; the leave-one-out shadows are a block of positions more
+    shadows = block if any(r.tau_back is not None for r in rules) else 0
+    _check_prompts_fit(model, tokenizer, suite, prompts, gen_length + shadows)
+    device = model.device
+    end_ids = torch.tensor(end_token_ids(tokenizer, model.config), device=device)
+    mask_id = model.config.mask_token_id
+    out: dict[str, dict] = {}
+    for rule in rules:
+        texts, nfes, queries = [], [], []
+        for prompt in tqdm(prompts, desc=f"{suite} {rule.spec}", leave=False):
+            ids, _ = _encode(tokenizer, [prompt], device)
+            with torch.inference_mode():
+                x, nfe, q = decode(model, ids, gen_length, block, rule, mask_id, end_ids)
+            texts += answer_texts(tokenizer, x[:, ids.shape[1] :], end_ids.tolist())
+            nfes.append(nfe)
+            queries.append(q)
+        correct = [bool(sc.correct) for sc in _score_all(task, items, texts)]
+        out[rule.spec] = {"correct": correct, "nfe": nfes, "query_tokens": queries}
+    return out
+
+
+def summarize(raw: dict[str, dict]) -> dict[str, dict]:
+    """Accuracy, NFE and query tokens per rule, and against :data:`BASELINE` on the same items."""
+    base = raw[BASELINE]
+    n = len(base["correct"])
+    b_nfe, b_q = statistics.fmean(base["nfe"]), statistics.fmean(base["query_tokens"])
+    rows = {}
+    for spec, r in raw.items():
+        nfe, q = statistics.fmean(r["nfe"]), statistics.fmean(r["query_tokens"])
+        rows[spec] = {
+            "accuracy": 100 * sum(r["correct"]) / n, "nfe": nfe, "query_tokens": q,
+            "delta_points": 100 * (sum(r["correct"]) - sum(base["correct"])) / n,
+            "nfe_ratio": nfe / b_nfe, "query_ratio": q / b_q,
+            "won": sum(a and not b for a, b in zip(r["correct"], base["correct"])),
+            "lost": sum(b and not a for a, b in zip(r["correct"], base["correct"])),
+        }  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-llada")
+    p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
+    p.add_argument("--limit", type=int, default=200, help="items per suite")
+    p.add_argument("--split", default="train", help="the tiny suites' training items by default; the real benchmarks "
+                   "(gsm8k, math, humaneval, mbpp) ship their test split only: a check of a claim, not a place to tune")
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--rules", nargs="+", default=["threshold:0.8", "wino:0.8", "allin-min:0.7"],
+                   help=f"name:value each (see the module docstring); {BASELINE} always runs, as the baseline")
+    p.add_argument("--tau-back", type=float, default=0.9, help="the leave-one-out check's threshold")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="where the model runs (cuda for a real checkpoint)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--out", default="benchmarks/results/commit_rules")
+    args = p.parse_args(argv)
+    rules = [Rule.parse(BASELINE)] + [Rule.parse(s, args.tau_back) for s in args.rules if s != BASELINE]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(args.threads)
+    from hf_blockbatch.hub import load_model
+
+    model, tokenizer = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
+    if model.logit_shift:  # refuse before any decode, not after the first suite
+        for rule in rules:
+            if rule.tau_back is not None and rule.shadows_see_shadows:
+                raise SystemExit(f"{rule.spec}: {args.model} is a shifted model; use wino-loo / wino-loo-extras.")
+    result = {"model": args.model, "split": args.split, "limit": args.limit, "block": args.block,
+              "tau_back": args.tau_back, "suites": {}}  # fmt: skip
+    for suite in args.suites:
+        try:
+            rows = summarize(run_suite(model, tokenizer, suite, args.limit, args.block, rules, args.split))
+        except ValueError as err:  # a split the suite lacks, a prompt the context cannot hold: before any decode
+            raise SystemExit(f"error: {err}") from None
+        result["suites"][suite] = rows
+        for spec, r in rows.items():
+            logger.info("%s %s %s: %.1f %% · NFE %.2f (×%.3f) · query tokens %.0f (×%.2f) · +%d/−%d items", args.model,
+                        suite, spec, r["accuracy"], r["nfe"], r["nfe_ratio"], r["query_tokens"], r["query_ratio"],
+                        r["won"], r["lost"])  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    split = "" if args.split == "train" else f"_{args.split}"
+    stem = out / f"{args.model.replace('/', '_')}{split}_{args.limit}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    suites = list(result["suites"])
+    lines = [f"# Commit rules in an uncached loop: {args.model}, {args.limit} {'training' if args.split == 'train' else args.split} "
+             f"items per suite, block {args.block}",
+             "", f"Δ accuracy in points · NFE × · query tokens ×, against `{BASELINE}` (Fast-dLLM without a cache, early "
+             f"stop) on the same items; τ_back {args.tau_back}.", "",
+             "| rule | " + " | ".join(suites) + " |", "|---|" + "---|" * len(suites)]  # fmt: skip
+    base = " | ".join(f"{result['suites'][s][BASELINE]['accuracy']:.1f} % · NFE {result['suites'][s][BASELINE]['nfe']:.2f}"
+                      for s in suites)  # fmt: skip
+    lines.append(f"| `{BASELINE}` | {base} |")
+    for rule in rules[1:]:
+        cells = [result["suites"][s][rule.spec] for s in suites]
+        lines.append(f"| `{rule.spec}` | " + " | ".join(
+            f"{c['delta_points']:+.1f} · {c['nfe_ratio']:.3f} · {c['query_ratio']:.2f}" for c in cells) + " |")  # fmt: skip
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    logger.info("wrote %s.{json,md}", stem)
+
+
+if __name__ == "__main__":
+    main()

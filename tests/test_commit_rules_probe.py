@@ -1,0 +1,127 @@
+"""``benchmarks/commit_rules_probe.py``: the uncached loop that RESULTS §31's commit rules run in.
+
+Its baseline must be the library's Fast-dLLM without a cache, token for token and forward for forward, or
+the rules' ratios would measure the loop instead of the rule; the leave-one-out shadows must leave the
+canvas's own queries untouched; and every rule must end with an answer that holds no mask.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import load_benchmark
+
+import hf_blockbatch as hb
+from hf_blockbatch.eval.runner import _encode, load_task
+from hf_blockbatch.generation.outputs import end_token_ids
+
+probe = load_benchmark("commit_rules_probe")
+
+
+@pytest.fixture(scope="module", params=["tiny-llada", "tiny-dream"])
+def loaded(request):
+    model, tokenizer = hb.load_model(request.param, device="cpu")
+    return model, tokenizer, torch.tensor(end_token_ids(tokenizer, model.config))
+
+
+def items(tokenizer, suite: str, n: int):
+    task = load_task(suite)
+    for item in task.items("train", limit=n):
+        ids, mask = _encode(tokenizer, [task.prompt(item, tokenizer, chat=True)], torch.device("cpu"))
+        yield ids, mask, int(task.default_gen_length)
+
+
+def before_end(tokens: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """The answer up to and with its first end token (what a decoder's stop rule reads)."""
+    hits = torch.isin(tokens, end).nonzero()
+    return tokens if hits.numel() == 0 else tokens[: int(hits[0]) + 1]
+
+
+@torch.inference_mode()
+def test_threshold_baseline_is_fast_dllm_without_a_cache(loaded) -> None:
+    model, tokenizer, end = loaded
+    base = probe.Rule.parse(probe.BASELINE)
+    checked = 0
+    for suite in ("arith", "code"):
+        for ids, mask, gen in items(tokenizer, suite, 4):
+            x, nfe, queries = probe.decode(model, ids, gen, 64, base, model.config.mask_token_id, end)
+            cfg = hb.FastDLLMConfig(cache="none", block_length=64, threshold=0.9, early_stop=True, max_new_tokens=gen)
+            out = model.generate(ids, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True)
+            P = ids.shape[1]
+            ours = before_end(x[0, P:], end)
+            assert torch.equal(ours, out.sequences[0, P : P + ours.numel()])
+            assert nfe == int(out.nfe[0]) and queries == nfe * (P + gen)
+            checked += 1
+    assert checked == 8
+
+
+@torch.inference_mode()
+def test_shadows_do_not_change_the_canvas_queries(loaded) -> None:
+    """A leave-one-out check that never masks again (τ_back 0) decodes exactly the baseline: the canvas's
+    queries never see a shadow, and each forward carries one more block of queries."""
+    model, tokenizer, end = loaded
+    base = probe.Rule.parse(probe.BASELINE)
+    blind = probe.Rule.parse("wino-loo:0.9", tau_back=0.0)
+    for ids, _, gen in items(tokenizer, "arith", 3):
+        x0, nfe0, _ = probe.decode(model, ids, gen, 32, base, model.config.mask_token_id, end)
+        x1, nfe1, q1 = probe.decode(model, ids, gen, 32, blind, model.config.mask_token_id, end)
+        assert torch.equal(x0, x1) and nfe0 == nfe1 and q1 == nfe1 * (ids.shape[1] + gen + 32)
+
+
+@pytest.mark.parametrize("spec", ["wino-loo:0.6", "wino-loo-extras:0.6", "allin-min:0.0", "allin-mean:0.5", "threshold:0.6"])
+@torch.inference_mode()
+def test_every_rule_ends_with_no_mask_before_its_end(loaded, spec: str) -> None:
+    """A low τ_in commits much and a strict check (τ_back 0.99) masks much of it again, so that the check
+    takes more forwards than the same threshold without it; the loop still moves forward (a step masks
+    again fewer tokens than the step before committed) and ends with an answer."""
+    model, tokenizer, end = loaded
+    rule = probe.Rule.parse(spec, tau_back=0.99)
+    plain = probe.Rule.parse("threshold:0.6")
+    mask_id = model.config.mask_token_id
+    nfe = nfe_plain = 0
+    for ids, _, gen in items(tokenizer, "arith", 2):
+        x, n, _ = probe.decode(model, ids, gen, 32, rule, mask_id, end)
+        answer = before_end(x[0, ids.shape[1] :], end)
+        assert not bool((answer == mask_id).any()) and 1 <= n <= 4 * gen
+        if spec == "allin-min:0.0":  # every gap is >= 0: each block is committed by its first forward
+            assert n <= -(-gen // 32)
+        nfe += n
+        nfe_plain += probe.decode(model, ids, gen, 32, plain, mask_id, end)[1]
+    if rule.tau_back is not None:
+        assert nfe > nfe_plain
+
+
+def test_rule_specs_and_refusals() -> None:
+    assert probe.Rule.parse("wino:0.7") == probe.Rule("wino:0.7", 0.7, 0.9)
+    extras = probe.Rule.parse("wino-loo-extras:0.6", tau_back=0.8)
+    assert (extras.tau_back, extras.shadows_see_shadows, extras.extras_only) == (0.8, False, True)
+    assert probe.Rule.parse("allin-mean:0.9").allin == "mean"
+    with pytest.raises(ValueError, match="write name:number"):
+        probe.Rule.parse("wino")
+    with pytest.raises(ValueError, match="Unknown rule 'prophet:0.5'"):
+        probe.Rule.parse("prophet:0.5")
+    model, _ = hb.load_model("tiny-dream", device="cpu")
+    with pytest.raises(ValueError, match="shifted model.*wino-loo"):
+        probe.decode(model, torch.tensor([[5, 6, 7]]), 8, 8, probe.Rule.parse("wino:0.8"), model.config.mask_token_id,
+                     torch.tensor([model.config.eos_token_id]))  # fmt: skip
+
+
+def test_main_writes_the_table_against_the_baseline(tmp_path) -> None:
+    probe.main(["--model", "tiny-llada", "--suites", "code", "--limit", "3", "--rules", "threshold:0.7", "wino:0.8",
+                "--out", str(tmp_path)])  # fmt: skip
+    result = json.loads((tmp_path / "tiny-llada_3.json").read_text())
+    rows = result["suites"]["code"]
+    assert list(rows) == [probe.BASELINE, "threshold:0.7", "wino:0.8"]
+    assert rows[probe.BASELINE]["nfe_ratio"] == 1.0 and rows[probe.BASELINE]["delta_points"] == 0.0
+    assert rows["wino:0.8"]["query_ratio"] > 1.0  # the shadows are queries too
+    table = (tmp_path / "tiny-llada_3.md").read_text()
+    w = rows["wino:0.8"]
+    assert f"| `wino:0.8` | {w['delta_points']:+.1f} · {w['nfe_ratio']:.3f} · {w['query_ratio']:.2f} |" in table
+
+
+def test_main_refuses_a_split_the_suite_lacks_before_decoding(tmp_path) -> None:
+    with pytest.raises(SystemExit, match="error: gsm8k: only the 'test' split"):
+        probe.main(["--model", "tiny-llada", "--suites", "gsm8k", "--limit", "2", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
