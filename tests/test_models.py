@@ -425,6 +425,16 @@ def test_per_query_mask_packs_sequences_exactly(family: str, device: str, backen
     full = model(ids).logits
     torch.testing.assert_close(model(ids, attention_mask=torch.ones(1, 15, 15, dtype=torch.bool, device=device)).logits,
                                full, atol=ATOL, rtol=0)  # fmt: skip
+    # two rows, each with its own mask (row 0 packed as above, row 1 a plain canvas); a batch-1 mask is every row's
+    both = torch.cat([ids, canvas(1, 15, seed=4).to(device)])
+    masks = torch.stack([mask[0], torch.ones(15, 15, dtype=torch.bool, device=device)])
+    pos2 = torch.cat([pos, torch.arange(15, device=device)[None]])
+    got = model(both, attention_mask=masks, position_ids=pos2).logits
+    torch.testing.assert_close(got[0], packed, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[1], model(both[1:]).logits[0], atol=ATOL, rtol=0)
+    shared = model(both, attention_mask=mask, position_ids=pos).logits  # [1, L, L] and [1, L]: for both rows
+    torch.testing.assert_close(shared[0], packed, atol=ATOL, rtol=0)
+    torch.testing.assert_close(shared[1], model(both[1:], attention_mask=mask, position_ids=pos).logits[0], atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -436,8 +446,10 @@ def test_per_query_mask_errors(family: str) -> None:
         model(ids, attention_mask=ok, use_cache=True)
     with pytest.raises(ValueError, match="works without a cache"):
         model(ids, attention_mask=ok, cache=model.new_cache(2, 8))
-    with pytest.raises(ValueError, match=r"must be bool.*`m == 0`"):
+    with pytest.raises(ValueError, match=r"must be bool.*`m.bool\(\)`.*`m == 0`"):
         model(ids, attention_mask=ok.float())
+    with pytest.raises(ValueError, match=r"expected \(2, 8\) \(padding\), or \(2, 8, 8\) / \(2, 1, 8, 8\)"):
+        model(ids, attention_mask=ok[0, 0])
     with pytest.raises(ValueError, match=r"expected \(2, 8, 8\) or \(2, 1, 8, 8\)"):
         model(ids, attention_mask=ok[:, :7])
     with pytest.raises(ValueError, match=r"\[batch, 1, length, length\]"):
@@ -448,6 +460,14 @@ def test_per_query_mask_errors(family: str) -> None:
         model(ids, attention_mask=empty)
     with pytest.raises(ValueError, match=r"position_ids has shape \(2, 7\), expected \(2, 8\)"):
         model(ids, attention_mask=ok, position_ids=torch.zeros(2, 7, dtype=torch.long))
+    # positions index RoPE's table: a negative one would read its far end in silence (either mask form)
+    for mask in (ok, None):
+        with pytest.raises(ValueError, match=r"position_ids must lie in \[0, 8\).*got -1\.\.6"):
+            model(ids, attention_mask=mask, position_ids=torch.arange(-1, 7).expand(2, 8))
+        with pytest.raises(ValueError, match=r"position_ids must lie in \[0, 8\).*got 0\.\.8"):
+            model(ids, attention_mask=mask, position_ids=torch.tensor([list(range(8)), [0] * 7 + [8]]))
+        with pytest.raises(ValueError, match="position_ids must be integers, got torch.float32"):
+            model(ids, attention_mask=mask, position_ids=torch.arange(8.0).expand(2, 8))
 
 
 @pytest.fixture(params=FAMILIES)

@@ -281,7 +281,8 @@ class DiffusionLMMixin:
         if attention_mask is not None:
             attention_mask = attention_mask.to(input_ids.device).bool()
             if attention_mask.shape != (B, L):
-                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, L)}.")
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, L)} (padding), or "
+                                 f"{(B, L, L)} / {(B, 1, L, L)} for a bool mask per query.")  # fmt: skip
         if use_cache and cache is None:
             cache = self.new_cache(B, L, attention_mask)
         if cache is not None:
@@ -315,6 +316,8 @@ class DiffusionLMMixin:
                 if key_mask is not None
                 else torch.arange(L, device=input_ids.device).expand(B, L)
             )
+        else:
+            position_ids = _checked_positions(position_ids, B, L, input_ids.device)
         if logits_mask is not None and tuple(logits_mask.shape) != (B, L):
             raise ValueError(f"logits_mask has shape {tuple(logits_mask.shape)}, expected {(B, L)}.")
         head_rows = None if logits_mask is None else _head_rows(logits_mask)
@@ -329,19 +332,19 @@ class DiffusionLMMixin:
 
     def _forward_custom_mask(self, input_ids, attention_mask, position_ids, cache, use_cache, logits_mask,
                              return_dict) -> DiffusionLMOutput | tuple:  # fmt: skip
-        """``forward`` with a per-query mask (bool ``[B, L, L]`` or ``[B, 1, L, L]``, True where query ``i``
-        may attend to key ``j``), as transformers' models take a custom 4D mask. Why: research decoders
-        ask questions one canvas cannot, e.g. leave-one-out "shadow" queries that must not see their own
-        position (``benchmarks/commit_rules_probe.py``). Uncached: a cache row records one key mask per
-        row, which a per-query mask does not have."""
+        """``forward`` with a per-query mask (bool ``[B, L, L]`` or ``[B, 1, L, L]``, a batch of 1 standing for
+        every row; True where query ``i`` may attend to key ``j``), as transformers' models take a custom 4D
+        mask. Why: research decoders ask questions one canvas cannot, e.g. shadow queries that must not see
+        the position they check (``benchmarks/commit_rules_probe.py``). Uncached: a cache row records one
+        key mask per row, which a per-query mask does not have."""
         B, L = input_ids.shape
         if cache is not None or use_cache:
             raise ValueError("A 3D/4D attention_mask (one per query) works without a cache: drop cache/use_cache, "
                              "or pass a [batch, length] padding mask.")  # fmt: skip
         if attention_mask.dtype != torch.bool:
             raise ValueError(
-                f"A 3D/4D attention_mask must be bool (True: the query may attend to the key), got {attention_mask.dtype}; "
-                "an additive float mask m converts as `m == 0`."
+                f"A 3D/4D attention_mask must be bool (True: the query may attend to the key), got "
+                f"{attention_mask.dtype}: a 0/1 mask converts as `m.bool()`, an additive float one as `m == 0`."
             )
         mask = attention_mask.to(input_ids.device)
         if mask.dim() == 4:
@@ -349,18 +352,19 @@ class DiffusionLMMixin:
                 raise ValueError(f"A 4D attention_mask must be [batch, 1, length, length] (one mask for all heads), "
                                  f"got {tuple(mask.shape)}.")  # fmt: skip
             mask = mask[:, 0]
-        if tuple(mask.shape) != (B, L, L):
+        if mask.shape[0] not in (1, B) or tuple(mask.shape[1:]) != (L, L):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, L, L)} or "
                              f"{(B, 1, L, L)} for a per-query mask, or {(B, L)} for padding.")  # fmt: skip
+        mask = mask.expand(B, L, L)
         if not bool(mask.any(-1).all()):
             raise ValueError("attention_mask leaves a query with no key to attend to: every row of the mask needs a True.")
         if position_ids is None:  # nothing to infer positions from: the canvas order (pass position_ids to repeat one)
             position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
-        elif tuple(position_ids.shape) != (B, L):
-            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected {(B, L)}.")
+        else:
+            position_ids = _checked_positions(position_ids, B, L, input_ids.device)
         if logits_mask is not None and tuple(logits_mask.shape) != (B, L):
             raise ValueError(f"logits_mask has shape {tuple(logits_mask.shape)}, expected {(B, L)}.")
-        ctx = self._context("dense", position_ids.to(input_ids.device), L, cache=None, rows=None, key_mask=mask)
+        ctx = self._context("dense", position_ids, L, cache=None, rows=None, key_mask=mask)
         hidden = self._run(self._embed(input_ids), ctx)
         if logits_mask is not None:
             hidden = hidden.reshape(B * L, -1).index_select(0, _head_rows(logits_mask))
@@ -470,6 +474,19 @@ class DiffusionLMMixin:
         ctx = self._context("window", wb.rope_pos, input_ids.shape[1], cache=cache, wb=wb)
         hidden = self._run(self._embed(input_ids[wb.token_rows, wb.token_pos]), ctx)
         return PositionOutput(logits=self._head(hidden.index_select(0, head_rows)), query_mask=queries)
+
+
+def _checked_positions(position_ids, B: int, L: int, device: torch.device) -> torch.Tensor:
+    """A caller's ``position_ids``: ``[B, L]`` (or ``[1, L]``, for every row) integers in ``[0, L)``. RoPE looks
+    positions up in a table, where a negative one would silently read the table's far end."""
+    pos = torch.as_tensor(position_ids, device=device)
+    if pos.dim() != 2 or pos.shape[1] != L or pos.shape[0] not in (1, B):
+        raise ValueError(f"position_ids has shape {tuple(pos.shape)}, expected {(B, L)}.")
+    if pos.dtype.is_floating_point or pos.dtype == torch.bool or pos.is_complex():
+        raise ValueError(f"position_ids must be integers, got {pos.dtype}.")
+    if pos.numel() and not (int(pos.min()) >= 0 and int(pos.max()) < L):
+        raise ValueError(f"position_ids must lie in [0, {L}) (the canvas length), got {int(pos.min())}..{int(pos.max())}.")
+    return pos.long().expand(B, L)
 
 
 def _head_rows(keep: torch.Tensor) -> torch.Tensor:
