@@ -646,7 +646,7 @@ def test_a_pruned_copy_never_wins_a_tie():
 @pytest.mark.slow
 def test_blockbatch_invariants_sweep():
     """The property tests above on many more examples (``HB_SWEEP_EXAMPLES`` each, default 400, drawn
-    from a fixed seed; ``pytest -m slow``), with every K/V storage filled with NaN when it is built, so
+    from a fixed seed, ``HB_SWEEP_SEED``, default 16; ``pytest -m slow``), with every K/V storage filled with NaN when it is built, so
     that a step reading K/V that nothing wrote fails too; the padded batch against alone in float64."""
     import os
 
@@ -659,7 +659,7 @@ def test_blockbatch_invariants_sweep():
         spy_caches(mp, fill=float("nan"))
         for test, args in ((test_blockbatch_invariants, _INVARIANT_ARGS),
                            (test_blockbatch_invariants_with_prune_and_merge_guard, _BEYOND_ARGS)):  # fmt: skip
-            fixed_seed(16)(wide(given(**args)(test.hypothesis.inner_test)))()
+            fixed_seed(int(os.environ.get("HB_SWEEP_SEED", "16")))(wide(given(**args)(test.hypothesis.inner_test)))()
         # a padded batch against alone, in float64 (see that test's docstring)
 
         def padded_in_float64(cfg, prune, agreement, confident, widest, kind, prompt, other):
