@@ -7,13 +7,17 @@ that their claim can be checked on any checkpoint the library loads (the tiny on
 Dream the same way):
 
 * **revokable commits** (WINO: Hong et al. 2025, arXiv 2507.18578): commit the block's masks at a low
-  threshold τ_in; a *shadow* copy of the block rides in the same forward, each shadow query seeing the whole
-  canvas but the position it checks (a leave-one-out prediction, through the model's per-query attention
-  mask); a committed token whose leave-one-out probability is under τ_back is masked again, fewer than the
-  step committed (so a step always moves forward). ``wino``: as released, every committed token checked at
-  every step that commits more than one, shadows seeing each other; ``-loo``: shadows do not see each other
-  (what a shifted model needs: a shadow there holds the real token of the position before the one it checks);
-  ``-extras``: a token committed at ≥ τ_back is trusted, one committed below is checked until it passes once;
+  threshold τ_in, at most clamp(0.7 × the block's masks, 5, 20) of them per step; a *shadow* copy of the block
+  rides in the same forward, each shadow query attending to the whole canvas but the position it checks,
+  through the model's per-query attention mask (the checked token is hidden from the shadow's own attention in
+  every layer; the other positions' keys still carry it from the layers below, as in the authors' code); a
+  committed token whose shadow probability is under τ_back is masked again, fewer than the previous step
+  committed (so a step may leave more masks than it found, but a block ends). ``wino``: as released, every
+  committed token checked at every step that commits more than one, shadows seeing each other. Modifiers, in
+  any combination: ``-loo``, a shadow sees no shadow, itself included (what a shifted model needs: a shadow
+  there holds the real token of the position before the one it checks); ``-extras``, a token committed at
+  ≥ τ_back is trusted, one committed below is checked until it passes once; ``-nocap``, no limit on a step's
+  commits. The threshold is the library's (≥ τ_in), the release's is > τ_in: they differ only at equality;
 * **all-in completion** (after Prophet: Li et al. 2025, arXiv 2508.19982): Fast-dLLM's threshold, and when the
   gap between the two most likely tokens of the block's masks (their smallest, ``allin-min``, or their mean,
   ``allin-mean``) reaches g, every mask of the block is committed at once.
@@ -25,9 +29,9 @@ exactly (``tests/test_commit_rules_probe.py``), and every rule is compared with 
 same items: the tiny suites' training items by default, where rules are chosen, never their test splits.
 
     PYTHONPATH=$PWD python benchmarks/commit_rules_probe.py --model tiny-llada --limit 200 \\
-        --rules threshold:0.8 threshold:0.7 wino:0.8 wino:0.7 wino-extras:0.8 wino-extras:0.7 wino-extras:0.6 \\
-                allin-min:0.7 allin-min:0.6 allin-min:0.5 allin-mean:0.9
-    # tiny-dream (shifted): the leave-one-out variants, wino-loo:… and wino-loo-extras:…
+        --rules threshold:0.8 wino:0.8 wino-nocap:0.8 wino-extras-nocap:0.8 allin-min:0.7 allin-mean:0.9
+    # tiny-dream (shifted): the leave-one-out variants, wino-loo:… and wino-loo-extras-nocap:…
+    # (RESULTS §31 gives the full commands behind its tables)
 
 A real checkpoint: ``--model <folder or repo> --device cuda --dtype bfloat16 --suites gsm8k --split test`` (the
 real benchmarks ship their test split only, found where ``hf-blockbatch bench`` finds them). Writes
@@ -62,9 +66,10 @@ class Rule:
 
     spec: str
     tau_in: float
-    tau_back: float | None = None  # the leave-one-out check's threshold; None: no check
+    tau_back: float | None = None  # the shadows' check threshold; None: no check
     shadows_see_shadows: bool = True
     extras_only: bool = False
+    cap: bool = False  # at most clamp(0.7 x the block's masks, 5, 20) commits per step (WINO's)
     allin: str | None = None  # "min" | "mean": the gap statistic of the all-in step
     gap: float = 1.0
 
@@ -79,10 +84,34 @@ class Rule:
             return cls(spec, x)
         if name in ("allin-min", "allin-mean"):
             return cls(spec, 0.9, allin=name.split("-")[1], gap=x)
-        if name.startswith("wino") and set(name.split("-")[1:]) <= {"loo", "extras"}:
-            return cls(spec, x, tau_back, shadows_see_shadows="loo" not in name, extras_only="extras" in name)
-        raise ValueError(f"Unknown rule {spec!r}: threshold, wino, wino-loo, wino-extras, wino-loo-extras, allin-min, "
-                         "allin-mean (each :value).")  # fmt: skip
+        base, *mods = name.split("-")
+        if base == "wino" and set(mods) <= {"loo", "extras", "nocap"} and len(set(mods)) == len(mods):
+            return cls(spec, x, tau_back, shadows_see_shadows="loo" not in mods, extras_only="extras" in mods,
+                       cap="nocap" not in mods)  # fmt: skip
+        raise ValueError(f"Unknown rule {spec!r}: threshold, wino with any of -loo, -extras, -nocap (e.g. wino-loo-extras), "
+                         "allin-min, allin-mean (each :value).")  # fmt: skip
+
+
+def accept_cap(masks: int) -> int:
+    """WINO's limit on one step's commits: 70 % of the block's masks, at least 5 and at most 20."""
+    return min(max(int(0.7 * masks), 5), 20)
+
+
+def shadow_layout(length: int, start: int, end: int, shift: int, shadows_see_shadows: bool,
+                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The RoPE positions ``[1, T]`` and the per-query mask ``[1, T, T]`` (``T = length + n``) of a canvas of
+    ``length`` positions followed by one shadow query per position ``p`` of the block ``[start, end)`` (``n`` of
+    them). The shadow checking ``p`` sits at position ``p - shift`` (the hidden state whose logits predict ``p``).
+    The canvas sees no shadow; a shadow sees the canvas but ``p``, and the other shadows only if
+    ``shadows_see_shadows``."""
+    n = end - start
+    T = length + n
+    positions = torch.cat([torch.arange(length), torch.arange(start - shift, end - shift)])[None].to(device)
+    mask = torch.ones(1, T, T, dtype=torch.bool, device=device)
+    mask[0, :length, length:] = False  # the canvas never sees a shadow
+    mask[0, length:, length:] = shadows_see_shadows  # the shadows see each other (themselves included) as released
+    mask[0, length:, start:end] = ~torch.eye(n, dtype=torch.bool, device=device)  # a shadow never sees what it checks
+    return positions, mask
 
 
 def decode(model, prompt: torch.Tensor, gen_length: int, block: int, rule: Rule, mask_id: int,
@@ -100,15 +129,7 @@ def decode(model, prompt: torch.Tensor, gen_length: int, block: int, rule: Rule,
     for s in range(P, L, block):
         e = min(s + block, L)
         n = e - s
-        mask = pos = None
-        if rule.tau_back is not None:  # the canvas, then a shadow query per block position (at p - shift)
-            T = L + n
-            pos = torch.cat([torch.arange(L, device=dev), torch.arange(s - sh, e - sh, device=dev)])[None]
-            mask = torch.ones(1, T, T, dtype=torch.bool, device=dev)
-            mask[0, :, L:] = False  # nobody sees a shadow ...
-            if rule.shadows_see_shadows:
-                mask[0, L:, L:] = True  # ... but the shadows (as released)
-            mask[0, L:, s:e] = ~torch.eye(n, dtype=torch.bool, device=dev)  # a shadow never sees what it checks
+        pos, mask = shadow_layout(L, s, e, sh, rule.shadows_see_shadows, dev) if rule.tau_back is not None else (None, None)
         trusted = torch.zeros(n, dtype=torch.bool, device=dev)  # committed at >= tau_back, or checked once
         last_commits = n + 1
         while bool((x[0, s:e] == mask_id).any()):
@@ -124,6 +145,8 @@ def decode(model, prompt: torch.Tensor, gen_length: int, block: int, rule: Rule,
             got = sample_tokens(logits[s - sh : e - sh], 0.0, "low_confidence", 2, mask_id=mask_id)
             scores = got.confidence.masked_fill(~masked, float("-inf"))
             take = threshold_select(scores[None], rule.tau_in)[0]
+            if rule.cap and int(take.sum()) > (most := accept_cap(int(masked.sum()))):
+                take = torch.zeros_like(take).index_fill_(0, scores.topk(most).indices, True)
             if rule.allin is not None:
                 gap = (got.top_probs[:, 0] - got.top_probs[:, 1])[masked]
                 if float(gap.min() if rule.allin == "min" else gap.mean()) >= rule.gap:
@@ -135,7 +158,7 @@ def decode(model, prompt: torch.Tensor, gen_length: int, block: int, rule: Rule,
                 if rule.extras_only:
                     trusted |= ~masked & (loo >= rule.tau_back)
                 remask = loo < rule.tau_back
-                if int(remask.sum()) >= last_commits:  # mask again fewer than the last step committed
+                if int(remask.sum()) >= last_commits:  # mask again fewer than the previous step committed
                     remask = torch.zeros_like(remask)
                     remask[loo.topk(last_commits - 1, largest=False).indices] = True
             new = torch.where(take, got.tokens, cur).masked_fill(remask, mask_id)

@@ -15,7 +15,7 @@ from conftest import load_benchmark
 
 import hf_blockbatch as hb
 from hf_blockbatch.eval.runner import _encode, load_task
-from hf_blockbatch.generation.outputs import end_token_ids
+from hf_blockbatch.generation.outputs import answer_lengths, end_token_ids
 
 probe = load_benchmark("commit_rules_probe")
 
@@ -34,9 +34,8 @@ def items(tokenizer, suite: str, n: int):
 
 
 def before_end(tokens: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-    """The answer up to and with its first end token (what a decoder's stop rule reads)."""
-    hits = torch.isin(tokens, end).nonzero()
-    return tokens if hits.numel() == 0 else tokens[: int(hits[0]) + 1]
+    """The answer and its first end token (what a decoder's stop rule reads)."""
+    return tokens[: int(answer_lengths(tokens[None], end.tolist())[0]) + 1]
 
 
 @torch.inference_mode()
@@ -59,11 +58,11 @@ def test_threshold_baseline_is_fast_dllm_without_a_cache(loaded) -> None:
 
 @torch.inference_mode()
 def test_shadows_do_not_change_the_canvas_queries(loaded) -> None:
-    """A leave-one-out check that never masks again (τ_back 0) decodes exactly the baseline: the canvas's
+    """A check that never masks again (τ_back 0) and no cap decode exactly the baseline: the canvas's
     queries never see a shadow, and each forward carries one more block of queries."""
     model, tokenizer, end = loaded
     base = probe.Rule.parse(probe.BASELINE)
-    blind = probe.Rule.parse("wino-loo:0.9", tau_back=0.0)
+    blind = probe.Rule.parse("wino-loo-nocap:0.9", tau_back=0.0)
     for ids, _, gen in items(tokenizer, "arith", 3):
         x0, nfe0, _ = probe.decode(model, ids, gen, 32, base, model.config.mask_token_id, end)
         x1, nfe1, q1 = probe.decode(model, ids, gen, 32, blind, model.config.mask_token_id, end)
@@ -93,8 +92,37 @@ def test_every_rule_ends_with_no_mask_before_its_end(loaded, spec: str) -> None:
         assert nfe > nfe_plain
 
 
+def test_shadow_layout_hides_what_each_shadow_checks() -> None:
+    """Canvas of 5, block [2, 4): rows are queries, columns keys; shadows are positions 5 and 6."""
+    pos, mask = probe.shadow_layout(5, 2, 4, shift=0, shadows_see_shadows=True)
+    assert pos.tolist() == [[0, 1, 2, 3, 4, 2, 3]]
+    canvas = [1, 1, 1, 1, 1, 0, 0]
+    assert mask[0].int().tolist() == [canvas] * 5 + [[1, 1, 0, 1, 1, 1, 1], [1, 1, 1, 0, 1, 1, 1]]
+    # shifted (Dream): the shadow checking p sits at p - 1, holds that token, and sees no shadow, itself included
+    pos, mask = probe.shadow_layout(5, 2, 4, shift=1, shadows_see_shadows=False)
+    assert pos.tolist() == [[0, 1, 2, 3, 4, 1, 2]]
+    assert mask[0].int().tolist() == [canvas] * 5 + [[1, 1, 0, 1, 1, 0, 0], [1, 1, 1, 0, 1, 0, 0]]
+
+
+@torch.inference_mode()
+def test_wino_caps_a_step_at_its_release_limit() -> None:
+    """τ_in 0 offers every mask and τ_back 0 never masks one again: without the cap one forward fills the
+    64-position block; WINO's clamp(0.7 × masks, 5, 20) takes 20, 20, 16, 5 and the last 3."""
+    model, tokenizer = hb.load_model("tiny-llada", device="cpu")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    end = torch.tensor(end_token_ids(tokenizer, model.config))
+    assert [probe.accept_cap(m) for m in (64, 44, 24, 8, 3)] == [20, 20, 16, 5, 5]
+    nfe = {spec: probe.decode(model, ids, 64, 64, probe.Rule.parse(spec, tau_back=0.0), model.config.mask_token_id,
+                              end)[1] for spec in ("wino:0.0", "wino-nocap:0.0")}  # fmt: skip
+    assert nfe == {"wino:0.0": 5, "wino-nocap:0.0": 1}
+
+
 def test_rule_specs_and_refusals() -> None:
-    assert probe.Rule.parse("wino:0.7") == probe.Rule("wino:0.7", 0.7, 0.9)
+    assert probe.Rule.parse("wino:0.7") == probe.Rule("wino:0.7", 0.7, 0.9, cap=True)
+    assert not probe.Rule.parse("wino-extras-nocap:0.7").cap
+    for bad in ("winofoo:0.8", "wino-loo-loo:0.8", "wino-cap:0.8"):
+        with pytest.raises(ValueError, match=f"Unknown rule '{bad}'"):
+            probe.Rule.parse(bad)
     extras = probe.Rule.parse("wino-loo-extras:0.6", tau_back=0.8)
     assert (extras.tau_back, extras.shadows_see_shadows, extras.extras_only) == (0.8, False, True)
     assert probe.Rule.parse("allin-mean:0.9").allin == "mean"
