@@ -468,6 +468,10 @@ def test_per_query_mask_errors(family: str) -> None:
             model(ids, attention_mask=mask, position_ids=torch.tensor([list(range(8)), [0] * 7 + [8]]))
         with pytest.raises(ValueError, match="position_ids must be integers, got torch.float32"):
             model(ids, attention_mask=mask, position_ids=torch.arange(8.0).expand(2, 8))
+    # with a cache, positions are the cache's (set by its padding mask): the same ones pass, others are refused
+    model(ids, position_ids=torch.arange(8).expand(2, 8), use_cache=True)
+    with pytest.raises(ValueError, match="position_ids differ from the cache's"):
+        model(ids, position_ids=torch.arange(8).flip(0).expand(2, 8), use_cache=True)
 
 
 @pytest.fixture(params=FAMILIES)

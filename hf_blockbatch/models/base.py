@@ -318,6 +318,11 @@ class DiffusionLMMixin:
             )
         else:
             position_ids = _checked_positions(position_ids, B, L, input_ids.device)
+            if cache is not None:  # window forwards rotate by the cache's positions: a full one must agree
+                own = cache.position_ids if cache_rows is None else cache.position_ids[cache_rows]
+                if not torch.equal(position_ids, own.to(position_ids.device)):
+                    raise ValueError("position_ids differ from the cache's (its padding mask sets them, and later window "
+                                     "forwards rotate by them): drop position_ids, or forward without a cache.")  # fmt: skip
         if logits_mask is not None and tuple(logits_mask.shape) != (B, L):
             raise ValueError(f"logits_mask has shape {tuple(logits_mask.shape)}, expected {(B, L)}.")
         head_rows = None if logits_mask is None else _head_rows(logits_mask)
