@@ -323,13 +323,16 @@ class DiffusionLMMixin:
                 if not torch.equal(position_ids, own.to(position_ids.device)):
                     raise ValueError("position_ids differ from the cache's (its padding mask sets them, and later window "
                                      "forwards rotate by them): drop position_ids, or forward without a cache.")  # fmt: skip
-        if logits_mask is not None and tuple(logits_mask.shape) != (B, L):
-            raise ValueError(f"logits_mask has shape {tuple(logits_mask.shape)}, expected {(B, L)}.")
-        head_rows = None if logits_mask is None else _head_rows(logits_mask)
+        head_rows = _full_head_rows(logits_mask, B, L)
         ctx = self._context("dense", position_ids, L, cache=cache, rows=cache_rows, key_mask=key_mask)
-        hidden = self._run(self._embed(input_ids), ctx)
+        return self._full_output(self._run(self._embed(input_ids), ctx), head_rows, cache, return_dict)
+
+    def _full_output(self, hidden: torch.Tensor, head_rows: torch.Tensor | None, cache: BranchCache | None,
+                     return_dict: bool | None) -> DiffusionLMOutput | tuple:  # fmt: skip
+        """A full forward's logits (only ``head_rows`` of the flattened ``[B * L]`` states when given), as
+        ``forward`` returns them."""
         if head_rows is not None:
-            hidden = hidden.reshape(B * L, -1).index_select(0, head_rows)
+            hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, head_rows)
         logits = self._head(hidden)
         if return_dict is False:
             return (logits, cache)
@@ -367,16 +370,9 @@ class DiffusionLMMixin:
             position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
         else:
             position_ids = _checked_positions(position_ids, B, L, input_ids.device)
-        if logits_mask is not None and tuple(logits_mask.shape) != (B, L):
-            raise ValueError(f"logits_mask has shape {tuple(logits_mask.shape)}, expected {(B, L)}.")
+        head_rows = _full_head_rows(logits_mask, B, L)
         ctx = self._context("dense", position_ids, L, cache=None, rows=None, key_mask=mask)
-        hidden = self._run(self._embed(input_ids), ctx)
-        if logits_mask is not None:
-            hidden = hidden.reshape(B * L, -1).index_select(0, _head_rows(logits_mask))
-        logits = self._head(hidden)
-        if return_dict is False:
-            return (logits, None)
-        return DiffusionLMOutput(logits=logits, cache=None)
+        return self._full_output(self._run(self._embed(input_ids), ctx), head_rows, None, return_dict)
 
     def forward_windows(
         self,
@@ -492,6 +488,15 @@ def _checked_positions(position_ids, B: int, L: int, device: torch.device) -> to
     if pos.numel() and not (int(pos.min()) >= 0 and int(pos.max()) < L):
         raise ValueError(f"position_ids must lie in [0, {L}) (the canvas length), got {int(pos.min())}..{int(pos.max())}.")
     return pos.long().expand(B, L)
+
+
+def _full_head_rows(logits_mask: torch.Tensor | None, B: int, L: int) -> torch.Tensor | None:
+    """A full forward's ``logits_mask`` (bool ``[B, L]``) as :func:`_head_rows`, checked; ``None``: every row."""
+    if logits_mask is None:
+        return None
+    if tuple(logits_mask.shape) != (B, L):
+        raise ValueError(f"logits_mask has shape {tuple(logits_mask.shape)}, expected {(B, L)}.")
+    return _head_rows(logits_mask)
 
 
 def _head_rows(keep: torch.Tensor) -> torch.Tensor:
