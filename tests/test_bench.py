@@ -723,3 +723,23 @@ def test_bench_refuses_a_misspelt_task_or_method_before_loading_the_model(tmp_pa
         run_bench(BenchSettings(tasks=["gsm9k"], output_dir=str(tmp_path / "t")))
     with pytest.raises(ValueError, match="unknown method 'blockbach'"):
         run_bench(BenchSettings(tasks=["arith"], methods=["blockbach"], limit=2, output_dir=str(tmp_path / "m")))
+
+
+def test_draft_rankings_orders_the_masks_left_and_counts_step_one(tmp_path):
+    """``benchmarks/draft_rankings.py`` (RESULTS §31): each ordering ranks only the masks left, best first; the
+    count covers every position block step 1 committed, and the table is the JSON's."""
+    import json
+
+    dr = load_benchmark("draft_rankings")
+    logits = torch.tensor([[0.0, 3.0, 0.0], [2.0, 1.9, 0.0], [9.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    left = torch.tensor([True, True, False, True])
+    r = dr.ranks(logits, left)
+    assert r["confidence"].tolist() == [0, 2, 3, 1]  # position 2 is not left: it ranks last
+    assert r["gap"].tolist() == [0, 2, 3, 1] and r["leftmost"].tolist() == [0, 1, 3, 2]
+    assert r["rightmost"].tolist() == [2, 1, 3, 0]
+    assert r["entropy"].tolist() == [0, 1, 3, 2]  # the gap ranks position 1 last, its entropy does not
+    dr.main(["--model", "tiny-llada", "--limit", "6", "--batch-size", "3", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "rankings_tiny-llada_6.json").read_text())["suites"]["code"]
+    assert 0 < res["requests"] <= 6 and res["positions"] >= res["requests"]
+    assert all(0 <= v <= 1 for v in res["first_or_second"].values())
+    assert f"| code | {res['requests']} | {res['positions']} |" in (tmp_path / "rankings_tiny-llada_6.md").read_text()
