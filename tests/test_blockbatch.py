@@ -652,17 +652,17 @@ def test_blockbatch_invariants_sweep():
 
     from hypothesis import seed as fixed_seed
 
-    n = int(os.environ.get("HB_SWEEP_EXAMPLES", "400"))
+    n, first = int(os.environ.get("HB_SWEEP_EXAMPLES", "400")), int(os.environ.get("HB_SWEEP_SEED", "16"))
     wide = settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
                     suppress_health_check=list(HealthCheck))  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
         spy_caches(mp, fill=float("nan"))
         for test, args in ((test_blockbatch_invariants, _INVARIANT_ARGS),
                            (test_blockbatch_invariants_with_prune_and_merge_guard, _BEYOND_ARGS)):  # fmt: skip
-            fixed_seed(int(os.environ.get("HB_SWEEP_SEED", "16")))(wide(given(**args)(test.hypothesis.inner_test)))()
+            fixed_seed(first)(wide(given(**args)(test.hypothesis.inner_test)))()
         # a padded batch against alone, in float64 (see that test's docstring)
 
         def padded_in_float64(cfg, prune, agreement, confident, widest, kind, prompt, other):
             _check_padded_equals_alone(cfg, prune, agreement, confident, widest, kind, prompt, other, torch.float64)
 
-        fixed_seed(16)(wide(given(**_PADDED_ARGS)(padded_in_float64)))()
+        fixed_seed(first)(wide(given(**_PADDED_ARGS)(padded_in_float64)))()
