@@ -20,7 +20,11 @@ Dream the same way):
   commits. The threshold is the library's (≥ τ_in), the release's is > τ_in: they differ only at equality;
 * **all-in completion** (after Prophet: Li et al. 2025, arXiv 2508.19982): Fast-dLLM's threshold, and when the
   gap between the two most likely tokens of the block's masks (their smallest, ``allin-min``, or their mean,
-  ``allin-mean``) reaches g, every mask of the block is committed at once.
+  ``allin-mean``) reaches g, every mask of the block is committed at once;
+* **entropy-bounded commits** (EB-sampler: Ben-Hamu et al. 2025, arXiv 2505.24857; DiffusionGemma's default
+  sampler): instead of a threshold, the masks in order of confidence, as many as keep the sum of their
+  predictive entropies minus the largest of them within γ nats (``entropy:γ``; at least one). It commits no
+  token it would take back, so unlike the two above it could be a transfer rule of the library's decoders.
 
 The loop is Fast-dLLM without a cache: blocks left to right, a full forward per step, the library's greedy
 proposals (``sample_tokens``) and threshold rule (``threshold_select``), and its early stop (the first completed
@@ -35,7 +39,7 @@ same items: the tiny suites' training items by default, where rules are chosen, 
 
 A real checkpoint: ``--model <folder or repo> --device cuda --dtype bfloat16 --suites gsm8k --split test`` (the
 real benchmarks ship their test split only, found where ``hf-blockbatch bench`` finds them). Writes
-``benchmarks/results/commit_rules/<model>[_<split>]_<limit>.json`` and ``.md``.
+``benchmarks/results/commit_rules/<model>[_<split>]_<limit>[<tag>].json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class Rule:
     cap: bool = False  # at most clamp(0.7 x the block's masks, 5, 20) commits per step (WINO's)
     allin: str | None = None  # "min" | "mean": the gap statistic of the all-in step
     gap: float = 1.0
+    entropy_bound: float | None = None  # EB-sampler's γ, in nats: replaces the threshold
 
     @classmethod
     def parse(cls, spec: str, tau_back: float = 0.9) -> Rule:
@@ -84,17 +89,31 @@ class Rule:
             return cls(spec, x)
         if name in ("allin-min", "allin-mean"):
             return cls(spec, 0.9, allin=name.split("-")[1], gap=x)
+        if name == "entropy":
+            return cls(spec, 1.0, entropy_bound=x)
         base, *mods = name.split("-")
         if base == "wino" and set(mods) <= {"loo", "extras", "nocap"} and len(set(mods)) == len(mods):
             return cls(spec, x, tau_back, shadows_see_shadows="loo" not in mods, extras_only="extras" in mods,
                        cap="nocap" not in mods)  # fmt: skip
         raise ValueError(f"Unknown rule {spec!r}: threshold, wino with any of -loo, -extras, -nocap (e.g. wino-loo-extras), "
-                         "allin-min, allin-mean (each :value).")  # fmt: skip
+                         "allin-min, allin-mean, entropy (each :value).")  # fmt: skip
 
 
 def accept_cap(masks: int) -> int:
     """WINO's limit on one step's commits: 70 % of the block's masks, at least 5 and at most 20."""
     return min(max(int(0.7 * masks), 5), 20)
+
+
+def entropy_bounded(logits: torch.Tensor, confidence: torch.Tensor, masked: torch.Tensor, bound: float) -> torch.Tensor:
+    """EB-sampler's commit (bool over the block): the masks in order of ``confidence``, the longest prefix whose
+    predictive entropies sum to at most ``bound`` more than the largest of them (so always the first one)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    entropy = -(logp.exp() * logp).sum(-1).double()
+    order = confidence.masked_fill(~masked, float("-inf")).argsort(descending=True, stable=True)
+    h = entropy[order]
+    keep = (h.cumsum(0) - h.cummax(0).values <= bound) & masked[order]
+    keep &= keep.cumprod(0).bool()  # a prefix: the first that breaks the bound ends it
+    return torch.zeros_like(masked).index_fill_(0, order[keep], True)
 
 
 def shadow_layout(length: int, start: int, end: int, shift: int, shadows_see_shadows: bool,
@@ -144,7 +163,10 @@ def decode(model, prompt: torch.Tensor, gen_length: int, block: int, rule: Rule,
             queries += logits.shape[0]
             got = sample_tokens(logits[s - sh : e - sh], 0.0, "low_confidence", 2, mask_id=mask_id)
             scores = got.confidence.masked_fill(~masked, float("-inf"))
-            take = threshold_select(scores[None], rule.tau_in)[0]
+            if rule.entropy_bound is None:
+                take = threshold_select(scores[None], rule.tau_in)[0]
+            else:
+                take = entropy_bounded(logits[s - sh : e - sh], got.confidence, masked, rule.entropy_bound)
             if rule.cap and int(take.sum()) > (most := accept_cap(int(masked.sum()))):
                 take = torch.zeros_like(take).index_fill_(0, scores.topk(most).indices, True)
             if rule.allin is not None:
@@ -232,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", help="where the model runs (cuda for a real checkpoint)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out", default="benchmarks/results/commit_rules")
+    p.add_argument("--tag", default="", help="appended to the files' names (several rule sets per model)")
     args = p.parse_args(argv)
     rules = [Rule.parse(BASELINE)] + [Rule.parse(s, args.tau_back) for s in args.rules if s != BASELINE]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -258,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     split = "" if args.split == "train" else f"_{args.split}"
-    stem = out / f"{args.model.replace('/', '_')}{split}_{args.limit}"
+    stem = out / f"{args.model.replace('/', '_')}{split}_{args.limit}{args.tag}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     suites = list(result["suites"])
     lines = [f"# Commit rules in an uncached loop: {args.model}, {args.limit} {'training' if args.split == 'train' else args.split} "

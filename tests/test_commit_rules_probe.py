@@ -117,6 +117,23 @@ def test_wino_caps_a_step_at_its_release_limit() -> None:
     assert nfe == {"wino:0.0": 5, "wino-nocap:0.0": 1}
 
 
+def test_entropy_bound_takes_the_confident_prefix_within_its_budget() -> None:
+    """EB-sampler's rule: masks by confidence, the longest prefix whose entropies sum to at most γ above their
+    largest; a decoded position is never taken, and the most confident mask always is."""
+    logits = torch.tensor([[8.0, 0.0, 0.0], [0.0, 0.0, 0.0], [5.0, 0.0, 0.0], [0.0, 3.0, 0.0], [9.0, 0.0, 0.0]])
+    masked = torch.tensor([True, True, True, True, False])
+    logp = torch.log_softmax(logits, -1)
+    h = -(logp.exp() * logp).sum(-1).double()  # position 4 (decoded) is the most certain of all
+    confidence = logp.exp().max(-1).values.double()
+    assert confidence[:4].argsort(descending=True).tolist() == [0, 2, 3, 1]
+    take = lambda bound: probe.entropy_bounded(logits, confidence, masked, bound).nonzero().flatten().tolist()  # noqa: E731
+    assert take(0.0) == [0]
+    assert take(float(h[0] + h[2] - h[2].max(h[0])) + 1e-9) == [0, 2]
+    assert take(float(h[0] + h[2] + h[3] - h[3]) + 1e-9) == [0, 2, 3]  # h[3] is the largest of the three
+    assert take(100.0) == [0, 1, 2, 3]
+    assert probe.Rule.parse("entropy:0.3").entropy_bound == 0.3
+
+
 def test_rule_specs_and_refusals() -> None:
     assert probe.Rule.parse("wino:0.7") == probe.Rule("wino:0.7", 0.7, 0.9, cap=True)
     assert not probe.Rule.parse("wino-extras-nocap:0.7").cap
