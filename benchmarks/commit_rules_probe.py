@@ -24,7 +24,8 @@ Dream the same way):
 * **entropy-bounded commits** (EB-sampler: Ben-Hamu et al. 2025, arXiv 2505.24857; DiffusionGemma's default
   sampler): instead of a threshold, the masks in order of confidence, as many as keep the sum of their
   predictive entropies minus the largest of them within γ nats (``entropy:γ``; at least one). It commits no
-  token it would take back, so unlike the two above it could be a transfer rule of the library's decoders.
+  token it would take back, so unlike the two above it is also a transfer rule of the library's decoders
+  (``FastDLLMConfig(rule="entropy", entropy_bound=γ)``, whose uncached decode this loop equals).
 
 The loop is Fast-dLLM without a cache: blocks left to right, a full forward per step, the library's greedy
 proposals (``sample_tokens``) and threshold rule (``threshold_select``), and its early stop (the first completed
@@ -56,6 +57,7 @@ from tqdm import tqdm
 
 from hf_blockbatch.eval.runner import _check_prompts_fit, _encode, _score_all, load_task
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
+from hf_blockbatch.generation.rules.entropy import entropy_select
 from hf_blockbatch.generation.rules.threshold import threshold_select
 from hf_blockbatch.generation.sampling import sample_tokens
 
@@ -104,18 +106,6 @@ def accept_cap(masks: int) -> int:
     return min(max(int(0.7 * masks), 5), 20)
 
 
-def entropy_bounded(logits: torch.Tensor, confidence: torch.Tensor, masked: torch.Tensor, bound: float) -> torch.Tensor:
-    """EB-sampler's commit (bool over the block): the masks in order of ``confidence``, the longest prefix whose
-    predictive entropies sum to at most ``bound`` more than the largest of them (so always the first one)."""
-    logp = torch.log_softmax(logits.float(), -1)
-    entropy = -(logp.exp() * logp).sum(-1).double()
-    order = confidence.masked_fill(~masked, float("-inf")).argsort(descending=True, stable=True)
-    h = entropy[order]
-    keep = (h.cumsum(0) - h.cummax(0).values <= bound) & masked[order]
-    keep &= keep.cumprod(0).bool()  # a prefix: the first that breaks the bound ends it
-    return torch.zeros_like(masked).index_fill_(0, order[keep], True)
-
-
 def shadow_layout(length: int, start: int, end: int, shift: int, shadows_see_shadows: bool,
                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The RoPE positions ``[1, T]`` and the per-query mask ``[1, T, T]`` (``T = length + n``) of a canvas of
@@ -161,12 +151,13 @@ def decode(model, prompt: torch.Tensor, gen_length: int, block: int, rule: Rule,
                 logits = model(torch.cat([x, shadow_in], 1), attention_mask=mask, position_ids=pos).logits[0]
             nfe += 1
             queries += logits.shape[0]
-            got = sample_tokens(logits[s - sh : e - sh], 0.0, "low_confidence", 2, mask_id=mask_id)
+            got = sample_tokens(logits[s - sh : e - sh], 0.0, "low_confidence", 2, mask_id=mask_id,
+                                entropy=rule.entropy_bound is not None)  # fmt: skip
             scores = got.confidence.masked_fill(~masked, float("-inf"))
             if rule.entropy_bound is None:
                 take = threshold_select(scores[None], rule.tau_in)[0]
             else:
-                take = entropy_bounded(logits[s - sh : e - sh], got.confidence, masked, rule.entropy_bound)
+                take = entropy_select(scores[None], got.entropy[None], rule.entropy_bound)[0]
             if rule.cap and int(take.sum()) > (most := accept_cap(int(masked.sum()))):
                 take = torch.zeros_like(take).index_fill_(0, scores.topk(most).indices, True)
             if rule.allin is not None:

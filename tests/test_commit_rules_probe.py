@@ -57,6 +57,20 @@ def test_threshold_baseline_is_fast_dllm_without_a_cache(loaded) -> None:
 
 
 @torch.inference_mode()
+def test_entropy_rule_is_the_librarys_uncached_decoder(loaded) -> None:
+    """The probe's ``entropy:γ`` is ``FastDLLMConfig(cache="none", rule="entropy")``, token for token and
+    forward for forward: the rule the probe measured is the one the decoders run."""
+    model, tokenizer, end = loaded
+    for ids, mask, gen in items(tokenizer, "lists", 4):
+        x, nfe, _ = probe.decode(model, ids, gen, 64, probe.Rule.parse("entropy:0.3"), model.config.mask_token_id, end)
+        cfg = hb.FastDLLMConfig(cache="none", block_length=64, rule="entropy", entropy_bound=0.3, early_stop=True,
+                                max_new_tokens=gen)  # fmt: skip
+        out = model.generate(ids, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True)
+        ours = before_end(x[0, ids.shape[1] :], end)
+        assert torch.equal(ours, out.sequences[0, ids.shape[1] : ids.shape[1] + ours.numel()]) and nfe == int(out.nfe[0])
+
+
+@torch.inference_mode()
 def test_shadows_do_not_change_the_canvas_queries(loaded) -> None:
     """A check that never masks again (τ_back 0) and no cap decode exactly the baseline: the canvas's
     queries never see a shadow, and each forward carries one more block of queries."""
@@ -117,26 +131,10 @@ def test_wino_caps_a_step_at_its_release_limit() -> None:
     assert nfe == {"wino:0.0": 5, "wino-nocap:0.0": 1}
 
 
-def test_entropy_bound_takes_the_confident_prefix_within_its_budget() -> None:
-    """EB-sampler's rule: masks by confidence, the longest prefix whose entropies sum to at most γ above their
-    largest; a decoded position is never taken, and the most confident mask always is."""
-    logits = torch.tensor([[8.0, 0.0, 0.0], [0.0, 0.0, 0.0], [5.0, 0.0, 0.0], [0.0, 3.0, 0.0], [9.0, 0.0, 0.0]])
-    masked = torch.tensor([True, True, True, True, False])
-    logp = torch.log_softmax(logits, -1)
-    h = -(logp.exp() * logp).sum(-1).double()  # position 4 (decoded) is the most certain of all
-    confidence = logp.exp().max(-1).values.double()
-    assert confidence[:4].argsort(descending=True).tolist() == [0, 2, 3, 1]
-    take = lambda bound: probe.entropy_bounded(logits, confidence, masked, bound).nonzero().flatten().tolist()  # noqa: E731
-    assert take(0.0) == [0]
-    assert take(float(h[0] + h[2] - h[2].max(h[0])) + 1e-9) == [0, 2]
-    assert take(float(h[0] + h[2] + h[3] - h[3]) + 1e-9) == [0, 2, 3]  # h[3] is the largest of the three
-    assert take(100.0) == [0, 1, 2, 3]
-    assert probe.Rule.parse("entropy:0.3").entropy_bound == 0.3
-
-
 def test_rule_specs_and_refusals() -> None:
     assert probe.Rule.parse("wino:0.7") == probe.Rule("wino:0.7", 0.7, 0.9, cap=True)
     assert not probe.Rule.parse("wino-extras-nocap:0.7").cap
+    assert probe.Rule.parse("entropy:0.3").entropy_bound == 0.3
     for bad in ("winofoo:0.8", "wino-loo-loo:0.8", "wino-cap:0.8"):
         with pytest.raises(ValueError, match=f"Unknown rule '{bad}'"):
             probe.Rule.parse(bad)

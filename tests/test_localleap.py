@@ -275,7 +275,7 @@ def test_fast_dllm_with_localleap_equals_the_plain_decoder(family, mode):
         (dict(rule="localleap", threshold=None, factor=1.0), "give threshold"),
         (dict(relaxed_threshold=0.7), "is a LocalLeap option: set rule='localleap'"),
         (dict(leap_radius=3, relaxed_threshold=0.7), "are LocalLeap options"),
-        (dict(rule="leap"), "rule must be 'localleap' or unset"),
+        (dict(rule="leap"), "rule must be 'localleap', 'entropy' or unset"),
     ],
 )
 @pytest.mark.parametrize("strategy", ["fast_dllm", "blockbatch"])

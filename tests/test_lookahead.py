@@ -57,10 +57,11 @@ def _adopted(out) -> torch.Tensor:
     {"block_length": 64, "early_stop": True},
     {"block_length": 32, "early_stop": False, "factor": 1.0},
     {"block_length": 32, "early_stop": True, "rule": "localleap"},
+    {"block_length": 64, "early_stop": True, "rule": "entropy", "entropy_bound": 0.3},
     {"block_length": 64, "early_stop": False, "skip_completed_block_step": True, "threshold": 0.7},
     {"block_length": 64, "early_stop": True, "window_queries": "sparse", "requery_radius": 6},
     {"block_length": 32, "early_stop": False, "window_queries": "sparse", "requery_radius": 0},
-], ids=["b32-es", "b64-es", "factor", "localleap", "skip-t0.7", "sparse-r6", "sparse-r0"])  # fmt: skip
+], ids=["b32-es", "b64-es", "factor", "localleap", "entropy", "skip-t0.7", "sparse-r6", "sparse-r0"])  # fmt: skip
 @pytest.mark.parametrize("drafts", [1, 3])
 def test_lookahead_decodes_fast_dllms_tokens_in_fewer_forwards(trained, options, drafts):
     """The same tokens as Fast-dLLM without drafts; each adopted draft is one forward less, exactly;

@@ -7,6 +7,7 @@ import torch
 from _generation_helpers import ref_quota
 
 from hf_blockbatch.generation.rules import RULES, candidate_scores, make_rule
+from hf_blockbatch.generation.rules.entropy import entropy_select
 from hf_blockbatch.generation.rules.factor import factor_select
 from hf_blockbatch.generation.rules.quota import quota_schedule, quota_select
 from hf_blockbatch.generation.rules.threshold import threshold_select
@@ -122,6 +123,63 @@ def test_minus_inf_confidences_still_make_progress():
         assert sel.sum(-1).tolist() == [1, 1]
         assert not (sel & ~cand).any()
     assert threshold_rule(conf, cand, 0.9)[1].tolist() == [False, True, False]
+
+
+def test_entropy_rule_takes_the_confident_prefix_within_its_budget():
+    """Entropy-bounded commits: candidates by confidence, the longest prefix whose entropies sum to at most
+    the bound above their largest; always the best candidate; never a non-candidate; a row without
+    candidates commits nothing."""
+    conf = _t([[0.9, 0.5, 0.8, 0.7, 0.99], [0.3, 0.2, 0.1, 0.0, 0.0]])
+    cand = torch.tensor([[True, True, True, True, False], [False, False, False, False, False]])
+    h = _t([[0.1, 0.9, 0.2, 0.4, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    scores = candidate_scores(conf, cand)
+
+    def take(bound):
+        return entropy_select(scores, h, bound)[0].nonzero().flatten().tolist()
+
+    assert take(0.0) == [0]  # by confidence 0, 2, 3, 1: sums minus max 0, 0.1, 0.3, 0.7
+    assert take(0.11) == [0, 2] and take(0.31) == [0, 2, 3] and take(0.71) == [0, 1, 2, 3]
+    assert take(0.29) == [0, 2]  # a prefix: the budget ends at the first candidate past it
+    assert not entropy_select(scores, h, 10.0)[1].any()
+    rule = make_rule("entropy", bound=0.3)
+    assert rule.needs_entropy and torch.equal(rule.select(scores, None, None, None, h), entropy_select(scores, h, 0.3))
+    with pytest.raises(ValueError, match="reads each proposal's entropy"):
+        rule.select(scores, None, None, None)
+
+
+def test_sample_tokens_entropy_is_the_proposal_distributions():
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(0))
+    got = sample_tokens(logits, 0.0, "low_confidence", 0, entropy=True, mask_id=39)
+    p = torch.softmax(logits.double(), -1)[:, :39]  # the mask id is never proposed; the others keep their mass
+    torch.testing.assert_close(got.entropy, -(p * p.log()).sum(-1), atol=1e-5, rtol=0)
+    assert sample_tokens(logits, 0.0, "low_confidence", 0).entropy is None
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(entropy_bound=0.2), "entropy_bound is the entropy rule's budget: set rule='entropy'"),
+        (dict(rule="entropy"), "give a number >= 0"),
+        (dict(rule="entropy", entropy_bound=-0.1), "give a number >= 0"),
+        (dict(rule="entropy", entropy_bound=float("nan")), "entropy_bound must be a finite number"),
+        (dict(rule="entropy", entropy_bound=0.2, factor=1.0), "replaces the threshold, factor and steps rules"),
+    ],
+)
+@pytest.mark.parametrize("strategy", ["fast_dllm", "blockbatch"])
+def test_bad_entropy_rule_options_fail_at_once(strategy, options, message):
+    import hf_blockbatch as hb
+
+    cls = hb.FastDLLMConfig if strategy == "fast_dllm" else hb.BlockBatchConfig
+    with pytest.raises(ValueError, match=message):
+        cls(max_new_tokens=8, **options)
+
+
+def test_entropy_rule_config_saves_and_loads(tmp_path):
+    import hf_blockbatch as hb
+
+    hb.FastDLLMConfig(rule="entropy", entropy_bound=0.25, block_length=32).save_pretrained(tmp_path)
+    back = hb.FastDLLMConfig.from_pretrained(tmp_path)
+    assert (back.rule, back.entropy_bound) == ("entropy", 0.25)
 
 
 @pytest.mark.parametrize("shape", [(8, 1024), (64, 1024), (40, 2048), (1024, 96), (33, 96), (50, 1000), (3, 126464)])

@@ -29,6 +29,7 @@ class Proposal:
     tokens: torch.Tensor  # proposed token at read slots (the current token elsewhere)
     sampled: Sampled
     slot_index: torch.Tensor | None  # [A, W] row of the packed proposals (every slot read)
+    entropy: torch.Tensor | None = None  # [A, W] at the read slots, when the sampling computed it
 
 
 def propose(state: DecodeState, span: Span, sampled: Sampled, slot_index: torch.Tensor | None, slots,
@@ -50,11 +51,15 @@ def propose(state: DecodeState, span: Span, sampled: Sampled, slot_index: torch.
             scores.masked_fill_(~span.in_win, float("-inf"))
         tokens = span.current.masked_scatter(need, sampled.tokens)
         top_probs, top_ids = sampled.top_probs, sampled.top_ids
+        entropy = None
+        if sampled.entropy is not None:
+            entropy = torch.zeros((A, W), dtype=sampled.entropy.dtype, device=need.device).masked_scatter_(need, sampled.entropy)
     else:
         need = span.valid
         if slot_index is None:
             slot_index = slots(span.valid, A, W)
         scores, tokens = sampled.confidence[slot_index], sampled.tokens[slot_index]
+        entropy = None if sampled.entropy is None else sampled.entropy[slot_index]
         if state.prob_p is not None:
             keep = slot_index.reshape(-1) if span.valid is None else slot_index[span.valid]
             top_probs, top_ids = sampled.top_probs[keep], sampled.top_ids[keep]
@@ -65,14 +70,17 @@ def propose(state: DecodeState, span: Span, sampled: Sampled, slot_index: torch.
         entry = entry.reshape(-1) if need is None else entry[need]
         state.prob_p.view(-1, k).index_copy_(0, entry, top_probs)
         state.prob_ids.view(-1, k).index_copy_(0, entry, top_ids)
-    return Proposal(scores, tokens, sampled, slot_index)
+    return Proposal(scores, tokens, sampled, slot_index, entropy)
 
 
 def write_commits(state: DecodeState, span: Span, proposal: Proposal, rule: TransferRule):
     """Apply the rule and write its commits to the canvas; returns ``(select [A, W], new [A, W],
     commits per row [A])``."""
     rows, positions = span.rows, span.positions
-    select = rule.select(proposal.scores, state, rows, span)
+    if proposal.entropy is None:
+        select = rule.select(proposal.scores, state, rows, span)
+    else:
+        select = rule.select(proposal.scores, state, rows, span, proposal.entropy)
     new = torch.where(select, proposal.tokens, span.current)
     if rows.shape[0] == state.num_rows and span.valid is None:
         state.canvas.scatter_(1, positions, new)

@@ -112,18 +112,30 @@ def _pop_rule_options(cfg: Any, kwargs: dict[str, Any]) -> None:
     cfg.rule = kwargs.pop("rule", None)
     cfg.relaxed_threshold = kwargs.pop("relaxed_threshold", None)
     cfg.leap_radius = kwargs.pop("leap_radius", None)
+    cfg.entropy_bound = kwargs.pop("entropy_bound", None)
 
 
 def _check_rule(cfg: Any) -> None:
     """``rule="localleap"`` (LocalLeap: anchors at ``threshold``, ``relaxed_threshold`` within
-    ``leap_radius`` positions of one) or unset (threshold, factor or steps name the rule)."""
+    ``leap_radius`` positions of one), ``rule="entropy"`` (entropy-bounded commits within
+    ``entropy_bound`` nats, instead of the threshold) or unset (threshold, factor or steps name the rule)."""
+    if cfg.entropy_bound is not None and cfg.rule != "entropy":
+        raise ValueError("entropy_bound is the entropy rule's budget: set rule='entropy', or remove it.")
     if cfg.rule is None:
         given = [n for n in ("relaxed_threshold", "leap_radius") if getattr(cfg, n) is not None]
         if given:
             raise ValueError(f"{' and '.join(given)} {'are LocalLeap options' if len(given) > 1 else 'is a LocalLeap option'}: set rule='localleap', or remove {'them' if len(given) > 1 else 'it'}.")
         return
+    if cfg.rule == "entropy":
+        if cfg.entropy_bound is None or _check_real("entropy_bound", cfg.entropy_bound) < 0:
+            raise ValueError(f"rule='entropy' commits within `entropy_bound` nats: give a number >= 0 (0.2 is where "
+                             f"RESULTS §32 starts), got {cfg.entropy_bound!r}.")  # fmt: skip
+        if cfg.factor is not None or getattr(cfg, "steps", None) is not None:
+            raise ValueError("rule='entropy' replaces the threshold, factor and steps rules: remove factor / steps.")
+        return
     if cfg.rule != "localleap":
-        raise ValueError(f"rule must be 'localleap' or unset (threshold, factor and steps choose the others), got {cfg.rule!r}.")
+        raise ValueError(f"rule must be 'localleap', 'entropy' or unset (threshold, factor and steps choose the others), "
+                         f"got {cfg.rule!r}.")  # fmt: skip
     if cfg.threshold is None:
         raise ValueError("rule='localleap' commits anchors at `threshold`: give threshold (e.g. 0.9), not factor or steps.")
     from hf_blockbatch.generation.rules.localleap import LocalLeapRule
@@ -357,6 +369,10 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         threshold: commit every masked position with top-1 probability ≥ threshold (default 0.9).
         factor: instead of a threshold, commit the largest n with (n + 1)(1 − c_n) < factor.
         steps: with neither threshold nor factor, a fixed quota of tokens per step.
+        rule / entropy_bound: ``rule="entropy"`` replaces the threshold with entropy-bounded commits
+            (EB-sampler): the masks by confidence, as many as keep their predictive entropies' sum
+            within ``entropy_bound`` nats of the largest (RESULTS §32: ahead of the threshold on lists
+            and tiny-dream code, behind on arith). ``rule="localleap"``: LocalLeap (docs/localleap.md).
         block_length: block size (default 32).
         early_stop: end a request once a fully decoded block holds EOS (as dInfer does); off by
             default, like the official code, so the benchmark can isolate its effect.
@@ -378,8 +394,8 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             measured trade is in benchmarks/RESULTS.md §12–13). With ``window_queries="sparse"``
             a draft queries only what the next sparse step would (its K/V are its main row's after
             the forward), and the tokens are sparse Fast-dLLM's. Needs ``cache="dual"``, greedy
-            decoding (temperature 0, ``low_confidence``) and a threshold, factor or LocalLeap rule:
-            what makes a draft exact.
+            decoding (temperature 0, ``low_confidence``) and a threshold, factor, entropy or LocalLeap
+            rule: what makes a draft exact.
         lookahead_max_masks: draft only while the request's window has at most this many masks left
             (``None``, the default: at every block step). A window with many masks left mostly
             commits several tokens next, which a draft of one or two rarely matches: at 8, lookahead
@@ -409,7 +425,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
     strategy = "fast_dllm"
     _ours = DiffusionGenerationConfig._ours + (
         "cache", "threshold", "factor", "steps", "block_length", "early_stop", "skip_completed_block_step",
-        "rule", "relaxed_threshold", "leap_radius", "window_queries", "requery_radius", "lookahead",
+        "rule", "relaxed_threshold", "leap_radius", "entropy_bound", "window_queries", "requery_radius", "lookahead",
         "lookahead_max_masks", "lookahead_accept", "lookahead_draft_radius", "lookahead_query_budget",
     )  # fmt: skip
 
@@ -591,7 +607,8 @@ class BlockBatchConfig(DiffusionGenerationConfig):
 
     Args:
         block_sizes: the branches (paper: 4, 8, 16, 32, 64, 128).
-        threshold / factor: the transfer rule of every branch (threshold 0.9 by default).
+        threshold / factor: the transfer rule of every branch (threshold 0.9 by default);
+            ``rule="entropy"`` with ``entropy_bound`` or ``rule="localleap"`` as in :class:`FastDLLMConfig`.
         merge: confidence-gated merging between compatible branches (``merge.py``).
         merge_threshold: a destination commits a source's token only if its own probability for
             it is above this (0.5).
@@ -644,7 +661,7 @@ class BlockBatchConfig(DiffusionGenerationConfig):
     _ours = DiffusionGenerationConfig._ours + (
         "block_sizes", "threshold", "factor", "merge", "merge_threshold", "sync", "sync_threshold", "refresh",
         "refresh_interval", "divergence_threshold", "early_stop", "eos_confidence", "skip_completed_block_step",
-        "rule", "relaxed_threshold", "leap_radius", "variant",
+        "rule", "relaxed_threshold", "leap_radius", "entropy_bound", "variant",
     ) + _BEYOND  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:

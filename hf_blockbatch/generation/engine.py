@@ -31,6 +31,7 @@ from hf_blockbatch.generation.forward import Forwards, Span
 from hf_blockbatch.generation.outputs import DecodeResult
 from hf_blockbatch.generation.plans import DecodePlan
 from hf_blockbatch.generation.policies import StepContext
+from hf_blockbatch.generation.rules import needs_entropy
 from hf_blockbatch.generation.sampling import Sampled, sample_tokens
 from hf_blockbatch.generation.state import DecodeState, in_window
 from hf_blockbatch.generation.trace import Recorder, for_streamer
@@ -71,6 +72,7 @@ class Run:
         self.sequences = torch.cat([input_ids, input_ids.new_full((self.B, plan.max_new_tokens), mask_id)], dim=1)
         self.suppress, self.lowconf = _ids(plan.suppress_logit_ids, device), _ids(plan.low_confidence_ids, device)
         self.sample_seconds = 0.0
+        self.rule_entropy = needs_entropy(plan.rule)
         self._windows: tuple[torch.Tensor, torch.Tensor, tuple] | None = None
 
     # ------------------------------------------------------------------ commits
@@ -80,7 +82,7 @@ class Run:
         plan = self.plan
         t = time.perf_counter()
         out = sample_tokens(packed_logits, plan.temperature, plan.remasking, plan.map_k, self.generator, self.suppress,
-                            self.lowconf, self.state.mask_id)  # fmt: skip
+                            self.lowconf, self.state.mask_id, entropy=self.rule_entropy)  # fmt: skip
         self.sample_seconds += time.perf_counter() - t
         return out
 

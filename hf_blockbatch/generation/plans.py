@@ -95,6 +95,8 @@ def _rule(cfg, steps_per_block: int | None) -> TransferRule:
         rule = LocalLeapRule.from_config(cfg)
         return make_rule("localleap", anchor_threshold=float(rule.anchor_threshold),
                          relaxed_threshold=float(rule.relaxed_threshold), radius=int(rule.radius))  # fmt: skip
+    if cfg.rule == "entropy":
+        return make_rule("entropy", bound=float(cfg.entropy_bound))
     if getattr(cfg, "threshold", None) is not None:
         return make_rule("threshold", threshold=float(cfg.threshold))
     if getattr(cfg, "factor", None) is not None:

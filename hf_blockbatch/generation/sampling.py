@@ -27,6 +27,7 @@ class Sampled:
     probability: torch.Tensor  # [T] float64: the softmax probability of the proposed token
     top_probs: torch.Tensor | None = None  # [T, k] float32
     top_ids: torch.Tensor | None = None  # [T, k] long
+    entropy: torch.Tensor | None = None  # [T] float64: of the proposal distribution (entropy-bounded commits)
 
 
 def eos_probability(logits: torch.Tensor, eos_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -67,6 +68,7 @@ def sample_tokens(
     suppress_logit_ids: torch.Tensor | None = None,
     low_confidence_ids: torch.Tensor | None = None,
     mask_id: int | None = None,
+    entropy: bool = False,
 ) -> Sampled:
     """Propose a token for every packed position.
 
@@ -78,6 +80,8 @@ def sample_tokens(
     ``mask_id`` is never proposed: committing it would leave the position masked, and a step that
     commits only masks makes no progress (an untrained or a peaked model can rank it first). It is
     taken out after the softmax, so every other token keeps the probability the model gives it.
+    ``entropy``: also each position's predictive entropy in nats (one more pass over the vocabulary),
+    for the entropy-bounded rule.
     """
     if suppress_logit_ids is not None:
         logits = logits.index_fill(-1, suppress_logit_ids, float("-inf"))
@@ -114,4 +118,5 @@ def sample_tokens(
     if low_confidence_ids is not None:
         hit = torch.isin(tokens, low_confidence_ids)
         confidence = confidence.masked_fill(hit, float("-inf"))
-    return Sampled(tokens, confidence, probability, top_probs, top_ids)
+    h = torch.special.entr(logp.exp()).sum(-1).double() if entropy else None  # entr(0) = 0: the removed ids
+    return Sampled(tokens, confidence, probability, top_probs, top_ids, h)

@@ -9,7 +9,9 @@ has one (a step always makes progress).
 
 Each rule is one small frozen dataclass in its own file, registered here by name with
 :func:`register`; :func:`make_rule` builds one from a config's options. Rules that keep per-row
-schedule counters (the fixed quota) say so with ``keeps_quota``, so the state maintains them.
+schedule counters (the fixed quota) say so with ``keeps_quota``, so the state maintains them; a
+rule that reads each proposal's predictive entropy (entropy-bounded commits) says so with
+``needs_entropy``, so that sampling computes it, and gets it ``[A, W]`` as a fifth argument.
 
 See docs/algorithm.md, "Transfer rules".
 """
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
     from hf_blockbatch.generation.forward import Span
     from hf_blockbatch.generation.state import DecodeState
 
-__all__ = ["RULES", "TransferRule", "candidate_scores", "make_rule", "register"]
+__all__ = ["RULES", "TransferRule", "candidate_scores", "make_rule", "needs_entropy", "register"]
 
 
 class TransferRule(Protocol):
@@ -42,6 +44,11 @@ def register(cls: type) -> type:
     """Class decorator: make a rule available by its ``name``."""
     RULES[cls.name] = cls
     return cls
+
+
+def needs_entropy(rule: TransferRule) -> bool:
+    """Whether ``rule`` reads the proposals' entropy (a rule that does not say, does not)."""
+    return bool(getattr(rule, "needs_entropy", False))
 
 
 def make_rule(name: str, **options: Any) -> TransferRule:
@@ -62,4 +69,4 @@ def candidate_scores(confidence: torch.Tensor, candidates: torch.Tensor) -> torc
 
 
 # the built-in rules register themselves on import
-from hf_blockbatch.generation.rules import factor, localleap, quota, threshold  # noqa: E402,F401
+from hf_blockbatch.generation.rules import entropy, factor, localleap, quota, threshold  # noqa: E402,F401
