@@ -139,6 +139,7 @@ def decode(model, prompt: torch.Tensor, gen_length: int, block: int, rule: Rule,
         e = min(s + block, L)
         n = e - s
         pos, mask = shadow_layout(L, s, e, sh, rule.shadows_see_shadows, dev) if rule.tau_back is not None else (None, None)
+        blank = torch.full((1, n), mask_id, device=dev)  # an unshifted model's shadow inputs, the same every step
         trusted = torch.zeros(n, dtype=torch.bool, device=dev)  # committed at >= tau_back, or checked once
         last_commits = n + 1
         while bool((x[0, s:e] == mask_id).any()):
@@ -147,7 +148,7 @@ def decode(model, prompt: torch.Tensor, gen_length: int, block: int, rule: Rule,
             if mask is None:
                 logits = model(x).logits[0]
             else:
-                shadow_in = x[:, s - sh : e - sh] if sh else torch.full((1, n), mask_id, device=dev)
+                shadow_in = x[:, s - sh : e - sh] if sh else blank
                 logits = model(torch.cat([x, shadow_in], 1), attention_mask=mask, position_ids=pos).logits[0]
             nfe += 1
             queries += logits.shape[0]
@@ -167,7 +168,7 @@ def decode(model, prompt: torch.Tensor, gen_length: int, block: int, rule: Rule,
             remask = torch.zeros_like(take)
             if rule.tau_back is not None and (rule.extras_only or int(take.sum()) > 1):
                 loo = torch.log_softmax(logits[L:].float(), -1).gather(1, cur[:, None]).squeeze(1).exp()
-                loo = loo.masked_fill(masked | (trusted if rule.extras_only else torch.zeros_like(trusted)), 2.0)
+                loo = loo.masked_fill(masked | trusted if rule.extras_only else masked, 2.0)
                 if rule.extras_only:
                     trusted |= ~masked & (loo >= rule.tau_back)
                 remask = loo < rule.tau_back
