@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from hf_blockbatch.eval.runner import _encode, _score_all, load_task, paired_points
+from hf_blockbatch.eval.runner import _encode, _score_all, load_task, paired_points, write_report
 from hf_blockbatch.eval.stats import paired_difference
 from hf_blockbatch.generation.configs import config_from_dict
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
@@ -338,9 +338,9 @@ def main(argv: list[str] | None = None) -> None:
                 table[suite][name]["paired"] = full["suites"][suite][name]["paired"] = paired_difference(
                     right[name], right[args.baseline])
     stem = out_dir / (f"{mname}_{args.limit}" + (f"_b{args.batch_size}" if args.batch_size != 16 else "") + args.tag)
-    stem.with_suffix(".json").write_text(json.dumps(full, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(render(args.model, args.limit, table, args.baseline))
-    print(render(args.model, args.limit, table, args.baseline))
+    text = render(args.model, args.limit, table, args.baseline)
+    write_report(stem, full, text)
+    print(text)
 
 
 if __name__ == "__main__":

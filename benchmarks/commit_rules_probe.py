@@ -46,7 +46,6 @@ real benchmarks ship their test split only, found where ``hf-blockbatch bench`` 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 from dataclasses import dataclass
@@ -55,7 +54,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hf_blockbatch.eval.runner import _check_prompts_fit, _encode, _score_all, load_task
+from hf_blockbatch.eval.runner import _check_prompts_fit, _encode, _score_all, load_task, write_report
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
 from hf_blockbatch.generation.rules.entropy import entropy_select
 from hf_blockbatch.generation.rules.threshold import threshold_select
@@ -270,11 +269,7 @@ def main(argv: list[str] | None = None) -> None:
             logger.info("%s %s %s: %.1f %% · NFE %.2f (×%.3f) · query tokens %.0f (×%.2f) · +%d/−%d items", args.model,
                         suite, spec, r["accuracy"], r["nfe"], r["nfe_ratio"], r["query_tokens"], r["query_ratio"],
                         r["won"], r["lost"])  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     split = "" if args.split == "train" else f"_{args.split}"
-    stem = out / f"{args.model.replace('/', '_')}{split}_{args.limit}{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     suites = list(result["suites"])
     lines = [f"# Commit rules in an uncached loop: {args.model}, {args.limit} {'training' if args.split == 'train' else args.split} "
              f"items per suite, block {args.block}",
@@ -288,8 +283,7 @@ def main(argv: list[str] | None = None) -> None:
         cells = [result["suites"][s][rule.spec] for s in suites]
         lines.append(f"| `{rule.spec}` | " + " | ".join(
             f"{c['delta_points']:+.1f} · {c['nfe_ratio']:.3f} · {c['query_ratio']:.2f}" for c in cells) + " |")  # fmt: skip
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    logger.info("wrote %s.{json,md}", stem)
+    write_report(Path(args.out) / f"{args.model.replace('/', '_')}{split}_{args.limit}{args.tag}", result, "\n".join(lines))
 
 
 if __name__ == "__main__":

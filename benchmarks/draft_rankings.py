@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hf_blockbatch.eval.runner import _encode, load_task
+from hf_blockbatch.eval.runner import _encode, load_task, write_report
 from hf_blockbatch.generation.configs import FastDLLMConfig
 from hf_blockbatch.generation.trace import CommitEvent
 
@@ -126,11 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     for suite, r in result["suites"].items():
         lines.append(f"| {suite} | {r['requests']} | {r['positions']} | "
                      + " | ".join(f"{r['first_or_second'][o]:.2f}" for o in ORDERINGS) + f" | {r['other_token']} |")  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"rankings_{Path(args.model).name}_{args.limit}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_report(Path(args.out) / f"rankings_{Path(args.model).name}_{args.limit}", result, "\n".join(lines))
     print("\n".join(lines))
 
 

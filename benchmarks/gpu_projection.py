@@ -61,7 +61,7 @@ import torch
 
 from hf_blockbatch.eval.forward_log import ForwardLog, ForwardRecord
 from hf_blockbatch.eval.roofline import Geometry, Hardware, kv_residency, project
-from hf_blockbatch.eval.runner import _encode, load_task
+from hf_blockbatch.eval.runner import _encode, load_task, write_report
 from hf_blockbatch.generation.configs import config_from_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # a sibling script: its named configs
@@ -209,12 +209,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             logger.info("%s %-36s nfe %5.2f  tok/fwd %5.0f  gpu %6.2f  graphed %6.2f  async %6.2f  eager %6.2f ms/item",
                         suite, name, row["nfe"], row["query_tokens_per_forward"], row["gpu_ms_item"],
                         row["graphed_ms_item"], row["async_ms_item"], row["eager_ms_item"])  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{Path(args.model).name}_{args.limit}_b{args.batch_size}{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    stem.with_suffix(".md").write_text(render(report))
-    logger.info("wrote %s.{json,md}", stem)
+    write_report(Path(args.out) / f"{Path(args.model).name}_{args.limit}_b{args.batch_size}{args.tag}", report,
+                 render(report))
     return report
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hf_blockbatch.eval.runner import _encode, load_task
+from hf_blockbatch.eval.runner import _encode, load_task, write_report
 from hf_blockbatch.generation.configs import FastDLLMConfig
 from hf_blockbatch.generation.policies.lookahead import DRAFT_SHAPES
 from hf_blockbatch.generation.trace import SyncEvent
@@ -82,11 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     for suite, r in result["suites"].items():
         lines.append(f"| {suite} | {r['nfe_without_drafts_mean']:.2f} | {r['nfe_mean']:.2f} | {r['adopting_steps']} | "
                      + " | ".join(str(v) for v in r["by_shape"].values()) + " |")  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"shapes_{Path(args.model).name}_{args.limit}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_report(Path(args.out) / f"shapes_{Path(args.model).name}_{args.limit}", result, "\n".join(lines))
     print("\n".join(lines))
 
 

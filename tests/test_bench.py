@@ -743,3 +743,14 @@ def test_draft_rankings_orders_the_masks_left_and_counts_step_one(tmp_path):
     assert 0 < res["requests"] <= 6 and res["positions"] >= res["requests"]
     assert all(0 <= v <= 1 for v in res["first_or_second"].values())
     assert f"| code | {res['requests']} | {res['positions']} |" in (tmp_path / "rankings_tiny-llada_6.md").read_text()
+
+
+def test_write_report_writes_both_files_under_the_whole_stem(tmp_path):
+    """The benchmark scripts' one writer: a JSON and a Markdown file beside each other, the folder created,
+    and a stem holding a dot (a tag such as ``_q2.5``) kept whole, where ``with_suffix`` would cut it."""
+    from hf_blockbatch.eval.runner import write_report
+
+    stem = write_report(tmp_path / "new" / "tiny-llada_8_q2.5", {"nfe": 2.5, "rows": [1, 2]}, "| a |\n|---|\n\n")
+    assert sorted(p.name for p in stem.parent.iterdir()) == ["tiny-llada_8_q2.5.json", "tiny-llada_8_q2.5.md"]
+    assert json.loads((stem.parent / "tiny-llada_8_q2.5.json").read_text()) == {"nfe": 2.5, "rows": [1, 2]}
+    assert (stem.parent / "tiny-llada_8_q2.5.md").read_text() == "| a |\n|---|\n"

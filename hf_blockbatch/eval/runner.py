@@ -84,6 +84,7 @@ __all__ = [
     "shard_info",
     "shard_range",
     "summarize",
+    "write_report",
 ]
 
 TINY_TASKS: tuple[str, ...] = ("arith", "code", "lists")
@@ -451,6 +452,18 @@ def _write_jsonl(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:
         for row in rows:
             f.write(json.dumps(_jsonable(row), ensure_ascii=False) + "\n")
     tmp.replace(path)
+
+
+def write_report(stem: str | os.PathLike[str], result: Mapping[str, Any], markdown: str) -> Path:
+    """Write a benchmark script's result as ``<stem>.json`` (every figure, for tables and later
+    reads) beside ``<stem>.md`` (the table a reader quotes), creating the folder; returns the
+    stem. One writer, so that every script's pair of files has the same form."""
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_name(stem.name + ".json").write_text(json.dumps(_jsonable(result), indent=1) + "\n", encoding="utf-8")
+    stem.with_name(stem.name + ".md").write_text(markdown.rstrip("\n") + "\n", encoding="utf-8")
+    logger.info("wrote %s.{json,md}", stem)
+    return stem
 
 
 def _shard_path(out_dir: Path, rank: int, world: int) -> Path:
