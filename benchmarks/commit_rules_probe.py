@@ -25,7 +25,12 @@ Dream the same way):
   sampler): instead of a threshold, the masks in order of confidence, as many as keep the sum of their
   predictive entropies minus the largest of them within γ nats (``entropy:γ``; at least one). It commits no
   token it would take back, so unlike the two above it is also a transfer rule of the library's decoders
-  (``FastDLLMConfig(rule="entropy", entropy_bound=γ)``, whose uncached decode this loop equals).
+  (``FastDLLMConfig(rule="entropy", entropy_bound=γ)``, whose uncached decode this loop equals);
+* **isolated relaxed commits** (``isolated<d>:τ``, this project's, RESULTS §33): the threshold's commits, and a
+  mask at confidence ≥ τ when no other position within d of it was masked in the canvas the forward saw. A
+  mask whose neighbourhood is decoded was predicted in its full local context, so the usual cause of parallel
+  errors (two dependent neighbours committed from their marginals) cannot reach it; the rule asks whether
+  such a lone mask is safe at a lower confidence. Positions past the block count as masked.
 
 The loop is Fast-dLLM without a cache: blocks left to right, a full forward per step, the library's greedy
 proposals (``sample_tokens``) and threshold rule (``threshold_select``), and its early stop (the first completed
@@ -78,6 +83,8 @@ class Rule:
     allin: str | None = None  # "min" | "mean": the gap statistic of the all-in step
     gap: float = 1.0
     entropy_bound: float | None = None  # EB-sampler's γ, in nats: replaces the threshold
+    isolation: int = 0  # isolated relaxed commits: no other mask within this radius (0: off)
+    tau_lone: float = 1.0  # ... committed at this confidence
 
     @classmethod
     def parse(cls, spec: str, tau_back: float = 0.9) -> Rule:
@@ -92,12 +99,24 @@ class Rule:
             return cls(spec, 0.9, allin=name.split("-")[1], gap=x)
         if name == "entropy":
             return cls(spec, 1.0, entropy_bound=x)
+        if name.startswith("isolated") and name[8:].isdigit() and int(name[8:]) >= 1:
+            return cls(spec, 0.9, isolation=int(name[8:]), tau_lone=x)
         base, *mods = name.split("-")
         if base == "wino" and set(mods) <= {"loo", "extras", "nocap"} and len(set(mods)) == len(mods):
             return cls(spec, x, tau_back, shadows_see_shadows="loo" not in mods, extras_only="extras" in mods,
                        cap="nocap" not in mods)  # fmt: skip
         raise ValueError(f"Unknown rule {spec!r}: threshold, wino with any of -loo, -extras, -nocap (e.g. wino-loo-extras), "
-                         "allin-min, allin-mean, entropy (each :value).")  # fmt: skip
+                         "allin-min, allin-mean, entropy, isolated<d> with d >= 1 (each :value).")  # fmt: skip
+
+
+def isolated(masked: torch.Tensor, radius: int, masks_after: bool) -> torch.Tensor:
+    """``[n]`` bool: the block's masks with no other mask within ``radius`` positions. Positions before the
+    block are decoded (blocks go left to right); those after it are masks when ``masks_after``."""
+    edge = float(masks_after)
+    counts = torch.nn.functional.pad(masked.float()[None, None], (radius, radius), value=0.0)
+    counts[..., counts.shape[-1] - radius :] = edge
+    counts = torch.nn.functional.avg_pool1d(counts, 2 * radius + 1, 1)[0, 0] * (2 * radius + 1)
+    return masked & (counts.round() == 1)  # the mask itself is the one
 
 
 def accept_cap(masks: int) -> int:
@@ -158,6 +177,8 @@ def decode(model, prompt: torch.Tensor, gen_length: int, block: int, rule: Rule,
                 take = threshold_select(scores[None], rule.tau_in)[0]
             else:
                 take = entropy_select(scores[None], got.entropy[None], rule.entropy_bound)[0]
+            if rule.isolation:
+                take |= isolated(masked, rule.isolation, e < L) & (scores >= rule.tau_lone)
             if rule.cap and int(take.sum()) > (most := accept_cap(int(masked.sum()))):
                 take = torch.zeros_like(take).index_fill_(0, scores.topk(most).indices, True)
             if rule.allin is not None:

@@ -83,7 +83,8 @@ def test_shadows_do_not_change_the_canvas_queries(loaded) -> None:
         assert torch.equal(x0, x1) and nfe0 == nfe1 and q1 == nfe1 * (ids.shape[1] + gen + 32)
 
 
-@pytest.mark.parametrize("spec", ["wino-loo:0.6", "wino-loo-extras:0.6", "allin-min:0.0", "allin-mean:0.5", "threshold:0.6"])
+@pytest.mark.parametrize("spec", ["wino-loo:0.6", "wino-loo-extras:0.6", "allin-min:0.0", "allin-mean:0.5", "threshold:0.6",
+                                  "isolated1:0.0"])
 @torch.inference_mode()
 def test_every_rule_ends_with_no_mask_before_its_end(loaded, spec: str) -> None:
     """A low τ_in commits much and a strict check (τ_back 0.99) masks much of it again, so that the check
@@ -131,11 +132,27 @@ def test_wino_caps_a_step_at_its_release_limit() -> None:
     assert nfe == {"wino:0.0": 5, "wino-nocap:0.0": 1}
 
 
+def test_isolated_masks_have_no_other_mask_within_the_radius() -> None:
+    """The lone masks of a block, by a plain loop: positions before the block are decoded, those after it
+    masked only when more blocks follow."""
+    masked = torch.tensor([1, 0, 1, 1, 0, 0, 1, 0, 0, 1], dtype=torch.bool)
+    for radius in (1, 2, 3):
+        for after in (False, True):
+            ext = masked.tolist() + [after] * radius
+            want = [bool(m) and not any(ext[j] for j in range(max(i - radius, 0), i + radius + 1) if j != i)
+                    for i, m in enumerate(masked.tolist())]  # fmt: skip
+            assert probe.isolated(masked, radius, after).tolist() == want, (radius, after)
+    assert probe.isolated(masked, 1, False).tolist() == [1, 0, 0, 0, 0, 0, 1, 0, 0, 1]
+    assert probe.isolated(masked, 1, True).tolist()[-1] is False
+
+
 def test_rule_specs_and_refusals() -> None:
     assert probe.Rule.parse("wino:0.7") == probe.Rule("wino:0.7", 0.7, 0.9, cap=True)
     assert not probe.Rule.parse("wino-extras-nocap:0.7").cap
     assert probe.Rule.parse("entropy:0.3").entropy_bound == 0.3
-    for bad in ("winofoo:0.8", "wino-loo-loo:0.8", "wino-cap:0.8"):
+    lone = probe.Rule.parse("isolated2:0.6")
+    assert (lone.tau_in, lone.isolation, lone.tau_lone) == (0.9, 2, 0.6)
+    for bad in ("winofoo:0.8", "wino-loo-loo:0.8", "wino-cap:0.8", "isolated:0.5", "isolated0:0.5"):
         with pytest.raises(ValueError, match=f"Unknown rule '{bad}'"):
             probe.Rule.parse(bad)
     extras = probe.Rule.parse("wino-loo-extras:0.6", tau_back=0.8)
