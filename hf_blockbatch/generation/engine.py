@@ -190,11 +190,19 @@ class Run:
         whose branch completed a block holding EOS ends there, without the refresh its moved window
         would trigger), and a refresh may end requests in turn.
 
+        With ``plan.advance_after_full`` a refresh that completes its block moves the window into a
+        new block, due at once: refresh again until none is due, retiring ended requests between
+        (an early stop must not pay for the next block's forward).
+
         Returns ``(no request left, a window may have moved)``."""
         finished = self.finish() if moved else False
-        if not finished and (moved or self.plan.refresh.every_step) and self.plan.refresh.refresh(self):
+        if finished or not (moved or self.plan.refresh.every_step):
+            return finished, moved
+        while self.plan.refresh.refresh(self):
             moved = True
             finished = self.finish()
+            if finished or not self.plan.advance_after_full:
+                break
         return finished, moved
 
     def finish(self) -> bool:

@@ -47,23 +47,20 @@ class Periodic:
         return due if state.synced_now is None else due & ~state.synced_now
 
     def refresh(self, run: Run) -> bool:
-        """Refresh the due rows; returns whether any were.
+        """Refresh the due rows once; returns whether any were.
 
         After a full forward that completes its block (``advance_after_full``), the window moves
-        into a new block, which is due at once: refresh again (a block starts with a full
-        forward), else the next block step would query a window against a cache that predates the
-        last commits. Terminates: every full step commits at least one token per row.
+        into a new block, which is due at once: the engine asks again (a block starts with a full
+        forward), after retiring the requests that ended, so that a block the refresh completed
+        with an end token stops its request there (``Run.settle``).
         """
-        refreshed = False
-        while True:
-            rows = self.due(run.state, run.cache).nonzero().squeeze(1)
-            if not rows.numel():
-                return refreshed
-            run.full_step(rows, "refresh")
-            refreshed = True
-            if not run.plan.advance_after_full:
-                return refreshed
+        rows = self.due(run.state, run.cache).nonzero().squeeze(1)
+        if not rows.numel():
+            return False
+        run.full_step(rows, "refresh")
+        if run.plan.advance_after_full:
             run.state.advance()
+        return True
 
 
 @dataclass(frozen=True)
