@@ -1,14 +1,96 @@
-"""Refreshes of Fast-dLLM's cache: the block-start forward, and early stop between refreshes
-(``Run.settle``)."""
+"""Refreshes of Fast-dLLM's cache: the block-start forward, ``refresh_after_commits``, and early stop
+between refreshes (``Run.settle``)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
-from _generation_helpers import run_padded
+from _generation_helpers import eos_model, peaked, run_padded, spy_caches
+from conftest import EOS_ID, MASK_ID
+from test_blockbatch import _replay
 
 import hf_blockbatch as hb
 from hf_blockbatch.eval.runner import load_task
+
+
+def _settings(rng: random.Random) -> dict:
+    return dict(max_new_tokens=rng.choice([3, 5, 13, 24]), block_length=rng.choice([1, 3, 4, 8, 16]),
+                threshold=rng.choice([0.3, 0.6, 0.9]), early_stop=rng.random() < 0.5)  # fmt: skip
+
+
+def _prompts(rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(3, 90) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 3))]
+
+
+def _same(a, b) -> bool:
+    return (torch.equal(a.sequences, b.sequences) and torch.equal(a.nfe, b.nfe)
+            and [s["query_tokens"] for s in a.stats] == [s["query_tokens"] for s in b.stats])  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("cache", ["dual", "prefix"])
+def test_a_refresh_after_every_commit_is_the_uncached_decoder(family, cache, monkeypatch):
+    """``refresh_after_commits=1``, where a full forward that completes its block is followed by the next
+    block's at once (``skip_completed_block_step``): every step is a full forward, so the decode is
+    ``cache="none"``'s: tokens, forwards and query tokens, in padded batches, early stop or not. The K/V
+    storage starts as NaN: nothing reads K/V no forward wrote."""
+    spy_caches(monkeypatch, fill=float("nan"))
+    model = peaked(family).double()  # no near ties between a padded batch's rounding and another's
+    rng = random.Random(3)
+    for _ in range(12):
+        options, prompts = _settings(rng), _prompts(rng)
+        uncached = run_padded(model, prompts, hb.FastDLLMConfig(cache="none", **options))
+        out = run_padded(model, prompts, hb.FastDLLMConfig(cache=cache, refresh_after_commits=1,
+                                                           skip_completed_block_step=True, **options))  # fmt: skip
+        assert _same(out, uncached), options
+
+
+@pytest.mark.parametrize("name", ["tiny-llada", "tiny-dream"])
+def test_the_shipped_checkpoints_refresh_as_their_uncached_decoder(name):
+    """The same on the trained checkpoints and the lists suite, whose first forward commits a whole tail of
+    end tokens (RESULTS §33)."""
+    model, tok = hb.load_model(name, device="cpu")
+    task = load_task("lists")
+    for item in task.items("train", limit=3):
+        ids = tok(task.prompt(item, tok), add_special_tokens=False, return_tensors="pt").input_ids
+        kw = dict(max_new_tokens=64, block_length=32, early_stop=True)
+        uncached = model.generate(ids, generation_config=hb.FastDLLMConfig(cache="none", **kw), return_dict_in_generate=True)
+        out = model.generate(ids, generation_config=hb.FastDLLMConfig(refresh_after_commits=1, skip_completed_block_step=True,
+                                                                      **kw), return_dict_in_generate=True)  # fmt: skip
+        assert _same(out, uncached)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_refresh_after_commits_keeps_the_invariants_per_request(family):
+    """Random settings and budgets, on a model whose EOS is often confident: the prompt untouched, no
+    mask before the first EOS, NFE = 1 + block steps + refreshes (from the trace), at least Fast-dLLM's
+    block-start refreshes, more query tokens than without, and each request decodes in a left-padded
+    batch exactly as alone (a refresh is per request)."""
+    model = eos_model(family).double()
+    rng = random.Random(11)
+    more = 0
+    for _ in range(12):
+        options, prompts = _settings(rng), _prompts(rng)
+        cfg = hb.FastDLLMConfig(refresh_after_commits=rng.choice([1, 2, 4, 16]), output_trace=True, **options)
+        base = run_padded(model, prompts, hb.FastDLLMConfig(output_trace=True, **options))
+        batch = run_padded(model, prompts, cfg)
+        width, G = max(map(len, prompts)), options["max_new_tokens"]
+        for i, p in enumerate(prompts):
+            alone = run_padded(model, [p], cfg)
+            assert torch.equal(batch.sequences[i, width:], alone.sequences[0, len(p) :]), options
+            assert int(batch.nfe[i]) == int(alone.nfe[0]) and batch.stats[i]["query_tokens"] == alone.stats[0]["query_tokens"]
+            seq, st = batch.sequences[i].tolist(), batch.stats[i]
+            assert seq[width - len(p) : width] == p
+            gen = seq[width:]
+            first_eos = gen.index(EOS_ID) if EOS_ID in gen else G
+            assert MASK_ID not in gen[:first_eos]
+            block_steps, refresh_steps, _ = _replay(st["trace"], G, 1)
+            assert st["nfe"] == 1 + len(block_steps) + len(refresh_steps)
+            assert st["nfe_refresh"] >= base.stats[i]["nfe_refresh"]
+            more += st["query_tokens"] > base.stats[i]["query_tokens"]
+    assert more > 0
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
@@ -25,3 +107,24 @@ def test_skipping_the_completed_block_step_stops_at_the_block_holding_eos(family
     skipped = run_padded(model, prompts, hb.FastDLLMConfig(skip_completed_block_step=True, **kw))
     assert torch.equal(skipped.sequences, official.sequences)
     assert bool((skipped.nfe <= official.nfe).all()) and int(skipped.nfe.sum()) < int(official.nfe.sum())
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(refresh_after_commits=0), "an integer >= 1"),
+    (dict(refresh_after_commits=2.5), "an integer >= 1"),
+    (dict(refresh_after_commits=True), "an integer >= 1"),
+    (dict(refresh_after_commits=4, cache="none"), "every step is already a full forward"),
+    (dict(refresh_after_commits=4, lookahead=2), "does not combine with lookahead"),
+])  # fmt: skip
+def test_refresh_after_commits_refuses_what_it_cannot_do(options, message):
+    with pytest.raises(ValueError, match=message):
+        hb.FastDLLMConfig(max_new_tokens=32, **options).validate()
+    with pytest.raises(TypeError, match="refresh_after_commits.*FastDLLMConfig"):
+        hb.BlockBatchConfig(refresh_after_commits=4)
+
+
+def test_refresh_after_commits_saves_and_loads(tmp_path):
+    cfg = hb.FastDLLMConfig(refresh_after_commits=16, rule="entropy", entropy_bound=0.2)
+    cfg.save_pretrained(tmp_path)
+    assert hb.FastDLLMConfig.from_pretrained(tmp_path).refresh_after_commits == 16
+    assert hb.FastDLLMConfig().refresh_after_commits is None

@@ -415,6 +415,14 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             estimated before the step as a sparse step queries (the masks and the decoded positions within
             the re-query radius of them; a draft at its own radius; a dense step: one window per row).
             Cheap drafts ride, expensive ones wait until fewer masks are left (RESULTS §17).
+        refresh_after_commits: with a cache, a request whose canvas gained this many tokens since its
+            cache was last written by a full forward takes a full forward as its next step (a refresh,
+            which commits as a block step does), besides the one at each block start (``None``, the
+            default: only those, as Fast-dLLM). The cached prompt and suffix keys were computed over
+            masks that are now tokens; the block-start forward commits the most (often a whole tail of
+            end tokens), so the prompt's keys are stalest right after it. About the same forwards, more
+            query tokens (a full forward queries the prompt too). What it recovers: entropy-bounded commits in the dual cache (RESULTS §33); with drafts,
+            a refresh is a step no draft stands in for.
 
     On Dream, the official Fast-dLLM commits the block's first position unconditionally at each
     block start (its in-block logit shift cannot predict it later). Our window forward predicts
@@ -427,6 +435,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         "cache", "threshold", "factor", "steps", "block_length", "early_stop", "skip_completed_block_step",
         "rule", "relaxed_threshold", "leap_radius", "entropy_bound", "window_queries", "requery_radius", "lookahead",
         "lookahead_max_masks", "lookahead_accept", "lookahead_draft_radius", "lookahead_query_budget",
+        "refresh_after_commits",
     )  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:
@@ -444,6 +453,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         self.block_length = kwargs.pop("block_length", 32)
         self.early_stop = kwargs.pop("early_stop", False)
         self.skip_completed_block_step = kwargs.pop("skip_completed_block_step", False)
+        self.refresh_after_commits = kwargs.pop("refresh_after_commits", None)
         _pop_rule_options(self, kwargs)
         super().__init__(**kwargs)
 
@@ -496,6 +506,18 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             if self.steps % num_blocks:
                 raise ValueError(f"steps ({self.steps}) must be a multiple of the number of blocks ({num_blocks}).")
         _check_lookahead(self)
+        k = self.refresh_after_commits
+        if k is not None:
+            if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+                raise ValueError(f"refresh_after_commits must be an integer >= 1 (tokens committed since the last full "
+                                 f"forward) or None, got {k!r}.")  # fmt: skip
+            if self.cache == "none":
+                raise ValueError("refresh_after_commits refreshes a cache: with cache='none' every step is already a full "
+                                 "forward. Use cache='dual' or 'prefix', or leave it None.")  # fmt: skip
+            if self.lookahead:
+                raise ValueError("refresh_after_commits does not combine with lookahead: a refresh is a step no draft can "
+                                 "stand in for, and an adopted draft skips the step after which a refresh would fall, so "
+                                 "the drafts would no longer decode the same tokens (RESULTS §33). Drop one of the two.")  # fmt: skip
 
 
 def _check_lookahead(cfg: FastDLLMConfig) -> None:

@@ -139,6 +139,8 @@ class Run:
             starts, lengths = s.win_start[rows], (s.win_end[rows] - s.win_start[rows]).clamp_min(1)
         span = self.fwd.span(s, rows, self.fwd.layout(starts, lengths), window_only=not everywhere)
         packed = self.fwd.full(s, span, write_cache=self.cache is not None)
+        if s.decoded_at_full is not None:  # what the cache was written over, before this step commits
+            s.decoded_at_full[rows] = s.decoded_rows(rows)
         if phase == "refresh":
             self.recorder.count_refresh(s, rows)
         s.refreshes.index_add_(0, rows, torch.ones_like(rows))

@@ -138,7 +138,8 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
             **common, block_sizes=[cfg.block_length] * (1 + int(cfg.lookahead)), cache=cfg.cache,
             rule=_rule(cfg, steps_per_block), lookahead=lookahead, map_k=1 if lookahead else 0, map_everywhere=False,
             policies=[*([lookahead] if lookahead else []), Advance(after_full=after_full)], advance_after_full=after_full,
-            refresh=make_refresh("periodic", cfg.block_length, 0.0, cached=cfg.cache != "none"),
+            refresh=make_refresh("periodic", cfg.block_length, 0.0, cached=cfg.cache != "none",
+                                 after_commits=cfg.refresh_after_commits),
             stop=StopRule(early_stop=bool(cfg.early_stop)), sparse_queries=cfg.window_queries == "sparse",
             requery_radius=int(cfg.requery_radius),
         )  # fmt: skip

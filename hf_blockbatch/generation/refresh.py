@@ -7,6 +7,9 @@ exactly when its window enters a new block.
 
 * :class:`Periodic`: due once the window advanced ``interval`` generated tokens since the last
   refresh;
+* :class:`AfterCommits`: also due once the row's canvas gained ``commits`` tokens since a full forward
+  last wrote its cache (Fast-dLLM's ``refresh_after_commits``): the cached prompt and suffix keys were
+  computed over masks that are tokens now. It can fire without any window moving;
 * :class:`Divergence`: also due when the row's last-layer keys over the generated region drift
   from the mean of its request's rows by more than ``threshold`` (relative; the authors' optional
   trigger). It can fire without any window moving, so the engine asks it every step;
@@ -33,7 +36,7 @@ from hf_blockbatch.generation.state import DecodeState
 if TYPE_CHECKING:
     from hf_blockbatch.generation.engine import Run
 
-__all__ = ["Divergence", "Off", "Periodic", "ReferenceRefresh", "make_refresh"]
+__all__ = ["AfterCommits", "Divergence", "Off", "Periodic", "ReferenceRefresh", "make_refresh"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,23 @@ class Periodic:
         if run.plan.advance_after_full:
             run.state.advance()
         return True
+
+
+@dataclass(frozen=True)
+class AfterCommits(Periodic):
+    """Periodic, and a main row (branch 0: never a lookahead draft) whose canvas gained ``commits``
+    tokens since its last full forward; asked after every step. Refreshing runs as Periodic's:
+    one full forward per due row, and more only while the plan advances after full forwards."""
+
+    needs: ClassVar[tuple[str, ...]] = ("decoded_at_full",)
+
+    commits: int = 16
+    every_step: ClassVar[bool] = True  # rows go stale by committing, not only by moving
+
+    def due(self, state: DecodeState, cache: BranchCache) -> torch.Tensor:
+        stale = (state.decoded() - state.decoded_at_full >= self.commits) & (state.branch == 0)
+        due = ((state.since_refresh >= self.interval) | stale) & ~state.done
+        return due if state.synced_now is None else due & ~state.synced_now
 
 
 @dataclass(frozen=True)
@@ -114,10 +134,12 @@ class Off:
         return False
 
 
-def make_refresh(policy: str, interval: int, divergence_threshold: float, cached: bool):
+def make_refresh(policy: str, interval: int, divergence_threshold: float, cached: bool, after_commits: int | None = None):
     """The refresh policy of a plan; a strategy without a cache has nothing to refresh."""
     if policy == "off" or not cached:
         return Off()
+    if after_commits is not None:
+        return AfterCommits(interval, after_commits)
     if policy == "divergence":
         return Divergence(interval, divergence_threshold)
     if policy == "reference":

@@ -105,12 +105,14 @@ class DecodeState:
     # from its main row's (it wrote its own there, or missed the main row's writes while parked);
     # restored from the main row before the draft's next step (policies/lookahead.py)
     kv_dirty: torch.Tensor | None = None
+    # [R] the row's decoded tokens when a full forward last wrote its cache (refresh_after_commits)
+    decoded_at_full: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         R, dev, G = self.canvas.shape[0], self.canvas.device, self.canvas.shape[1] - self.gen_start
         for name in ("win_start", "win_end", "since_refresh", "steps_in_block", "masked_at_block_start", "committed",
                      "merged", "copied", "syncs", "refreshes", "block_forwards", "block_queries",
-                     *(n for n in ("step_syncs", "moves", "count_offset") if n in self.features)):  # fmt: skip
+                     *(n for n in ("step_syncs", "moves", "count_offset", "decoded_at_full") if n in self.features)):  # fmt: skip
             if getattr(self, name) is None:
                 setattr(self, name, _zeros(R, dev))
         for name in ("done", "eos_hit", "retired", *(("pruned",) if "pruned" in self.features else ())):
