@@ -421,8 +421,9 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             default: only those, as Fast-dLLM). The cached prompt and suffix keys were computed over
             masks that are now tokens; the block-start forward commits the most (often a whole tail of
             end tokens), so the prompt's keys are stalest right after it. About the same forwards, more
-            query tokens (a full forward queries the prompt too). What it recovers: entropy-bounded commits in the dual cache (RESULTS §33); with drafts,
-            a refresh is a step no draft stands in for.
+            query tokens (a full forward queries the prompt too). It recovers what entropy-bounded
+            commits lose to the dual cache, not what the threshold does not lose (RESULTS §33). Not
+            with ``lookahead``: a refresh is a step no draft stands in for.
 
     On Dream, the official Fast-dLLM commits the block's first position unconditionally at each
     block start (its in-block logit shift cannot predict it later). Our window forward predicts
