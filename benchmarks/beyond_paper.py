@@ -34,7 +34,14 @@ from typing import Any
 
 import torch
 
-from hf_blockbatch.eval.runner import _encode, _score_all, load_task, paired_points, write_report
+from hf_blockbatch.eval.runner import (
+    _encode,
+    _score_all,
+    load_for_benchmark,
+    load_task,
+    paired_points,
+    write_report,
+)
 from hf_blockbatch.eval.stats import paired_difference
 from hf_blockbatch.generation.configs import config_from_dict
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
@@ -279,8 +286,6 @@ def main(argv: list[str] | None = None) -> None:
                         "runs; more than 1 re-decodes every config, cached or not)")
     p.add_argument("--tag", default="", help="suffix of the output files' names")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    torch.set_num_threads(args.threads)
     configs = dict(CONFIGS)
     if args.config_file:
         configs.update(json.loads(Path(args.config_file).read_text(encoding="utf-8")))
@@ -291,9 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.baseline not in configs:
         p.error(f"unknown baseline {args.baseline!r}")
 
-    from hf_blockbatch.hub import load_model
-
-    model, tokenizer = load_model(args.model, device="cpu", dtype=torch.float32)
+    model, tokenizer = load_for_benchmark(args.model, args.threads)
     chat = bool(getattr(tokenizer, "chat_template", None))
     out_dir = Path(args.out)
     (out_dir / "cache").mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hf_blockbatch.eval.runner import _check_prompts_fit, _encode, _score_all, load_task, write_report
+from hf_blockbatch.eval.runner import (
+    _check_prompts_fit,
+    _encode,
+    _score_all,
+    load_for_benchmark,
+    load_task,
+    write_report,
+)
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
 from hf_blockbatch.generation.rules.entropy import entropy_select
 from hf_blockbatch.generation.rules.threshold import threshold_select
@@ -269,11 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tag", default="", help="appended to the files' names (several rule sets per model)")
     args = p.parse_args(argv)
     rules = [Rule.parse(BASELINE)] + [Rule.parse(s, args.tau_back) for s in args.rules if s != BASELINE]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    torch.set_num_threads(args.threads)
-    from hf_blockbatch.hub import load_model
-
-    model, tokenizer = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
+    model, tokenizer = load_for_benchmark(args.model, args.threads, args.device, getattr(torch, args.dtype))
     if model.logit_shift:  # refuse before any decode, not after the first suite
         for rule in rules:
             if rule.tau_back is not None and rule.shadows_see_shadows:

@@ -61,7 +61,7 @@ import torch
 
 from hf_blockbatch.eval.forward_log import ForwardLog, ForwardRecord
 from hf_blockbatch.eval.roofline import Geometry, Hardware, kv_residency, project
-from hf_blockbatch.eval.runner import _encode, load_task, write_report
+from hf_blockbatch.eval.runner import _encode, load_for_benchmark, load_task, write_report
 from hf_blockbatch.generation.configs import config_from_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # a sibling script: its named configs
@@ -162,8 +162,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", default="benchmarks/results/gpu_projection")
     p.add_argument("--tag", default="", help="suffix of the output files' names")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    torch.set_num_threads(args.threads)
     configs = dict(beyond_paper.CONFIGS)
     if args.config_file:
         configs.update(json.loads(Path(args.config_file).read_text(encoding="utf-8")))
@@ -175,9 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     hw = Hardware(**{f: getattr(args, f) for f in asdict(Hardware()) if f != "name"})
 
-    from hf_blockbatch.hub import load_model
-
-    model, tokenizer = load_model(args.model, device="cpu", dtype=torch.float32)
+    model, tokenizer = load_for_benchmark(args.model, args.threads)
     model.set_attention_backend(args.backend)
     family = "dream-7b" if model.config.model_type.lower() == "dream" else "llada-8b"
     geometry = {"llada-8b": Geometry.llada_8b, "dream-7b": Geometry.dream_7b}[

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hf_blockbatch.eval.runner import _encode, load_task, write_report
+from hf_blockbatch.eval.runner import _encode, load_for_benchmark, load_task, write_report
 from hf_blockbatch.generation.configs import FastDLLMConfig
 from hf_blockbatch.generation.policies.lookahead import DRAFT_SHAPES
 from hf_blockbatch.generation.trace import SyncEvent
@@ -65,11 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="benchmarks/results/lookahead")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    torch.set_num_threads(args.threads)
-    from hf_blockbatch.hub import load_model
-
-    model, tokenizer = load_model(args.model, device="cpu", dtype=torch.float32)
+    model, tokenizer = load_for_benchmark(args.model, args.threads)
     result = {"model": args.model, "limit": args.limit, "block": args.block, "suites": {}}
     for suite in args.suites:
         result["suites"][suite] = count(model, tokenizer, suite, args.limit, args.block, args.batch_size)

@@ -71,6 +71,7 @@ __all__ = [
     "build_method_configs",
     "headline_markdown",
     "headline_table",
+    "load_for_benchmark",
     "load_task",
     "make_plots",
     "merge_shards",
@@ -452,6 +453,16 @@ def _write_jsonl(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:
         for row in rows:
             f.write(json.dumps(_jsonable(row), ensure_ascii=False) + "\n")
     tmp.replace(path)
+
+
+def load_for_benchmark(name: str, threads: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """A benchmark script's start: timestamped INFO logging, ``threads`` torch threads (the figures in
+    ``benchmarks/RESULTS.md`` are measured on one), and the model and tokenizer (:func:`hub.load_model`)."""
+    from hf_blockbatch.hub import load_model
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(threads)
+    return load_model(name, device=device, dtype=dtype)
 
 
 def write_report(stem: str | os.PathLike[str], result: Mapping[str, Any], markdown: str) -> Path:
