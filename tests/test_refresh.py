@@ -37,14 +37,18 @@ def test_a_refresh_after_every_commit_is_the_uncached_decoder(family, cache, mon
     ``cache="none"``'s: tokens, forwards and query tokens, in padded batches, early stop or not. The K/V
     storage starts as NaN: nothing reads K/V no forward wrote."""
     spy_caches(monkeypatch, fill=float("nan"))
-    model = peaked(family).double()  # no near ties between a padded batch's rounding and another's
-    rng = random.Random(3)
-    for _ in range(12):
+    _check_uncached(peaked(family).double(), cache, seed=3)  # float64: no near ties between two batches' roundings
+
+
+def _check_uncached(model, cache: str, seed: int, settings: int = 12) -> None:
+    """``settings`` random settings drawn from ``seed`` (see the test above)."""
+    rng = random.Random(seed)
+    for _ in range(settings):
         options, prompts = _settings(rng), _prompts(rng)
         uncached = run_padded(model, prompts, hb.FastDLLMConfig(cache="none", **options))
         out = run_padded(model, prompts, hb.FastDLLMConfig(cache=cache, refresh_after_commits=1,
                                                            skip_completed_block_step=True, **options))  # fmt: skip
-        assert _same(out, uncached), options
+        assert _same(out, uncached), (seed, options)
 
 
 @pytest.mark.parametrize("name", ["tiny-llada", "tiny-dream"])
@@ -64,22 +68,29 @@ def test_the_shipped_checkpoints_refresh_as_their_uncached_decoder(name):
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_refresh_after_commits_keeps_the_invariants_per_request(family):
-    """Random settings and budgets, on a model whose EOS is often confident: the prompt untouched, no
-    mask before the first EOS, NFE = 1 + block steps + refreshes (from the trace), at least Fast-dLLM's
-    block-start refreshes, more query tokens than without, and each request decodes in a left-padded
-    batch exactly as alone (a refresh is per request)."""
-    model = eos_model(family).double()
-    rng = random.Random(11)
+    """Random settings and budgets, dual or prefix cache, with or without the completed block's step, on
+    a model whose EOS is often confident: the prompt untouched, no mask before the first EOS, NFE = 1 +
+    block steps + refreshes (from the trace), at least Fast-dLLM's block-start refreshes, more query
+    tokens than without, and each request decodes in a left-padded batch exactly as alone (a refresh is
+    per request)."""
+    assert _check_invariants(eos_model(family).double(), seed=11) > 0
+
+
+def _check_invariants(model, seed: int, settings: int = 12) -> int:
+    """``settings`` random settings drawn from ``seed`` (see the test above); how many requests took more
+    query tokens than without the option."""
+    rng = random.Random(seed)
     more = 0
-    for _ in range(12):
+    for _ in range(settings):
         options, prompts = _settings(rng), _prompts(rng)
+        options.update(cache=rng.choice(["dual", "prefix"]), skip_completed_block_step=rng.random() < 0.5)
         cfg = hb.FastDLLMConfig(refresh_after_commits=rng.choice([1, 2, 4, 16]), output_trace=True, **options)
         base = run_padded(model, prompts, hb.FastDLLMConfig(output_trace=True, **options))
         batch = run_padded(model, prompts, cfg)
         width, G = max(map(len, prompts)), options["max_new_tokens"]
         for i, p in enumerate(prompts):
             alone = run_padded(model, [p], cfg)
-            assert torch.equal(batch.sequences[i, width:], alone.sequences[0, len(p) :]), options
+            assert torch.equal(batch.sequences[i, width:], alone.sequences[0, len(p) :]), (seed, options)
             assert int(batch.nfe[i]) == int(alone.nfe[0]) and batch.stats[i]["query_tokens"] == alone.stats[0]["query_tokens"]
             seq, st = batch.sequences[i].tolist(), batch.stats[i]
             assert seq[width - len(p) : width] == p
@@ -90,7 +101,22 @@ def test_refresh_after_commits_keeps_the_invariants_per_request(family):
             assert st["nfe"] == 1 + len(block_steps) + len(refresh_steps)
             assert st["nfe_refresh"] >= base.stats[i]["nfe_refresh"]
             more += st["query_tokens"] > base.stats[i]["query_tokens"]
-    assert more > 0
+    return more
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_refresh_after_commits_sweep(family, monkeypatch):
+    """The two random-settings checks above on many more settings (``HB_SWEEP_SEEDS`` seeds of 12 each,
+    default 24, from ``HB_SWEEP_SEED``, default 3000; ``pytest -m slow``), K/V storage starting as NaN."""
+    import os
+
+    spy_caches(monkeypatch, fill=float("nan"))
+    plain, eos = peaked(family).double(), eos_model(family).double()
+    first = int(os.environ.get("HB_SWEEP_SEED", "3000"))
+    for seed in range(first, first + int(os.environ.get("HB_SWEEP_SEEDS", "24"))):
+        _check_uncached(plain, "dual" if seed % 2 else "prefix", seed)
+        _check_invariants(eos, seed)
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
