@@ -8,12 +8,21 @@ tokens, and the NFE and query-token ratios to the tuned Fast-dLLM (early stop, t
 ties to the lower NFE). Latency is left out on purpose: these runs shared the two cores, see RESULTS §8.
 ``--plots`` also draws every method of those folders on one accuracy-vs-NFE and one
 accuracy-vs-query-tokens plot per model (``paper_table_combined/<model>/``).
+
+``--targets`` writes issue 16's scorecard from the same runs (``results/targets/``): ``targets.md`` and
+``targets.json``, one row per checkpoint and suite with the shipped point against each target, and two
+plots (accuracy against NFE and against query tokens, a panel per checkpoint and suite) that show only
+the baselines, the named presets and the target region, so the shipped point can be read off. Each
+preset's run is found by its config (as ``run.json`` recorded it), not by a bench name, so a renamed
+bench config cannot put another decoder under a preset's label.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = ("fast_dllm", "fast_dllm_early_stop", "fast_dllm_b16", "fast_dllm_b64", "localleap", "localleap_early_stop",
@@ -98,9 +107,217 @@ def rows() -> list[str]:
     return out
 
 
+# ------------------------------------------------------------------------------- issue 16's targets
+
+TARGETS = RESULTS / "targets"
+#: the issue's thresholds: accuracy within this many points of the tuned baseline, NFE under these
+#: fractions of the tuned and of the paper's baseline, query tokens under this fraction of the tuned
+ACC_POINTS, NFE_TUNED, NFE_PAPER, QUERY_TUNED = 1.0, 0.75, 0.5, 1.0
+
+
+def _presets() -> dict[str, tuple[Callable[[int, int], Any], bool]]:
+    """Label -> (the config that label stands for at a generation length and the tuned block, drawn as
+    the shipped point): the decoders a user meets by name, each found in the runs by its config."""
+    import hf_blockbatch as hb
+    from hf_blockbatch.eval.runner import build_method_configs
+
+    def bench(name: str) -> Callable[[int, int], Any]:
+        return lambda gen, block: build_method_configs([name], gen)[name]
+
+    return {
+        "Fast-dLLM, the paper's baseline": (bench("fast_dllm"), False),
+        "BlockBatch, the authors' reference": (bench("blockbatch_reference"), False),
+        "BlockBatch, the paper's defaults": (bench("blockbatch"), False),
+        "BlockBatchConfig.lean()": (lambda gen, block: hb.BlockBatchConfig.lean(max_new_tokens=gen), False),
+        "FastDLLMConfig.drafted()": (lambda gen, block: hb.FastDLLMConfig.drafted(max_new_tokens=gen, block_length=block), False),
+        "FastDLLMConfig.drafted(exact=False)": (
+            lambda gen, block: hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=gen, block_length=block), True),
+    }  # fmt: skip
+
+
+def _recorded(model: str, suite: str) -> tuple[dict[str, dict], int]:
+    """Every method's config as its run recorded it (``run.json``, ``to_diff_dict`` at run time) over the
+    folders :func:`_folder_cells` reads, and the suite's generation length."""
+    folders = [RESULTS / d / f"{model}-{suite}" for d in ("paper_table", *EXTRA)] + [RESULTS / d / model for d in PER_MODEL]
+    configs: dict[str, dict] = {}
+    gens = set()
+    for folder in folders:
+        path = folder / "run.json"
+        task = json.loads(path.read_text())["tasks"].get(suite) if path.is_file() else None
+        if task is not None:
+            gens.add(task["gen_length"])
+            for name, cfg in task["configs"].items():
+                configs.setdefault(name, cfg)
+    if len(gens) != 1:
+        raise SystemExit(f"{model} {suite}: the runs disagree on the generation length ({sorted(gens)}) or are absent.")
+    return configs, gens.pop()
+
+
+def same_config(recorded: Mapping[str, Any], cfg: Any) -> bool:
+    """Whether a config recorded by an earlier run is ``cfg``: every field equal, a field the recorded one
+    lacks (added since) at its default, the transformers version aside."""
+    now, default = cfg.to_diff_dict(), type(cfg)().to_diff_dict()
+    keys = (set(recorded) | set(now)) - {"transformers_version"}
+    return all(recorded.get(k, default.get(k)) == now.get(k, default.get(k)) for k in keys)
+
+
+def scorecard() -> list[dict[str, Any]]:
+    """One entry per checkpoint and suite: the tuned baseline (:func:`_folder_cells`), the paper's, each
+    preset's run (``None`` where it did not run, e.g. the authors' reference on Dream) and the shipped
+    preset's ratios against the targets."""
+    presets = _presets()
+    out = []
+    for folder in sorted((RESULTS / "paper_table").iterdir()):
+        model, suite = folder.name.rsplit("-", 1)
+        cells, tuned_name = _folder_cells(folder)
+        tuned = cells[tuned_name]
+        block = tuned["block"]
+        recorded, gen = _recorded(model, suite)
+        found: dict[str, str | None] = {}
+        for label, (make, _) in presets.items():
+            cfg = make(gen, block)
+            names = [n for n, r in recorded.items() if n in cells and same_config(r, cfg)]
+            found[label] = names[0] if names else None
+        shipped_label = next(label for label, (_, shipped) in presets.items() if shipped)
+        paper, shipped, ref = (cells[found[k]] if found[k] else None for k in
+                               ("Fast-dLLM, the paper's baseline", shipped_label, "BlockBatch, the authors' reference"))  # fmt: skip
+        if paper is None or shipped is None:
+            raise SystemExit(f"{folder.name}: no run of the paper's baseline or of {shipped_label} at block {block}.")
+        delta = 100 * (shipped["accuracy"] - tuned["accuracy"])
+        row = {
+            "model": model, "suite": suite, "gen_length": gen, "tuned": tuned_name, "tuned_block": block,
+            "methods": found, "shipped": found[shipped_label], "accuracy_points_vs_tuned": delta,
+            "above_reference": None if ref is None else shipped["accuracy"] >= ref["accuracy"],
+            "nfe_vs_tuned": shipped["nfe_mean"] / tuned["nfe_mean"], "nfe_vs_paper": shipped["nfe_mean"] / paper["nfe_mean"],
+            "query_tokens_vs_tuned": shipped["query_tokens_mean"] / tuned["query_tokens_mean"],
+        }  # fmt: skip
+        row["met"] = {
+            "accuracy": delta >= -ACC_POINTS - 1e-9 and row["above_reference"] is not False,
+            "nfe_vs_tuned": row["nfe_vs_tuned"] <= NFE_TUNED, "nfe_vs_paper": row["nfe_vs_paper"] <= NFE_PAPER,
+            "query_tokens": row["query_tokens_vs_tuned"] <= QUERY_TUNED,
+        }  # fmt: skip
+        row["cells"] = {k: cells[k] for k in {tuned_name, *(n for n in found.values() if n)}}
+        row["frontier"] = sorted((k for k, c in cells.items() if _on_frontier(c)), key=lambda k: cells[k]["block"])
+        row["cells"].update({k: cells[k] for k in row["frontier"]})
+        out.append(row)
+    return out
+
+
+def _on_frontier(cell: Mapping[str, Any]) -> bool:
+    """The fixed-block frontier: dense Fast-dLLM with early stop at each block of the sweep."""
+    label = cell["label"]
+    return cell.get("early_stop") and (label == "Fast-dLLM + early stop" or cell.get("sweep_block") is not None)
+
+
+def targets_markdown(card: list[dict[str, Any]]) -> str:
+    """The scorecard as Markdown: a row per checkpoint and suite, then each target met on n of 6."""
+    lines = ["| model / suite | tuned (block) | shipped: Δ accuracy (points) | ≥ reference | NFE / tuned | NFE / paper | "
+             "query tokens / tuned |", "|---|---|---:|---|---:|---:|---:|"]  # fmt: skip
+
+    def mark(value: str, met: bool) -> str:
+        return f"**{value}**" if met else f"{value} ✗"
+
+    for r in card:
+        t = r["cells"][r["tuned"]]
+        ref = {None: "—", True: "yes", False: "no ✗"}[r["above_reference"]]
+        acc = mark(format(r["accuracy_points_vs_tuned"], "+.1f").replace("-", "−"), r["met"]["accuracy"])
+        nfe = mark(format(r["nfe_vs_tuned"], ".3f"), r["met"]["nfe_vs_tuned"])
+        paper = mark(format(r["nfe_vs_paper"], ".2f"), r["met"]["nfe_vs_paper"])
+        qt = mark(format(r["query_tokens_vs_tuned"], ".2f"), r["met"]["query_tokens"])
+        lines.append(f"| {r['model']} {r['suite']} | {100 * t['accuracy']:.1f} % · {t['nfe_mean']:.2f} NFE · "
+                     f"{t['query_tokens_mean']:.0f} qt (b{r['tuned_block']}) | {acc} | {ref} | {nfe} | {paper} | {qt} |")
+    lines.append("")
+    names = {"accuracy": f"accuracy ≥ tuned − {ACC_POINTS:g} point and ≥ the reference's",
+             "nfe_vs_tuned": f"NFE ≤ {NFE_TUNED}× tuned", "nfe_vs_paper": f"NFE ≤ {NFE_PAPER}× the paper's baseline",
+             "query_tokens": f"query tokens ≤ {QUERY_TUNED}× tuned"}  # fmt: skip
+    for key, name in names.items():
+        missed = [f"{r['model']} {r['suite']}" for r in card if not r["met"][key]]
+        lines.append(f"* {name}: met on {len(card) - len(missed)} of {len(card)}" + (f" (missed: {', '.join(missed)})" if missed else ""))
+    return "\n".join(lines) + "\n"
+
+
+def targets_plots(card: list[dict[str, Any]], out: Path) -> list[Path]:
+    """Accuracy against NFE and against query tokens, a panel per checkpoint and suite: the fixed-block
+    frontier, the tuned baseline starred, the presets with their Wilson intervals, the shipped one
+    outlined, and the region the targets ask for shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = _presets()
+    markers = dict(zip(presets, ("X", "v", "s", "D", "^", "o")))
+    colors = dict(zip(presets, ("tab:gray", "tab:orange", "tab:red", "tab:purple", "tab:olive", "tab:green")))
+    models = list(dict.fromkeys(r["model"] for r in card))
+    suites = list(dict.fromkeys(r["suite"] for r in card))
+    paths = []
+    axes_ = (("nfe_mean", "mean NFE per request", "accuracy_vs_nfe.png",
+              f"NFE ≤ {NFE_TUNED}× tuned and ≤ {NFE_PAPER}× the paper's baseline"),
+             ("query_tokens_mean", "mean query tokens per request", "accuracy_vs_query_tokens.png",
+              f"query tokens ≤ {QUERY_TUNED}× tuned"))  # fmt: skip
+    for x_key, x_name, fname, x_target in axes_:
+        fig, axes = plt.subplots(len(models), len(suites), figsize=(5.0 * len(suites), 4.0 * len(models) + 1.4), squeeze=False)
+        for r in card:
+            ax = axes[models.index(r["model"]), suites.index(r["suite"])]
+            cells, tuned = r["cells"], r["cells"][r["tuned"]]
+            paper = cells[r["methods"]["Fast-dLLM, the paper's baseline"]]
+            bound = (min(NFE_TUNED * tuned["nfe_mean"], NFE_PAPER * paper["nfe_mean"]) if x_key == "nfe_mean"
+                     else QUERY_TUNED * tuned["query_tokens_mean"])  # fmt: skip
+            floor = 100 * tuned["accuracy"] - ACC_POINTS
+            ax.axhline(floor, color="tab:green", lw=0.8, ls=":")
+            ax.axvline(bound, color="tab:green", lw=0.8, ls=":")
+            ax.fill_between([0, bound], floor, 100, color="tab:green", alpha=0.14, lw=0,
+                            label=f"the targets: accuracy ≥ tuned − {ACC_POINTS:g} point, {x_target}")  # fmt: skip
+            front = [cells[k] for k in r["frontier"]]
+            ax.plot([c[x_key] for c in front], [100 * c["accuracy"] for c in front], "o--", color="tab:blue", alpha=0.6,
+                    label="Fast-dLLM + early stop, by block (fixed-block frontier)")  # fmt: skip
+            for c in front:
+                ax.annotate(f"b{c['block']}", (c[x_key], 100 * c["accuracy"]), textcoords="offset points", xytext=(4, -10),
+                            fontsize=7, color="tab:blue")  # fmt: skip
+            ax.plot([tuned[x_key]], [100 * tuned["accuracy"]], "*", markersize=15, color="tab:blue", label="tuned Fast-dLLM")
+            for label, name in r["methods"].items():
+                if name is None:
+                    continue
+                c, shipped = cells[name], presets[label][1]
+                acc, (lo, hi) = 100 * c["accuracy"], c["ci95"]
+                ax.errorbar([c[x_key]], [acc], yerr=[[acc - 100 * lo], [100 * hi - acc]], fmt=markers[label], capsize=3,
+                            color=colors[label], markersize=10 if shipped else 6, markeredgecolor="black" if shipped else None,
+                            label=label + (" (shipped point)" if shipped else ""))  # fmt: skip
+            ys = [100 * cells[k]["accuracy"] for k in cells]
+            ax.set_ylim(min(min(ys), floor) - 6, max(ys) + 5)
+            ax.set_xlim(0, 1.08 * max(max(cells[k][x_key] for k in cells), bound))
+            ax.set_title(f"{r['model']} · {r['suite']}", fontsize=10)
+            ax.set_xlabel(x_name, fontsize=9)
+            ax.set_ylabel("accuracy (%)", fontsize=9)
+            ax.grid(alpha=0.3)
+        handles: dict[str, Any] = {}
+        for ax in axes.flat:
+            for h, label in zip(*ax.get_legend_handles_labels()):
+                handles.setdefault(label, h)
+        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=3, fontsize=8, frameon=False)
+        fig.tight_layout(rect=(0, 1.2 / (4.0 * len(models) + 1.4), 1, 1))
+        out.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+        paths.append(out / fname)
+    return paths
+
+
+def write_targets(out: Path = TARGETS) -> list[Path]:
+    """``targets.md``, ``targets.json`` and the two plots under ``out``."""
+    card = scorecard()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "targets.md").write_text(targets_markdown(card))
+    (out / "targets.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "cells"} for r in card], indent=1))
+    return [out / "targets.md", out / "targets.json", *targets_plots(card, out)]
+
+
 if __name__ == "__main__":
     import sys
 
+    if "--targets" in sys.argv[1:]:
+        print("\n".join(str(p) for p in write_targets()))
+        sys.exit()
     print("\n".join(rows()))
     if "--plots" in sys.argv[1:]:
         print("\n".join(str(p) for p in plots()))

@@ -754,3 +754,39 @@ def test_write_report_writes_both_files_under_the_whole_stem(tmp_path):
     assert sorted(p.name for p in stem.parent.iterdir()) == ["tiny-llada_8_q2.5.json", "tiny-llada_8_q2.5.md"]
     assert json.loads((stem.parent / "tiny-llada_8_q2.5.json").read_text()) == {"nfe": 2.5, "rows": [1, 2]}
     assert (stem.parent / "tiny-llada_8_q2.5.md").read_text() == "| a |\n|---|\n"
+
+
+def test_a_recorded_config_matches_by_its_fields_and_a_later_field_at_its_default():
+    """benchmarks/paper_table.py --targets finds a preset's run by the config the run recorded, which an
+    older run wrote before some fields existed: a missing field counts at its default, any other field
+    must be equal."""
+    paper_table = load_benchmark("paper_table")
+    cfg = hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=96, block_length=64)
+    recorded = json.loads(json.dumps(cfg.to_diff_dict()))
+    assert paper_table.same_config(recorded, cfg)
+    older = {k: v for k, v in recorded.items() if k not in ("skip_completed_block_step", "transformers_version")}
+    assert paper_table.same_config(older, cfg)
+    assert not paper_table.same_config({**recorded, "lookahead_query_budget": None}, cfg)
+    assert not paper_table.same_config({**recorded, "block_length": 32}, cfg)
+    # a field the recorded run lacks matches only at its default
+    skipping = hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=96, block_length=64, skip_completed_block_step=True)
+    assert not paper_table.same_config(older, skipping)
+
+
+def test_the_committed_targets_scorecard_is_the_committed_runs_and_the_shipped_preset():
+    """``benchmarks/results/targets/targets.md`` is what the committed bench summaries give today, and
+    every preset it names is found by its config: a change to a preset's settings (or to a summary) that
+    the scorecard no longer describes fails here, until the runs are redone and the file rewritten
+    (``python benchmarks/paper_table.py --targets``)."""
+    paper_table = load_benchmark("paper_table")
+    card = paper_table.scorecard()
+    assert len(card) == 6
+    for row in card:
+        tuned = row["cells"][row["tuned"]]
+        assert tuned["early_stop"] and row["tuned"] in row["frontier"]
+        shipped = row["cells"][row["shipped"]]
+        assert shipped["block"] == row["tuned_block"] and shipped["n"] == tuned["n"] == 500
+        assert row["nfe_vs_tuned"] == pytest.approx(shipped["nfe_mean"] / tuned["nfe_mean"])
+        assert all(name is not None for label, name in row["methods"].items() if "reference" not in label)
+    committed = (paper_table.TARGETS / "targets.md").read_text()
+    assert paper_table.targets_markdown(card) == committed
