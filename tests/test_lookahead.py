@@ -151,7 +151,7 @@ def test_lookahead_trace_records_each_adoption(trained):
     ({"cache": "prefix"}, "cache='dual'"),
     ({"temperature": 0.7}, "temperature=0"),
     ({"remasking": "random"}, "remasking='low_confidence'"),
-    ({"steps": 16, "threshold": None}, "threshold, factor or LocalLeap rule"),
+    ({"steps": 16, "threshold": None}, "threshold, factor, LocalLeap or entropy rule"),
 ])  # fmt: skip
 def test_lookahead_refuses_settings_where_a_draft_is_not_exact(options, message):
     with pytest.raises(ValueError, match=message) as info:
@@ -247,7 +247,8 @@ def test_lookahead_max_masks_errors(options, message):
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_lookahead_is_exact_on_random_settings(family, monkeypatch):
     """Seeded random settings, the edges included (one-token canvases and blocks, threshold 1, blocks
-    that do not divide the canvas, the gate at its smallest): Fast-dLLM's tokens, NFE + adopted = its NFE.
+    that do not divide the canvas, the gate at its smallest; the threshold or the entropy rule): Fast-dLLM's
+    tokens, NFE + adopted = its NFE.
     The K/V storage starts as NaN, so a draft row reading K/V that nothing wrote fails too."""
     spy_caches(monkeypatch, fill=float("nan"))
     _check_exact_on_random_settings(peaked(family), seed=7)
@@ -265,6 +266,8 @@ def _check_exact_on_random_settings(model, seed: int, settings: int = 16) -> Non
         prompts = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 4))]
         if rng.random() < 0.5:  # sparse queries: exact against sparse Fast-dLLM
             options.update(window_queries="sparse", requery_radius=rng.choice([0, 1, 3, 6]))
+        if rng.random() < 0.25:  # entropy-bounded commits (a rule of the row's own proposals): exact as well
+            options.update(rule="entropy", entropy_bound=rng.choice([0.0, 0.3, 1.0, 5.0]))
         base = run_padded(model, prompts, hb.FastDLLMConfig(**options))
         drafts, max_masks = rng.randint(1, len(DRAFT_SHAPES)), rng.choice([None, 2, 8])
         budget = rng.choice([None, None, 0.5, 1.5, 3.0])  # a query budget only gates drafts: still exact
@@ -452,8 +455,8 @@ def _main_row_replay(out, enc_width: int, end) -> None:
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_contained_acceptance_keeps_the_decoding_invariants(family, monkeypatch):
-    """Seeded random settings on a random peaked model (dense and sparse steps; threshold, factor and
-    LocalLeap rules): the prompt is untouched,
+    """Seeded random settings on a random peaked model (dense and sparse steps; threshold, factor,
+    LocalLeap and entropy rules): the prompt is untouched,
     no mask is left before the first EOS (none at all without early stop), NFE = 1 + block steps +
     refreshes, the main row commits each position once and the output is its commits; a padded batch
     decodes each prompt as alone; and drafts the exact rule would refuse are adopted. The K/V storage
@@ -478,11 +481,13 @@ def _check_contained_invariants(model, seed: int, settings: int = 16) -> int:
                        output_trace=True)  # fmt: skip
         if rng.random() < 0.5:
             options.update(window_queries="sparse", requery_radius=rng.choice([0, 3, 6]))
-        rule = rng.choice(["threshold", "threshold", "factor", "localleap"])  # every rule a draft accepts
+        rule = rng.choice(["threshold", "threshold", "factor", "localleap", "entropy"])  # every rule a draft accepts
         if rule == "factor":
             options.update(threshold=None, factor=rng.choice([0.5, 1.0, 2.0]))
         elif rule == "localleap":
             options.update(rule="localleap", relaxed_threshold=0.8 * options["threshold"])
+        elif rule == "entropy":
+            options.update(rule="entropy", entropy_bound=rng.choice([0.0, 0.3, 1.0, 5.0]))
         if rng.random() < 0.5:  # a query budget per request (both rules): padded must still decode as alone
             options["lookahead_query_budget"] = rng.choice([1.0, 1.5, 2.5])
         prompts = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 3))]

@@ -16,8 +16,11 @@ from hf_blockbatch.eval.runner import load_task
 
 
 def _settings(rng: random.Random) -> dict:
-    return dict(max_new_tokens=rng.choice([3, 5, 13, 24]), block_length=rng.choice([1, 3, 4, 8, 16]),
-                threshold=rng.choice([0.3, 0.6, 0.9]), early_stop=rng.random() < 0.5)  # fmt: skip
+    options = dict(max_new_tokens=rng.choice([3, 5, 13, 24]), block_length=rng.choice([1, 3, 4, 8, 16]),
+                   threshold=rng.choice([0.3, 0.6, 0.9]), early_stop=rng.random() < 0.5)  # fmt: skip
+    if rng.random() < 0.35:  # entropy-bounded commits: the rule whose cache loss the refresh was built for (§33)
+        options.update(rule="entropy", entropy_bound=rng.choice([0.0, 0.2, 1.0, 5.0]))
+    return options
 
 
 def _prompts(rng: random.Random) -> list[list[int]]:
@@ -68,11 +71,11 @@ def test_the_shipped_checkpoints_refresh_as_their_uncached_decoder(name):
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_refresh_after_commits_keeps_the_invariants_per_request(family):
-    """Random settings and budgets, dual or prefix cache, with or without the completed block's step, on
-    a model whose EOS is often confident: the prompt untouched, no mask before the first EOS, NFE = 1 +
-    block steps + refreshes (from the trace), at least Fast-dLLM's block-start refreshes, more query
-    tokens than without, and each request decodes in a left-padded batch exactly as alone (a refresh is
-    per request)."""
+    """Random settings and budgets, dual or prefix cache, the threshold or the entropy rule, with or
+    without the completed block's step, on a model whose EOS is often confident: the prompt untouched,
+    no mask before the first EOS, NFE = 1 + block steps + refreshes (from the trace), at least
+    Fast-dLLM's block-start refreshes, more query tokens than without, and each request decodes in a
+    left-padded batch exactly as alone (a refresh is per request)."""
     assert _check_invariants(eos_model(family).double(), seed=11) > 0
 
 

@@ -564,7 +564,7 @@ def _check_lookahead(cfg: FastDLLMConfig) -> None:
             (cfg.cache != "dual", f"cache='dual' (got {cfg.cache!r})"),
             (float(cfg.temperature or 0) > 0, f"temperature=0 (got {cfg.temperature}: a sampled step cannot be drafted)"),
             (cfg.remasking != "low_confidence", f"remasking='low_confidence' (got {cfg.remasking!r})"),
-            (cfg.steps is not None, "a threshold, factor or LocalLeap rule (steps= keeps a per-block schedule)"),
+            (cfg.steps is not None, "a threshold, factor, LocalLeap or entropy rule (steps= keeps a per-block schedule)"),
         ) if bad
     ]  # fmt: skip
     if wrong:
