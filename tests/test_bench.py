@@ -790,3 +790,25 @@ def test_the_committed_targets_scorecard_is_the_committed_runs_and_the_shipped_p
         assert all(name is not None for label, name in row["methods"].items() if "reference" not in label)
     committed = (paper_table.TARGETS / "targets.md").read_text()
     assert paper_table.targets_markdown(card) == committed
+
+
+def test_step_anatomy_times_each_part_exclusive_of_the_parts_it_calls(monkeypatch):
+    """benchmarks/step_anatomy.py: a timed call's time less its timed callees', so the parts add up to the
+    decode's time; installing the timers wraps the library's functions and undoing restores them exactly."""
+    anatomy = load_benchmark("step_anatomy")
+    clock = iter([0.0, 1.0, 3.0, 10.0])  # outer enters, inner enters, inner leaves (2 s), outer leaves (10 s)
+    monkeypatch.setattr(anatomy.time, "perf_counter", lambda: next(clock))
+    timers = anatomy.Timers()
+    inner = timers.wrap("inner", lambda: "x")
+    outer = timers.wrap("outer", lambda: inner())
+    assert outer() == "x"
+    assert timers.seconds == {"outer": 8.0, "inner": 2.0} and timers.calls == {"outer": 1, "inner": 1}
+
+    from hf_blockbatch.generation import engine, forward
+
+    before = (engine.Run.__dict__["commit"], forward.Forwards.__dict__["_mark_dirty"])
+    undo = anatomy.install(anatomy.Timers())
+    assert engine.Run.__dict__["commit"] is not before[0]
+    assert isinstance(forward.Forwards.__dict__["_mark_dirty"], staticmethod)  # still called as one
+    undo()
+    assert (engine.Run.__dict__["commit"], forward.Forwards.__dict__["_mark_dirty"]) == before
