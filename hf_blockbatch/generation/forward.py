@@ -263,7 +263,10 @@ class Forwards:
         written = state.kv_record(state.take(state.canvas, rows))
         records = state.take(state.kv_tokens, rows).clone()
         echo = torch.full_like(records, -1)
-        for _ in range(self.draft_depth):
+        # a level per round; when no draft in the step extends another draft, one round resolves them all
+        # (a root draft's parent is a main row, whose records and queries the rounds do not change)
+        depth = self.draft_depth if self.draft_depth > 1 and bool((up > 0).any()) else 1
+        for _ in range(depth):
             took = queries[parent]
             records = torch.where(draft[:, None], torch.where(took, written[parent], records[parent]), records)
             via = torch.where(took, parent[:, None], echo[parent])

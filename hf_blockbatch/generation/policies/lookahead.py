@@ -269,7 +269,17 @@ class Lookahead:
                 open_after = (after == s.mask_id) & in_win[:, None]  # masks left in a draft's window
                 size = written.sum(-1)
             # a chain adopts at most every draft once; with sparse steps, a level of parents at a time
-            for _ in range(K if parents is None else self.depth):
+            rounds = K if parents is None else self.depth
+            cand = live if parents is None else live & (parents == 0)  # drafts that may stand for the next step
+            hit = None  # which requests adopted a draft in the last round
+            for level in range(rounds):
+                if level:
+                    # a request whose canvas did not move in the last round compares as it did then (no
+                    # match); with sparse steps only the adopted draft's children stand for the next step.
+                    # No candidate left ends the chain before any canvas is compared
+                    cand = live & hit[:, None] if parents is None else live & (parents == source[:, None])
+                    if not bool(cand.any()):
+                        break
                 # a draft keeps a mask in the window, so a canvas equal to it does too: a block step
                 # follows it (nothing the decoder does between two steps needs checking)
                 differ = drafted != current[:, None]
@@ -287,9 +297,7 @@ class Lookahead:
                     open_left = (open_after & blank[:, None]).any(-1)
                     own_canvas = ~(merged != after).any(-1)  # the merge is the draft's own canvas
                     match |= held & (open_left | own_canvas)
-                match &= live
-                if parents is not None:
-                    match &= parents == source[:, None]
+                match &= cand
                 hit = match.any(-1)
                 if not bool(hit.any()):
                     break
@@ -297,8 +305,9 @@ class Lookahead:
                 j = (match * size).argmax(-1) if contained else match.byte().argmax(-1)
                 current = torch.where(hit[:, None], merged.gather(1, j[:, None, None].expand(B, 1, s.length)).squeeze(1), current)
                 source = torch.where(hit, j + 1, source)
-                live = live & (branch != (j + 1).masked_fill(~hit, 0)[:, None])
                 took += hit
+                if level + 1 < rounds:  # the adopted draft leaves the candidates
+                    live = live & (branch != (j + 1).masked_fill(~hit, 0)[:, None])
             if bool(source.any()):
                 requests = source.nonzero().squeeze(1)
                 dst = requests * s.branches
