@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template (base models)")
     gen.set_defaults(func=cmd_generate)
 
-    from hf_blockbatch.eval.runner import ALL_TASKS, BASE_METHODS
+    from hf_blockbatch.eval.runner import ALL_TASKS, BASE_METHODS, METHODS
 
     bench = sub.add_parser(
         "bench",
@@ -225,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--task", nargs="+", action="extend", default=None, metavar="TASK",
                        help=f"one or more of {', '.join(ALL_TASKS)} (default: the tiny suites)")  # fmt: skip
     bench.add_argument("--methods", nargs="+", action="extend", default=None, metavar="METHOD",
-                       help=f"any of {', '.join(BASE_METHODS)}, or a method defined in --configs")  # fmt: skip
+                       help=f"any of {', '.join(METHODS)} (default: {' '.join(BASE_METHODS)}), or a method defined in "
+                            "--configs")  # fmt: skip
     bench.add_argument("--set", action="append", default=[], metavar="METHOD.FIELD=VALUE",
                        help="override a config field, e.g. blockbatch.block_sizes=4,8,16 or fast_dllm.block_length=64 "
                        "(fast_dllm overrides also apply to fast_dllm_early_stop and the sweep)")  # fmt: skip

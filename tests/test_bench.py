@@ -119,6 +119,29 @@ def test_overrides_and_method_configs():
                                                                   "blockbatch.temperature=0.7"]))  # fmt: skip
 
 
+def test_the_shipped_presets_are_bench_methods():
+    """The issue-16 points a user picks from (README, "Which decoder to pick") run by name in the bench:
+    each builds the library's preset, at the baseline's block unless given its own; fast_dllm's
+    overrides reach the Fast-dLLM presets but do not undo a preset's own fields; the headline table
+    lists them against the tuned Fast-dLLM."""
+    names = ["fast_dllm_sparse", "fast_dllm_drafted", "fast_dllm_drafted_contained", "blockbatch_lean"]
+    cfgs = build_method_configs(names, 96, parse_overrides(["fast_dllm_drafted_contained.block_length=64"]))
+    assert cfgs["fast_dllm_drafted"].to_diff_dict() == hb.FastDLLMConfig.drafted(max_new_tokens=96).to_diff_dict()
+    contained = hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=96, block_length=64)
+    assert cfgs["fast_dllm_drafted_contained"].to_diff_dict() == contained.to_diff_dict()
+    assert cfgs["blockbatch_lean"].to_diff_dict() == hb.BlockBatchConfig.lean(max_new_tokens=96).to_diff_dict()
+    sparse = cfgs["fast_dllm_sparse"]
+    assert (sparse.early_stop, sparse.window_queries, sparse.requery_radius, sparse.block_length) == (True, "sparse", 6, 32)
+    ov = parse_overrides(["fast_dllm.threshold=0.8", "fast_dllm.early_stop=false"])
+    shifted = build_method_configs(["fast_dllm", "fast_dllm_drafted"], 96, ov)["fast_dllm_drafted"]
+    assert (shifted.threshold, shifted.early_stop, shifted.lookahead) == (0.8, True, 3)
+    rows = [r for m, nfes in (("fast_dllm_b64", [6] * 4), ("fast_dllm_drafted_contained", [4] * 4), ("blockbatch", [5] * 4))
+            for r in _cell_rows(m, nfes, 3, lambda n: {"query_tokens": 10 * n})]  # fmt: skip
+    table = runner.summarize(rows, ["arith"], ["fast_dllm_b64", "fast_dllm_drafted_contained", "blockbatch"])
+    row = next(r for r in table["tasks"]["arith"]["headline_table"] if r["role"] == "fast_dllm_drafted_contained")
+    assert row["label"] == "FastDLLMConfig.drafted(exact=False)" and row["nfe_vs_tuned"] == pytest.approx(4 / 6)
+
+
 def test_config_file_defines_a_method(tmp_path):
     path = tmp_path / "configs.json"
     path.write_text(json.dumps({"bb_nomerge": {"strategy": "blockbatch", "merge": False}, "blockbatch": {"sync": False}}))

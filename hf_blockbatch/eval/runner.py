@@ -49,6 +49,8 @@ import torch
 
 from hf_blockbatch.eval.stats import paired_difference, wilson_interval
 from hf_blockbatch.generation.configs import (
+    DRAFTED,
+    DRAFTED_CONTAINED,
     BlockBatchConfig,
     FastDLLMConfig,
     VanillaDiffusionConfig,
@@ -150,6 +152,22 @@ METHODS: dict[str, Method] = {
     "blockbatch_localleap": Method(
         "BlockBatch + LocalLeap", lambda g, fast, own: BlockBatchConfig(**{"max_new_tokens": g, "rule": "localleap", **own}),
     ),
+    # the beyond-the-paper points of issue 16, as users build them (README, "Which decoder to pick"): the
+    # preset's own fields over the baseline's (fast_dllm's overrides, e.g. a threshold, still reach them),
+    # at the baseline's block unless given theirs (--set fast_dllm_drafted_contained.block_length=64)
+    "fast_dllm_sparse": Method(
+        "Fast-dLLM + early stop, sparse queries (r 6)",
+        lambda g, fast, own: FastDLLMConfig(**{"max_new_tokens": g, **fast, "early_stop": True, "window_queries": "sparse",
+                                               "requery_radius": 6, **own}), True,
+    ),  # fmt: skip
+    "fast_dllm_drafted": Method(
+        "FastDLLMConfig.drafted()", lambda g, fast, own: FastDLLMConfig(**{"max_new_tokens": g, **fast, **DRAFTED, **own}), True,
+    ),
+    "fast_dllm_drafted_contained": Method(
+        "FastDLLMConfig.drafted(exact=False)",
+        lambda g, fast, own: FastDLLMConfig(**{"max_new_tokens": g, **fast, **DRAFTED_CONTAINED, **own}), True,
+    ),
+    "blockbatch_lean": Method("BlockBatchConfig.lean()", lambda g, fast, own: BlockBatchConfig.lean(**{"max_new_tokens": g, **own})),
 }
 #: the methods a bench runs unless told otherwise: the paper's comparison
 BASE_METHODS: tuple[str, ...] = ("vanilla", "fast_dllm", "fast_dllm_early_stop", "blockbatch")
@@ -965,7 +983,8 @@ def tuned_fast_dllm(cells: Mapping[str, Mapping[str, Any]]) -> str | None:
 #: the headline table's rows, in order, where run; ``TUNED`` stands for :func:`tuned_fast_dllm`'s
 #: pick. Methods not in :data:`METHODS` yet (LocalLeap, the authors' BlockBatch) appear once added.
 TUNED = "tuned_fast_dllm"
-HEADLINE_METHODS: tuple[str, ...] = ("vanilla", "fast_dllm", TUNED, "localleap", "blockbatch_reference", "blockbatch")
+HEADLINE_METHODS: tuple[str, ...] = ("vanilla", "fast_dllm", TUNED, "localleap", "blockbatch_reference", "blockbatch",
+                                     "blockbatch_lean", "fast_dllm_sparse", "fast_dllm_drafted", "fast_dllm_drafted_contained")
 HEADLINE_LABELS = {"fast_dllm": "Fast-dLLM (paper: dual, b=32, τ 0.9, no early stop)", "blockbatch": "BlockBatch (ours)"}
 #: the columns a headline row copies from its method's cell
 _HEADLINE_KEYS = (
