@@ -30,7 +30,14 @@ Dream the same way):
   mask at confidence ≥ τ when no other position within d of it was masked in the canvas the forward saw. A
   mask whose neighbourhood is decoded was predicted in its full local context, so the usual cause of parallel
   errors (two dependent neighbours committed from their marginals) cannot reach it; the rule asks whether
-  such a lone mask is safe at a lower confidence. Positions past the block count as masked.
+  such a lone mask is safe at a lower confidence. Positions past the block count as masked;
+* **a learned commit filter** (``learned:p``, after Learn2PD: Bao et al. 2025, arXiv 2509.25188): the threshold's
+  commits, and a mask whose proposal a small classifier (:class:`Filter`, one hidden layer of 16) rates at ≥ p
+  to be the token the threshold decode ends with there. It reads :data:`FEATURES` of each mask (its two best
+  probabilities, their gap, its entropy, the previous forward's best probability there and whether the best
+  token is the same, which neighbours are decoded, how much of the block is) and is fitted per checkpoint on
+  ``--fit-limit`` training items of every suite that follow the ones the rules are judged on, by the
+  threshold decode's own trajectories, on masks under its threshold.
 
 The loop is Fast-dLLM without a cache: blocks left to right, a full forward per step, the library's greedy
 proposals (``sample_tokens``) and threshold rule (``threshold_select``), and its early stop (the first completed
@@ -53,7 +60,7 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -70,11 +77,66 @@ from hf_blockbatch.eval.runner import (
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
 from hf_blockbatch.generation.rules.entropy import entropy_select
 from hf_blockbatch.generation.rules.threshold import threshold_select
-from hf_blockbatch.generation.sampling import sample_tokens
+from hf_blockbatch.generation.sampling import Sampled, sample_tokens
 
 logger = logging.getLogger("commit_rules_probe")
 
 BASELINE = "threshold:0.9"
+
+
+#: what the learned filter reads of each mask of the block, at each step (:func:`features`)
+FEATURES = ("p1", "p2", "gap", "entropy", "p1_before", "same_as_before", "same_x_p1", "left_decoded", "right_decoded",
+            "decoded_within_2", "block_decoded", "logit_p1")  # fmt: skip
+
+
+def features(got: Sampled, masked: torch.Tensor, p1_before: torch.Tensor, top_before: torch.Tensor) -> torch.Tensor:
+    """``[n, len(FEATURES)]`` float64 for the block's ``n`` positions: the proposal's two best probabilities,
+    their gap, its entropy, the previous forward's best probability at the position and whether its best
+    token was the same (0 and no in a block's first forward), whether the neighbours are decoded (the block's
+    edges count as decoded on the left, masked on the right), the decoded share within 2 positions and of the
+    block, and the best probability's logit."""
+    p1, p2 = got.top_probs[:, 0].double(), got.top_probs[:, 1].double()
+    decoded = (~masked).double()
+    left = torch.cat([decoded.new_ones(1), decoded[:-1]])
+    right = torch.cat([decoded[1:], decoded.new_zeros(1)])
+    near = torch.nn.functional.avg_pool1d(torch.nn.functional.pad(decoded[None, None], (2, 2), value=1.0), 5, 1)[0, 0]
+    same = (got.tokens == top_before).double()
+    q = p1.clamp(1e-9, 1 - 1e-9)
+    return torch.stack([p1, p2, p1 - p2, got.entropy.double(), p1_before, same, same * p1, left, right, near,
+                        decoded.mean().expand_as(p1), q.log() - (-q).log1p()], -1)  # fmt: skip
+
+
+class Filter(torch.nn.Module):
+    """The learned rule's classifier: standardised :data:`FEATURES`, one tanh layer, the probability that a
+    mask's proposal is the token the threshold decode ends with there."""
+
+    def __init__(self, mean: torch.Tensor, std: torch.Tensor, hidden: int = 16) -> None:
+        super().__init__()
+        self.register_buffer("mean", mean)
+        self.register_buffer("std", std)
+        self.net = torch.nn.Sequential(torch.nn.Linear(len(FEATURES), hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)).double()
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.net((f - self.mean) / self.std).squeeze(-1))
+
+    @classmethod
+    def fit(cls, f: torch.Tensor, y: torch.Tensor, seed: int = 0) -> Filter:
+        """Logistic loss (and a little weight decay) by L-BFGS on features ``f`` ``[N, F]`` and 0/1 labels ``y``."""
+        torch.manual_seed(seed)
+        model = cls(f.mean(0), f.std(0) + 1e-6)
+        params = list(model.net.parameters())
+        opt = torch.optim.LBFGS(params, max_iter=300, line_search_fn="strong_wolfe")
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            logits = model.net((f - model.mean) / model.std).squeeze(-1)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y) + 1e-4 * sum((w**2).sum() for w in params)
+            loss.backward()
+            return loss
+
+        with torch.enable_grad():
+            opt.step(closure)
+        return model.eval()
 
 
 @dataclass(frozen=True)
@@ -92,6 +154,8 @@ class Rule:
     entropy_bound: float | None = None  # EB-sampler's γ, in nats: replaces the threshold
     isolation: int = 0  # isolated relaxed commits: no other mask within this radius (0: off)
     tau_lone: float = 1.0  # ... committed at this confidence
+    learned: float | None = None  # the learned filter's probability to commit at (its filter: ``main`` fits it)
+    filter: Filter | None = None
 
     @classmethod
     def parse(cls, spec: str, tau_back: float = 0.9) -> Rule:
@@ -106,6 +170,8 @@ class Rule:
             return cls(spec, 0.9, allin=name.split("-")[1], gap=x)
         if name == "entropy":
             return cls(spec, 1.0, entropy_bound=x)
+        if name == "learned":
+            return cls(spec, 0.9, learned=x)
         if name.startswith("isolated") and name[8:].isdigit() and int(name[8:]) >= 1:
             return cls(spec, 0.9, isolation=int(name[8:]), tau_lone=x)
         base, *mods = name.split("-")
@@ -113,7 +179,7 @@ class Rule:
             return cls(spec, x, tau_back, shadows_see_shadows="loo" not in mods, extras_only="extras" in mods,
                        cap="nocap" not in mods)  # fmt: skip
         raise ValueError(f"Unknown rule {spec!r}: threshold, wino with any of -loo, -extras, -nocap (e.g. wino-loo-extras), "
-                         "allin-min, allin-mean, entropy, isolated<d> with d >= 1 (each :value).")  # fmt: skip
+                         "allin-min, allin-mean, entropy, isolated<d> with d >= 1, learned (each :value).")  # fmt: skip
 
 
 def isolated(masked: torch.Tensor, radius: int, masks_after: bool) -> torch.Tensor:
@@ -149,9 +215,10 @@ def shadow_layout(length: int, start: int, end: int, shift: int, shadows_see_sha
 
 
 def decode(model, prompt: torch.Tensor, gen_length: int, block: int, rule: Rule, mask_id: int,
-           end_ids: torch.Tensor) -> tuple[torch.Tensor, int, int]:  # fmt: skip
+           end_ids: torch.Tensor, collect: list | None = None) -> tuple[torch.Tensor, int, int]:  # fmt: skip
     """One request (``prompt`` ``[1, P]``, no padding): the canvas ``[1, P + gen_length]``, the forwards and the
-    query tokens it took."""
+    query tokens it took. ``collect``: appends ``(features [n, F], 0/1 labels [n])`` of every mask at every
+    step, labelled by whether its proposal is the token the decode ends with there (the learned rule's data)."""
     P = prompt.shape[1]
     L, sh, dev = P + gen_length, model.logit_shift, prompt.device
     if rule.tau_back is not None and sh and rule.shadows_see_shadows:
@@ -160,6 +227,7 @@ def decode(model, prompt: torch.Tensor, gen_length: int, block: int, rule: Rule,
     x = torch.full((1, L), mask_id, dtype=torch.long, device=dev)
     x[:, :P] = prompt
     nfe = queries = 0
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (features, positions, proposals) for collect
     for s in range(P, L, block):
         e = min(s + block, L)
         n = e - s
@@ -167,6 +235,8 @@ def decode(model, prompt: torch.Tensor, gen_length: int, block: int, rule: Rule,
         blank = torch.full((1, n), mask_id, device=dev)  # an unshifted model's shadow inputs, the same every step
         trusted = torch.zeros(n, dtype=torch.bool, device=dev)  # committed at >= tau_back, or checked once
         last_commits = n + 1
+        p1_before = torch.zeros(n, dtype=torch.float64, device=dev)  # the learned rule's memory of the last forward
+        top_before = torch.full((n,), -1, dtype=torch.long, device=dev)
         while bool((x[0, s:e] == mask_id).any()):
             cur = x[0, s:e]
             masked = cur == mask_id
@@ -177,8 +247,9 @@ def decode(model, prompt: torch.Tensor, gen_length: int, block: int, rule: Rule,
                 logits = model(torch.cat([x, shadow_in], 1), attention_mask=mask, position_ids=pos).logits[0]
             nfe += 1
             queries += logits.shape[0]
+            learning = rule.learned is not None or collect is not None
             got = sample_tokens(logits[s - sh : e - sh], 0.0, "low_confidence", 2, mask_id=mask_id,
-                                entropy=rule.entropy_bound is not None)  # fmt: skip
+                                entropy=rule.entropy_bound is not None or learning)  # fmt: skip
             scores = got.confidence.masked_fill(~masked, float("-inf"))
             if rule.entropy_bound is None:
                 take = threshold_select(scores[None], rule.tau_in)[0]
@@ -186,6 +257,14 @@ def decode(model, prompt: torch.Tensor, gen_length: int, block: int, rule: Rule,
                 take = entropy_select(scores[None], got.entropy[None], rule.entropy_bound)[0]
             if rule.isolation:
                 take |= isolated(masked, rule.isolation, e < L) & (scores >= rule.tau_lone)
+            if learning:
+                f = features(got, masked, p1_before, top_before)
+                if collect is not None:
+                    at = masked.nonzero().squeeze(1)
+                    seen.append((f[at], s + at, got.tokens[at]))
+                if rule.learned is not None:
+                    take |= masked & (rule.filter(f) >= rule.learned)
+                p1_before, top_before = got.top_probs[:, 0].double(), got.tokens
             if rule.cap and int(take.sum()) > (most := accept_cap(int(masked.sum()))):
                 take = torch.zeros_like(take).index_fill_(0, scores.topk(most).indices, True)
             if rule.allin is not None:
@@ -208,16 +287,45 @@ def decode(model, prompt: torch.Tensor, gen_length: int, block: int, rule: Rule,
             x[0, s:e] = new
             last_commits = int(take.sum())
         if bool(torch.isin(x[0, s:e], end_ids).any()):  # early stop: a completed block holding an end token
-            return x, nfe, queries
+            break
+    if collect is not None:  # label the steps' proposals by the tokens the decode ended with
+        collect += [(f, (x[0, at] == tokens).double()) for f, at, tokens in seen]
     return x, nfe, queries
+
+
+def _prompts(task, items, tokenizer) -> list[str]:
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    return [task.prompt(it, tokenizer, chat=chat) for it in items]
+
+
+def fit_filter(model, tokenizer, suites: list[str], start: int, limit: int, block: int,
+               split: str = "train") -> tuple[Filter, dict]:  # fmt: skip
+    """The learned rule's classifier for one checkpoint, from the threshold decode of items ``start`` to
+    ``start + limit`` of ``split`` in every suite (after the ``start`` items the rules are judged on): the masks
+    under the threshold at every step, labelled by whether their proposal is the token the decode ends with."""
+    base = Rule.parse(BASELINE)
+    end_ids = torch.tensor(end_token_ids(tokenizer, model.config), device=model.device)
+    data: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for suite in suites:
+        task = load_task(suite)
+        for prompt in tqdm(_prompts(task, task.items(split, limit=start + limit)[start:], tokenizer), desc=f"fit {suite}",
+                           leave=False):  # fmt: skip
+            ids, _ = _encode(tokenizer, [prompt], model.device)
+            with torch.inference_mode():
+                decode(model, ids, int(task.default_gen_length), block, base, model.config.mask_token_id, end_ids, data)
+    f, y = torch.cat([d[0] for d in data]).cpu(), torch.cat([d[1] for d in data]).cpu()
+    under = f[:, FEATURES.index("p1")] < base.tau_in
+    if not bool(under.any()):
+        raise SystemExit("learned: the threshold decode of the fitting items left no mask under its threshold to learn from.")
+    info = {"items_per_suite": limit, "first_item": start, "masks": int(under.sum()), "final_share": float(y[under].mean())}
+    return Filter.fit(f[under], y[under]).to(model.device), info
 
 
 def run_suite(model, tokenizer, suite: str, limit: int, block: int, rules: list[Rule], split: str = "train") -> dict:
     """Every rule on the suite's first ``limit`` items of ``split``: per rule, correct items, forwards, query tokens."""
     task = load_task(suite)
     items = task.items(split, limit=limit)
-    chat = bool(getattr(tokenizer, "chat_template", None))
-    prompts = [task.prompt(it, tokenizer, chat=chat) for it in items]
+    prompts = _prompts(task, items, tokenizer)
     gen_length = int(task.default_gen_length)
     # before any decode; the leave-one-out shadows are a block of positions more
     shadows = block if any(r.tau_back is not None for r in rules) else 0
@@ -269,6 +377,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rules", nargs="+", default=["threshold:0.8", "wino:0.8", "allin-min:0.7"],
                    help=f"name:value each (see the module docstring); {BASELINE} always runs, as the baseline")
     p.add_argument("--tau-back", type=float, default=0.9, help="the leave-one-out check's threshold")
+    p.add_argument("--fit-limit", type=int, default=300,
+                   help="learned:p rules: training items per suite the filter is fitted on, after the --limit judged ones")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="where the model runs (cuda for a real checkpoint)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -283,6 +393,10 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit(f"{rule.spec}: {args.model} is a shifted model; use wino-loo / wino-loo-extras.")
     result = {"model": args.model, "split": args.split, "limit": args.limit, "block": args.block,
               "tau_back": args.tau_back, "suites": {}}  # fmt: skip
+    if any(rule.learned is not None for rule in rules):  # fitted on other items than those it is judged on
+        filt, result["filter"] = fit_filter(model, tokenizer, args.suites, args.limit, args.fit_limit, args.block, args.split)
+        rules = [replace(rule, filter=filt) if rule.learned is not None else rule for rule in rules]
+        logger.info("learned filter: %s", result["filter"])
     for suite in args.suites:
         try:
             rows = summarize(run_suite(model, tokenizer, suite, args.limit, args.block, rules, args.split))
@@ -300,6 +414,11 @@ def main(argv: list[str] | None = None) -> None:
              "", f"Δ accuracy in points · NFE × · query tokens ×, against `{BASELINE}` (Fast-dLLM without a cache, early "
              f"stop) on the same items; τ_back {args.tau_back}.", "",
              "| rule | " + " | ".join(suites) + " |", "|---|" + "---|" * len(suites)]  # fmt: skip
+    if "filter" in result:
+        fit = result["filter"]
+        lines[4:4] = [f"`learned:p`: the filter fitted on training items {fit['first_item']}–{fit['first_item'] + fit['items_per_suite'] - 1} "
+                      f"of each suite ({fit['masks']} masks under the threshold, {100 * fit['final_share']:.1f} % of them "
+                      "proposing the token the threshold decode ends with).", ""]  # fmt: skip
     base = " | ".join(f"{result['suites'][s][BASELINE]['accuracy']:.1f} % · NFE {result['suites'][s][BASELINE]['nfe']:.2f}"
                       for s in suites)  # fmt: skip
     lines.append(f"| `{BASELINE}` | {base} |")

@@ -185,3 +185,36 @@ def test_main_refuses_a_split_the_suite_lacks_before_decoding(tmp_path) -> None:
     with pytest.raises(SystemExit, match="error: gsm8k: only the 'test' split"):
         probe.main(["--model", "tiny-llada", "--suites", "gsm8k", "--limit", "2", "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())
+
+
+@torch.inference_mode()
+def test_a_learned_filter_that_never_commits_is_the_threshold_decode(loaded) -> None:
+    """``learned:p`` adds the filter's commits to the threshold's: with a filter that rates every proposal 0 it
+    decodes as ``threshold:0.9``, token for token and forward for forward, and collecting the fitting data does
+    not change a decode. The labels say whether a step's proposal is the token the decode ended with: every
+    mask's proposal in the step that commits it is, so at least one label per step is 1."""
+    model, tokenizer, end = loaded
+    base = probe.Rule.parse(probe.BASELINE)
+    never = probe.replace(probe.Rule.parse("learned:0.5"), filter=lambda f: torch.zeros(f.shape[0], dtype=torch.float64))
+    mask_id = model.config.mask_token_id
+    for ids, _, gen in items(tokenizer, "lists", 2):
+        data: list = []
+        x, nfe, q = probe.decode(model, ids, gen, 32, base, mask_id, end)
+        for rule, collect in ((never, None), (base, data)):
+            y, n, r = probe.decode(model, ids, gen, 32, rule, mask_id, end, collect)
+            assert torch.equal(x, y) and (n, r) == (nfe, q)
+        assert len(data) == nfe  # one entry per forward (every block's steps)
+        for f, label in data:
+            assert f.shape == (label.shape[0], len(probe.FEATURES)) and set(label.tolist()) <= {0.0, 1.0}
+            assert label.max() == 1.0
+
+
+def test_the_filter_learns_a_separable_rule_and_the_spec_parses() -> None:
+    torch.manual_seed(0)
+    f = torch.rand(400, len(probe.FEATURES), dtype=torch.float64)
+    y = (f[:, 2] + f[:, 5] > 1.0).double()  # the gap and the agreement with the previous forward
+    filt = probe.Filter.fit(f, y)
+    with torch.no_grad():
+        assert ((filt(f) >= 0.5).double() == y).double().mean() > 0.95
+    rule = probe.Rule.parse("learned:0.85")
+    assert (rule.learned, rule.tau_in, rule.filter) == (0.85, 0.9, None)
