@@ -277,7 +277,9 @@ class Lookahead:
                     # a request whose canvas did not move in the last round compares as it did then (no
                     # match); with sparse steps only the adopted draft's children stand for the next step.
                     # No candidate left ends the chain before any canvas is compared
-                    cand = live & hit[:, None] if parents is None else live & (parents == source[:, None])
+                    cand = live & hit[:, None]
+                    if parents is not None:
+                        cand &= parents == source[:, None]
                     if not bool(cand.any()):
                         break
                 # a draft keeps a mask in the window, so a canvas equal to it does too: a block step
