@@ -197,16 +197,16 @@ def scorecard() -> list[dict[str, Any]]:
             "query_tokens": row["query_tokens_vs_tuned"] <= QUERY_TUNED,
         }  # fmt: skip
         row["cells"] = {k: cells[k] for k in {tuned_name, *(n for n in found.values() if n)}}
-        row["frontier"] = sorted((k for k, c in cells.items() if _on_frontier(c)), key=lambda k: cells[k]["block"])
+        row["frontier"] = sorted((k for k, c in cells.items() if _on_frontier(k, c)), key=lambda k: cells[k]["block"])
         row["cells"].update({k: cells[k] for k in row["frontier"]})
         out.append(row)
     return out
 
 
-def _on_frontier(cell: Mapping[str, Any]) -> bool:
-    """The fixed-block frontier: dense Fast-dLLM with early stop at each block of the sweep."""
-    label = cell["label"]
-    return cell.get("early_stop") and (label == "Fast-dLLM + early stop" or cell.get("sweep_block") is not None)
+def _on_frontier(name: str, cell: Mapping[str, Any]) -> bool:
+    """The fixed-block frontier: dense Fast-dLLM with early stop at each block of the sweep (the runs the tuned
+    baseline is picked from, ``eval.runner.tuned_fast_dllm``)."""
+    return bool(cell.get("early_stop")) and (name == "fast_dllm_early_stop" or cell.get("sweep_block") is not None)
 
 
 def targets_markdown(card: list[dict[str, Any]]) -> str:
