@@ -835,3 +835,18 @@ def test_step_anatomy_times_each_part_exclusive_of_the_parts_it_calls(monkeypatc
     assert isinstance(forward.Forwards.__dict__["_mark_dirty"], staticmethod)  # still called as one
     undo()
     assert (engine.Run.__dict__["commit"], forward.Forwards.__dict__["_mark_dirty"]) == before
+
+
+def test_step_anatomy_parts_add_up_to_the_decode_and_count_its_forwards(tiny):
+    """``measure`` on a random model: every part is a time (none negative, the rest included), the parts
+    and the rest make up the total, and at batch 1 the model is called once per forward the decode counts."""
+    model, tok, _ = tiny
+    anatomy = load_benchmark("step_anatomy")
+    result = anatomy.measure(model, tok, "arith", limit=3, block=16, batch_size=1, rounds=1,
+                             decoders=["tuned", "drafted(exact=False)"])  # fmt: skip
+    for name, parts in result["ms_per_item"].items():
+        assert all(parts[p] >= 0 for p in anatomy.PARTS) and parts["rest"] > -1e-6
+        assert sum(parts[p] for p in anatomy.PARTS) + parts["rest"] == pytest.approx(parts["total"])
+        assert parts["model calls"] == result["nfe_per_item"][name] > 0
+    assert result["ms_per_item"]["tuned"]["lookahead: apply"] == 0.0
+    assert anatomy.markdown("random", result).count("\n| ") >= len(anatomy.PARTS) + 5
