@@ -313,6 +313,9 @@ def fit_filter(model, tokenizer, suites: list[str], start: int, limit: int, bloc
             ids, _ = _encode(tokenizer, [prompt], model.device)
             with torch.inference_mode():
                 decode(model, ids, int(task.default_gen_length), block, base, model.config.mask_token_id, end_ids, data)
+    if not data:
+        raise SystemExit(f"learned: no {split} items after the first {start} of {', '.join(suites)} to fit the filter on; "
+                         "lower --limit or use a split with more items.")  # fmt: skip
     f, y = torch.cat([d[0] for d in data]).cpu(), torch.cat([d[1] for d in data]).cpu()
     under = f[:, FEATURES.index("p1")] < base.tau_in
     if not bool(under.any()):
@@ -386,6 +389,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tag", default="", help="appended to the files' names (several rule sets per model)")
     args = p.parse_args(argv)
     rules = [Rule.parse(BASELINE)] + [Rule.parse(s, args.tau_back) for s in args.rules if s != BASELINE]
+    if args.fit_limit < 1 and any(rule.learned is not None for rule in rules):
+        p.error("--fit-limit must be at least 1: a learned rule's filter is fitted on that many items per suite")
     model, tokenizer = load_for_benchmark(args.model, args.threads, args.device, getattr(torch, args.dtype))
     if model.logit_shift:  # refuse before any decode, not after the first suite
         for rule in rules:

@@ -218,3 +218,12 @@ def test_the_filter_learns_a_separable_rule_and_the_spec_parses() -> None:
         assert ((filt(f) >= 0.5).double() == y).double().mean() > 0.95
     rule = probe.Rule.parse("learned:0.85")
     assert (rule.learned, rule.tau_in, rule.filter) == (0.85, 0.9, None)
+
+
+def test_a_learned_rule_without_items_to_fit_on_says_so(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        probe.main(["--model", "tiny-llada", "--suites", "code", "--limit", "2", "--fit-limit", "0", "--rules", "learned:0.9",
+                    "--out", str(tmp_path)])  # fmt: skip
+    assert "--fit-limit must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="no train items after the first 2 of code"):
+        probe.fit_filter(*hb.load_model("tiny-llada", device="cpu"), ["code"], 2, 0, 64)
