@@ -169,6 +169,10 @@ def main() -> None:
     args = p.parse_args()
     if args.limit < 1 or args.batch_size < 1 or args.rounds < 1:
         p.error("--limit, --batch-size and --rounds must be at least 1")
+    try:  # a misspelt suite is said before the model loads
+        load_task(args.suite)
+    except ValueError as err:
+        p.error(str(err))
     model, tokenizer = load_for_benchmark(args.model, args.threads)
     result = measure(model, tokenizer, args.suite, args.limit, args.block, args.batch_size, args.rounds, args.decoders)
     result["model"] = args.model
