@@ -116,8 +116,11 @@ class Filter(torch.nn.Module):
         self.register_buffer("std", std)
         self.net = torch.nn.Sequential(torch.nn.Linear(len(FEATURES), hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)).double()
 
+    def logits(self, f: torch.Tensor) -> torch.Tensor:
+        return self.net((f - self.mean) / self.std).squeeze(-1)
+
     def forward(self, f: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.net((f - self.mean) / self.std).squeeze(-1))
+        return torch.sigmoid(self.logits(f))
 
     @classmethod
     def fit(cls, f: torch.Tensor, y: torch.Tensor, seed: int = 0) -> Filter:
@@ -129,8 +132,7 @@ class Filter(torch.nn.Module):
 
         def closure() -> torch.Tensor:
             opt.zero_grad()
-            logits = model.net((f - model.mean) / model.std).squeeze(-1)
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y) + 1e-4 * sum((w**2).sum() for w in params)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(model.logits(f), y) + 1e-4 * sum((w**2).sum() for w in params)
             loss.backward()
             return loss
 
