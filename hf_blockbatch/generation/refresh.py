@@ -46,8 +46,13 @@ class Periodic:
 
     def due(self, state: DecodeState, cache: BranchCache) -> torch.Tensor:
         """[R] bool: rows to refresh now."""
-        due = (state.since_refresh >= self.interval) & ~state.done
+        due = self.stale(state, cache) & ~state.done
         return due if state.synced_now is None else due & ~state.synced_now
+
+    def stale(self, state: DecodeState, cache: BranchCache) -> torch.Tensor:
+        """[R] bool: rows whose cache is old enough to rewrite (:meth:`due` sets done and just-synced rows
+        aside); the subclasses add their own triggers to the window's age."""
+        return state.since_refresh >= self.interval
 
     def refresh(self, run: Run) -> bool:
         """Refresh the due rows once; returns whether any were.
@@ -77,10 +82,9 @@ class AfterCommits(Periodic):
     commits: int = 16
     every_step: ClassVar[bool] = True  # rows go stale by committing, not only by moving
 
-    def due(self, state: DecodeState, cache: BranchCache) -> torch.Tensor:
-        stale = (state.decoded() - state.decoded_at_full >= self.commits) & (state.branch == 0)
-        due = ((state.since_refresh >= self.interval) | stale) & ~state.done
-        return due if state.synced_now is None else due & ~state.synced_now
+    def stale(self, state: DecodeState, cache: BranchCache) -> torch.Tensor:
+        gained = (state.decoded() - state.decoded_at_full >= self.commits) & (state.branch == 0)
+        return super().stale(state, cache) | gained
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,7 @@ class Divergence(Periodic):
     threshold: float = 0.1
     every_step: ClassVar[bool] = True
 
-    def due(self, state: DecodeState, cache: BranchCache) -> torch.Tensor:
+    def stale(self, state: DecodeState, cache: BranchCache) -> torch.Tensor:
         keys = cache.layers[-1].keys[:, state.gen_start :].float().flatten(1)  # [R, G*H*D]
         B = int(state.request.max()) + 1
         sums = torch.zeros(B, keys.shape[1], device=keys.device).index_add_(0, state.request, keys)
@@ -96,8 +100,7 @@ class Divergence(Periodic):
         counts = torch.zeros(B, device=keys.device).index_add_(0, state.request, ones)
         mean = sums[state.request] / counts[state.request, None]
         drift = (keys - mean).norm(dim=-1) / mean.norm(dim=-1).clamp_min(1e-6)
-        due = ((state.since_refresh >= self.interval) | (drift > self.threshold)) & ~state.done
-        return due if state.synced_now is None else due & ~state.synced_now
+        return super().stale(state, cache) | (drift > self.threshold)
 
 
 @dataclass(frozen=True)
