@@ -1,74 +1,82 @@
 """LocalLeap against the threshold rule on the tiny checkpoints, the rule being the only difference.
 
-Greedy batch-1 block decoding with full forwards (no cache, no early stop), block 32, each suite's
-default generation length, the first N test items; per rule: accuracy and mean NFE per item. A
-stand-in until the engine takes the rule (then use the bench); the figures are in docs/localleap.md.
+The library's Fast-dLLM without a cache and without early stop (``FastDLLMConfig(cache="none")``: full forwards,
+blocks left to right), greedy, block 32, each suite's default generation length, the first N test items; per rule
+(``rule="localleap"`` or the threshold): items correct and mean NFE per item. Answers are scored up to their first
+end token, as the bench scores them. The figures are in docs/localleap.md; the engine's cached decoders take the
+same rule (``FastDLLMConfig(rule="localleap", ...)``, RESULTS §11, §23).
 
     PYTHONPATH=$PWD python benchmarks/localleap_tiny.py --items 150
+
+Writes ``benchmarks/results/localleap_tiny.{json,md}``.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import logging
+from pathlib import Path
+from typing import Any
 
 import torch
-from hf_blockbatch.generation.transfer import threshold_select
 
-import hf_blockbatch as hb
-from hf_blockbatch.generation.rules.localleap import LocalLeapRule
-from hf_blockbatch.tasks import get_suite
+from hf_blockbatch.eval.runner import _encode, _score_all, load_for_benchmark, load_task, write_report
+from hf_blockbatch.generation.configs import FastDLLMConfig
+from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
 
-RULES = {
-    "threshold 0.9": lambda s, d: threshold_select(s, 0.9),
-    "LocalLeap 0.9/0.75/4": LocalLeapRule().select,
-    "LocalLeap 0.9/0.75/1": LocalLeapRule(radius=1).select,
-    "threshold 0.75": lambda s, d: threshold_select(s, 0.75),
+logger = logging.getLogger("localleap_tiny")
+
+#: the rules compared, as the config options that select them
+RULES: dict[str, dict[str, Any]] = {
+    "threshold 0.9": {"threshold": 0.9},
+    "LocalLeap 0.9/0.75/4": {"threshold": 0.9, "rule": "localleap", "relaxed_threshold": 0.75, "leap_radius": 4},
+    "LocalLeap 0.9/0.75/1": {"threshold": 0.9, "rule": "localleap", "relaxed_threshold": 0.75, "leap_radius": 1},
+    "threshold 0.75": {"threshold": 0.75},
 }
 
 
-def decode(model, ids: torch.Tensor, gen: int, block: int, select, mask_id: int) -> tuple[torch.Tensor, int]:
-    x = torch.cat([ids[0], torch.full((gen,), mask_id)])[None]
-    start, shift, nfe = ids.shape[1], model.logit_shift, 0
-    for bs in range(start, start + gen, block):
-        be = min(bs + block, start + gen)
-        while (x[0, bs:be] == mask_id).any():
-            logits = model(x).logits[0, bs - shift : be - shift]
-            nfe += 1
-            logp = torch.log_softmax(logits.float(), -1)
-            logp[:, mask_id] = -math.inf  # the mask token is never proposed
-            best, tokens = logp.max(-1)
-            candidates = x[0, bs:be] == mask_id
-            chosen = select(torch.where(candidates, best.double().exp(), -math.inf)[None], (~candidates)[None])[0]
-            x[0, bs:be] = torch.where(chosen, tokens, x[0, bs:be])
-    return x, nfe
+def run(model, tokenizer, suite: str, items: int, block: int, batch_size: int) -> dict[str, dict[str, float]]:
+    """Every rule on the first ``items`` test items of ``suite``: items correct, their count and the mean NFE."""
+    task = load_task(suite)
+    chosen = task.items("test", limit=items)
+    gen = int(task.default_gen_length)
+    end = end_token_ids(tokenizer, model.config)
+    out: dict[str, dict[str, float]] = {}
+    for name, options in RULES.items():
+        cfg = FastDLLMConfig(cache="none", block_length=block, max_new_tokens=gen, **options)
+        texts, nfe = [], 0
+        for i in range(0, len(chosen), batch_size):
+            ids, mask = _encode(tokenizer, [task.prompt(it, tokenizer) for it in chosen[i : i + batch_size]], model.device)
+            res = model.generate(ids, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True)
+            texts += answer_texts(tokenizer, res.sequences[:, ids.shape[1] :], end)
+            nfe += int(res.nfe.sum())
+        correct = sum(bool(s.correct) for s in _score_all(task, chosen, texts))
+        out[name] = {"correct": correct, "items": len(chosen), "nfe": nfe / len(chosen)}
+        logger.info("%s %s: %d/%d correct, NFE %.2f", suite, name, correct, len(chosen), nfe / len(chosen))
+    return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=150)
+    parser.add_argument("--items", type=int, default=150, help="test items per suite, from the first")
     parser.add_argument("--block", type=int, default=32)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    print("| model | suite | " + " | ".join(f"{r}: correct, NFE" for r in RULES) + " |")
-    print("| --- | --- |" + " --- |" * len(RULES))
-    for name in ["tiny-llada", "tiny-dream"]:
-        model, tok = hb.load_model(name, device="cpu")
-        mask_id = model.config.mask_token_id
-        for suite_name in ["arith", "code", "lists"]:
-            suite = get_suite(suite_name)
-            items = suite.items("test")[: args.items]
-            cells = []
-            for select in RULES.values():
-                correct = nfe = 0
-                with torch.no_grad():
-                    for item in items:
-                        ids = tok(suite.prompt(item, tok), add_special_tokens=False, return_tensors="pt").input_ids
-                        x, n = decode(model, ids, suite.default_gen_length, args.block, select, mask_id)
-                        correct += suite.score(item, tok.decode(x[0, ids.shape[1] :], skip_special_tokens=True)).correct
-                        nfe += n
-                cells.append(f"{correct}/{len(items)}, {nfe / len(items):.1f}")
-            print(f"| {name} | {suite_name} | " + " | ".join(cells) + " |", flush=True)
+    parser.add_argument("--batch-size", type=int, default=16, help="requests per generate call (a padded batch decodes as alone)")
+    parser.add_argument("--models", nargs="+", default=["tiny-llada", "tiny-dream"])
+    parser.add_argument("--out", default="benchmarks/results/localleap_tiny")
+    args = parser.parse_args(argv)
+    result: dict[str, Any] = {"items": args.items, "block": args.block, "models": {}}
+    lines = ["| model | suite | " + " | ".join(f"{r}: correct, NFE" for r in RULES) + " |",
+             "| --- | --- |" + " --- |" * len(RULES)]  # fmt: skip
+    for name in args.models:
+        model, tokenizer = load_for_benchmark(name, threads=1)
+        result["models"][name] = {}
+        for suite in ("arith", "code", "lists"):
+            with torch.inference_mode():
+                cells = run(model, tokenizer, suite, args.items, args.block, args.batch_size)
+            result["models"][name][suite] = cells
+            lines.append(f"| {name} | {suite} | " + " | ".join(f"{c['correct']}/{c['items']}, {c['nfe']:.1f}" for c in cells.values()) + " |")
+    write_report(Path(args.out), result, "\n".join(lines))
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Writes ``benchmarks/results/beyond_paper/nfe_oracle.md``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from pathlib import Path
@@ -47,7 +48,11 @@ def oracle(files: list[Path], suite: str) -> dict[str, float] | None:
             "ratio": statistics.fmean(best) / base, "at_base_nfe": at_base, "at_base_ratio": at_base / base}  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=HERE / "nfe_oracle.md",
+                   help="where the table goes (the committed one is RESULTS §10's, over the runs there were then)")
+    args = p.parse_args(argv)
     lines = ["| model | suite | configs | items | baseline acc % / NFE | oracle: every answerable item, acc % / NFE (× baseline) | "
              "oracle at the baseline's accuracy: NFE (× baseline) |", "|---|---|---:|---:|---|---|---|"]  # fmt: skip
     for model in ("tiny-llada", "tiny-dream"):
@@ -59,7 +64,7 @@ def main() -> None:
                              f"{r['oracle_acc']:.1f} / {r['oracle_nfe']:.2f} ({r['ratio']:.2f} ×) | "
                              f"{r['at_base_nfe']:.2f} ({r['at_base_ratio']:.2f} ×) |")  # fmt: skip
     text = "\n".join(lines) + "\n"
-    (HERE / "nfe_oracle.md").write_text(text)
+    args.out.write_text(text)
     print(text)
 
 

@@ -19,6 +19,7 @@ bench config cannot put another decoder under a preset's label.
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -312,12 +313,18 @@ def write_targets(out: Path = TARGETS) -> list[Path]:
     return [out / "targets.md", out / "targets.json", *targets_plots(card, out)]
 
 
-if __name__ == "__main__":
-    import sys
-
-    if "--targets" in sys.argv[1:]:
-        print("\n".join(str(p) for p in write_targets()))
-        sys.exit()
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--plots", action="store_true", help="also draw every method on one plot pair per model")
+    p.add_argument("--targets", action="store_true", help="write issue 16's scorecard (results/targets/) instead of the rows")
+    args = p.parse_args(argv)
+    if args.targets:
+        print("\n".join(str(path) for path in write_targets()))
+        return
     print("\n".join(rows()))
-    if "--plots" in sys.argv[1:]:
-        print("\n".join(str(p) for p in plots()))
+    if args.plots:
+        print("\n".join(str(path) for path in plots()))
+
+
+if __name__ == "__main__":
+    main()

@@ -21,11 +21,15 @@ MASK_ID, EOS_ID, BOS_ID, EOT_ID = 95, 94, 93, 92
 
 
 def load_benchmark(name: str):
-    """The script ``benchmarks/<name>.py`` as a module: the benchmarks are scripts, not a package."""
+    """The script ``benchmarks/<name>.py`` as a module: the benchmarks are scripts, not a package. Their folder
+    goes on the import path, as it is when a script runs, so that one script can import another's parts."""
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # as an import would: dataclasses look their module up there
     spec.loader.exec_module(module)
