@@ -353,9 +353,9 @@ def run_suite(model, tokenizer, suite: str, limit: int, block: int, rules: list[
     return out
 
 
-def summarize(raw: dict[str, dict]) -> dict[str, dict]:
-    """Accuracy, NFE and query tokens per rule, and against :data:`BASELINE` on the same items."""
-    base = raw[BASELINE]
+def summarize(raw: dict[str, dict], baseline: str = BASELINE) -> dict[str, dict]:
+    """Accuracy, NFE and query tokens per rule, and against ``baseline`` (:data:`BASELINE`) on the same items."""
+    base = raw[baseline]
     n = len(base["correct"])
     b_nfe, b_q = statistics.fmean(base["nfe"]), statistics.fmean(base["query_tokens"])
     rows = {}
