@@ -13,6 +13,9 @@ after one untimed round; a figure is the median over rounds of the per-item time
 
     PYTHONPATH=$PWD python benchmarks/step_anatomy.py --model tiny-llada --suite code --limit 64 --batch-size 1
 
+``--ops N`` adds one round per decoder under ``torch.profiler``: the self CPU time of its N costliest operators
+(attention, matrix products, gathers), each for every decoder, which says what a part such as "model" is made of.
+
 Writes ``benchmarks/results/step_anatomy/<model>_<suite>_b<batch>_<limit>.json`` and ``.md``.
 """
 
@@ -99,13 +102,18 @@ def install(timers: Timers) -> Callable[[], None]:
     return lambda: [setattr(owner, name, raw) for owner, name, raw in undo]
 
 
-def measure(model, tokenizer, suite: str, limit: int, block: int, batch_size: int, rounds: int,
-            decoders: list[str]) -> dict[str, Any]:  # fmt: skip
+def _batches(model, tokenizer, suite: str, limit: int, batch_size: int) -> tuple[list, list, int]:
+    """The suite's first ``limit`` training items, their padded batches and the generation length."""
     task = load_task(suite)
     items = task.items("train", limit=limit)
-    gen = task.default_gen_length
     batches = [_encode(tokenizer, [task.prompt(it, tokenizer) for it in items[i : i + batch_size]], model.device)
                for i in range(0, len(items), batch_size)]  # fmt: skip
+    return items, batches, task.default_gen_length
+
+
+def measure(model, tokenizer, suite: str, limit: int, block: int, batch_size: int, rounds: int,
+            decoders: list[str]) -> dict[str, Any]:  # fmt: skip
+    items, batches, gen = _batches(model, tokenizer, suite, limit, batch_size)
     configs = {name: DECODERS[name](gen, block) for name in decoders}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in decoders}
     nfe: dict[str, int] = {}
@@ -137,6 +145,28 @@ def measure(model, tokenizer, suite: str, limit: int, block: int, batch_size: in
             "gen_length": gen, "nfe_per_item": {n: nfe[n] / len(items) for n in decoders}, "ms_per_item": table}  # fmt: skip
 
 
+def operators(model, tokenizer, suite: str, limit: int, block: int, batch_size: int, decoders: list[str],
+              top: int) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Per decoder, the self CPU time of torch's operators in ms per item, over one round under ``torch.profiler``
+    (after an untimed one): the ``top`` operators of any decoder, each for every decoder. Whether a decoder's
+    extra model time is attention, gathers or the MLP, which the parts above cannot say: they time functions."""
+    from torch.profiler import ProfilerActivity, profile
+
+    items, batches, gen = _batches(model, tokenizer, suite, limit, batch_size)
+    per: dict[str, dict[str, float]] = {}
+    for name in decoders:
+        cfg = DECODERS[name](gen, block)
+        for ids, mask in batches:
+            model.generate(ids, attention_mask=mask, generation_config=cfg)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for ids, mask in batches:
+                model.generate(ids, attention_mask=mask, generation_config=cfg)
+        per[name] = {e.key: e.self_cpu_time_total / 1e3 / len(items) for e in prof.key_averages()}
+    keep = sorted({op for ops in per.values() for op in sorted(ops, key=ops.get, reverse=True)[:top]},
+                  key=lambda op: -max(ops.get(op, 0.0) for ops in per.values()))  # fmt: skip
+    return {name: {op: per[name].get(op, 0.0) for op in keep} for name in decoders}
+
+
 def markdown(model: str, result: dict[str, Any]) -> str:
     names = list(result["ms_per_item"])
     t = result["ms_per_item"]
@@ -151,6 +181,11 @@ def markdown(model: str, result: dict[str, Any]) -> str:
     lines.append("| × the first decoder's total | " + " | ".join(f"{t[n]['total'] / t[names[0]]['total']:.3f}" for n in names) + " |")
     lines.append("| NFE per item | " + " | ".join(f"{result['nfe_per_item'][n]:.2f}" for n in names) + " |")
     lines.append("| model ms per forward | " + " | ".join(f"{t[n]['model'] / t[n]['model calls']:.2f}" for n in names) + " |")
+    if "operators" in result:
+        ops = result["operators"]
+        lines += ["", "Operators: self CPU ms per item over one round under `torch.profiler` (which adds its own cost), "
+                  "the whole decode.", "", "| operator | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]  # fmt: skip
+        lines += [f"| `{op}` | " + " | ".join(f"{ops[n][op]:.2f}" for n in names) + " |" for op in ops[names[0]]]
     return "\n".join(lines) + "\n"
 
 
@@ -166,6 +201,8 @@ def main() -> None:
     p.add_argument("--decoders", nargs="+", default=["tuned", "sparse r6", "drafted(exact=False)"], choices=list(DECODERS))
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "step_anatomy"))
     p.add_argument("--tag", default="")
+    p.add_argument("--ops", type=int, default=0, metavar="N",
+                   help="also one round under torch.profiler: the N costliest operators of each decoder, for every decoder")
     args = p.parse_args()
     if args.limit < 1 or args.batch_size < 1 or args.rounds < 1:
         p.error("--limit, --batch-size and --rounds must be at least 1")
@@ -175,6 +212,9 @@ def main() -> None:
         p.error(str(err))
     model, tokenizer = load_for_benchmark(args.model, args.threads)
     result = measure(model, tokenizer, args.suite, args.limit, args.block, args.batch_size, args.rounds, args.decoders)
+    if args.ops > 0:
+        result["operators"] = operators(model, tokenizer, args.suite, args.limit, args.block, args.batch_size,
+                                        args.decoders, args.ops)  # fmt: skip
     result["model"] = args.model
     stem = Path(args.out) / f"{args.model}_{args.suite}_b{args.batch_size}_{args.limit}{args.tag}"
     write_report(stem, result, markdown(args.model, result))

@@ -850,3 +850,9 @@ def test_step_anatomy_parts_add_up_to_the_decode_and_count_its_forwards(tiny):
         assert parts["model calls"] == result["nfe_per_item"][name] > 0
     assert result["ms_per_item"]["tuned"]["lookahead: apply"] == 0.0
     assert anatomy.markdown("random", result).count("\n| ") >= len(anatomy.PARTS) + 5
+    # --ops: the same operators for every decoder, the costliest of each among them, the matrix products there
+    ops = anatomy.operators(model, tok, "arith", limit=2, block=16, batch_size=1, decoders=["tuned", "drafted(exact=False)"], top=5)
+    assert list(ops["tuned"]) == list(ops["drafted(exact=False)"]) and 5 <= len(ops["tuned"]) <= 10
+    assert all(v >= 0 for d in ops.values() for v in d.values()) and any("mm" in op or "linear" in op for op in ops["tuned"])
+    table = anatomy.markdown("random", {**result, "operators": ops})
+    assert all(f"| `{op}` |" in table for op in ops["tuned"])
