@@ -88,9 +88,9 @@ def window(masked: torch.Tensor, schedule: Schedule) -> tuple[int, int]:
 
 def decode(model, prompt: torch.Tensor, gen_length: int, schedule: Schedule, mask_id: int, end_ids: torch.Tensor,
            threshold: float = 0.9, steps: list | None = None) -> tuple[torch.Tensor, int, int]:  # fmt: skip
-    """One request (``prompt`` ``[1, P]``, no padding) under a sliding schedule: the canvas ``[1, P + gen_length]``,
-    the forwards and the query tokens it took. ``steps``: appends ``(s, e, committed positions)`` per forward,
-    positions counted from the generated region's start."""
+    """One request (``prompt`` ``[1, P]``, no padding) under ``schedule``: the canvas ``[1, P + gen_length]``, the
+    forwards and the query tokens it took (``fixed``: the rule probe's loop). ``steps``, for a sliding schedule:
+    appends ``(s, e, committed positions)`` per forward, positions counted from the generated region's start."""
     if schedule.mode == "fixed":
         return fixed_decode(model, prompt, gen_length, schedule.block, Rule.parse(f"threshold:{threshold}"), mask_id, end_ids)
     P = prompt.shape[1]
