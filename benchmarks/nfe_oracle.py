@@ -51,7 +51,7 @@ def oracle(files: list[Path], suite: str) -> dict[str, float] | None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=HERE / "nfe_oracle.md",
-                   help="where the table goes (the committed one is RESULTS §10's, over the runs there were then)")
+                   help="where the table goes (the committed one: RESULTS §35, over the runs committed by then)")
     args = p.parse_args(argv)
     lines = ["| model | suite | configs | items | baseline acc % / NFE | oracle: every answerable item, acc % / NFE (× baseline) | "
              "oracle at the baseline's accuracy: NFE (× baseline) |", "|---|---|---:|---:|---|---|---|"]  # fmt: skip
