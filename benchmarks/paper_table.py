@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hf_blockbatch.eval.runner import tuned_fast_dllm
+
 RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = ("fast_dllm", "fast_dllm_early_stop", "fast_dllm_b16", "fast_dllm_b64", "localleap", "localleap_early_stop",
          "blockbatch_reference", "blockbatch", "blockbatch_localleap", "bb_agree_widest", "bb_lean_agree_widest",
@@ -36,9 +38,14 @@ ORDER = ("fast_dllm", "fast_dllm_early_stop", "fast_dllm_b16", "fast_dllm_b64", 
          "fd_es_b32_sq_r6_la6_m8", "fd_es_b64_sq_r6_la6_m8", "fd_es_b32_sq_r6_la2_m8", "fd_es_b64_sq_r6_la2_m8",
          "fd_es_b32_sq_r6_la3_m16_ct", "fd_es_b64_sq_r6_la3_m16_ct", "fd_es_b32_sq_r6_la3_m16_ctr2",
          "fd_es_b64_sq_r6_la3_m16_ctr2", "fd_es_b32_sq_r6_la3_m16_ctr2_q2", "fd_es_b64_sq_r6_la3_m16_ctr2_q2",
-         "fd_es_b32_sq_r6_la6_m16_ctr2_q2", "fd_es_b64_sq_r6_la6_m16_ctr2_q2")  # fmt: skip
-#: folders of runs on the same items as ``paper_table/`` (method names do not repeat across them)
-EXTRA = ("paper_table_extra", "paper_table_sparse", "paper_table_sparse_confident")
+         "fd_es_b32_sq_r6_la6_m16_ctr2_q2", "fd_es_b64_sq_r6_la6_m16_ctr2_q2", "fast_dllm_b48", "fast_dllm_b80",
+         "fast_dllm_b96", "fd_es_sparse_b48_r6", "fd_es_sparse_b80_r6", "fd_es_sparse_b96_r6", "fd_es_b48_sq_r6_la3_m8",
+         "fd_es_b80_sq_r6_la3_m8", "fd_es_b96_sq_r6_la3_m8", "fd_es_b48_sq_r6_la3_m16_ctr2_q2",
+         "fd_es_b80_sq_r6_la3_m16_ctr2_q2", "fd_es_b96_sq_r6_la3_m16_ctr2_q2")  # fmt: skip
+#: folders of runs on the same items as ``paper_table/`` (method names do not repeat across them);
+#: ``paper_table_blocks/`` completes the tuned baseline's block sweep to every multiple of 16 up to the generation
+#: length (48, 80 and 96 beside 16, 32 and 64), with the presets at the blocks it finds most accurate (RESULTS §35)
+EXTRA = ("paper_table_extra", "paper_table_sparse", "paper_table_sparse_confident", "paper_table_blocks")
 #: per-model runs of every suite on the same items (§11: ``<folder>/<model>/summary.json``); their
 #: Fast-dLLM sweep repeats ``paper_table/``'s, so only their other methods are taken
 PER_MODEL = ("paper_table_paired", "paper_table_paired_r6", "paper_table_paired_p1", "paper_table_lookahead",
@@ -57,7 +64,8 @@ def _cells(folder: Path) -> dict[str, dict]:
 
 def _folder_cells(folder: Path) -> tuple[dict[str, dict], str]:
     """Every method run on a folder's items (its own and the extra folders'), and the tuned
-    Fast-dLLM among them: early stop, the most accurate, ties to the lower NFE."""
+    Fast-dLLM among them (``eval.runner.tuned_fast_dllm``: the block sweep's points with early stop and
+    ``fast_dllm_early_stop``, the most accurate, ties to the lower NFE)."""
     cells = _cells(folder)
     for extra in EXTRA:
         cells.update(_cells(RESULTS / extra / folder.name))
@@ -67,9 +75,7 @@ def _folder_cells(folder: Path) -> tuple[dict[str, dict], str]:
         if path.is_file():
             theirs = json.loads(path.read_text())["tasks"].get(suite, {}).get("methods", {})
             cells.update({k: c for k, c in theirs.items() if k not in cells and not k.startswith("fast_dllm")})
-    fast = [(k, c) for k, c in cells.items() if k.startswith("fast_dllm") and c.get("early_stop")]
-    tuned, _ = max(fast, key=lambda kc: (kc[1]["accuracy"], -kc[1]["nfe_mean"]))
-    return cells, tuned
+    return cells, tuned_fast_dllm(cells)
 
 
 def plots(out: Path = RESULTS / "paper_table_combined") -> list[Path]:
