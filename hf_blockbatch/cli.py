@@ -121,6 +121,22 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
 
 
+def _sweep_blocks(text: str) -> list[int] | str:
+    """Comma-separated block sizes, or ``auto`` / ``auto:S`` (``eval.runner.sweep_block_sizes``)."""
+    from hf_blockbatch.eval.runner import sweep_block_sizes
+
+    if text.startswith("auto"):
+        try:
+            sweep_block_sizes(text, 1)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from err
+        return text
+    blocks = _int_list(text)
+    if not blocks or any(b < 1 for b in blocks):
+        raise argparse.ArgumentTypeError(f"expected positive block sizes, e.g. 16,32,64, or auto; got {text!r}")
+    return blocks
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -236,8 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", type=_positive_int, default=1, help="requests per generate call (left padding)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the sampling noise (temperature > 0)")
     bench.add_argument("--gen-length", type=_positive_int, default=None, help="new tokens (default: the task's own)")
-    bench.add_argument("--sweep-blocks", type=_int_list, default=None, metavar="B1,B2,...",
-                       help="also run Fast-dLLM at these block sizes (the fixed-block frontier), e.g. 4,8,16,32,64")  # fmt: skip
+    bench.add_argument("--sweep-blocks", type=_sweep_blocks, default=None, metavar="B1,B2,...|auto[:S]",
+                       help="also run Fast-dLLM with early stop at these block sizes (the fixed-block frontier the tuned "
+                            "baseline is picked from), e.g. 16,32,64; auto: every multiple of 16 (auto:S: of S) up to "
+                            "each task's generation length, and the generation length")  # fmt: skip
     bench.add_argument("--output-dir", default="benchmarks/results/bench")
     bench.add_argument("--device", default=None, help="cpu or cuda[:i] (default: this process's GPU when present)")
     bench.add_argument("--device-map", default=None,

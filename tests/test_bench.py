@@ -102,6 +102,14 @@ def test_overrides_and_method_configs():
     no_es = build_method_configs([], 96, parse_overrides(["fast_dllm_sweep.early_stop=false"]), sweep_blocks=[8])
     assert no_es["fast_dllm_b8"].early_stop is False
     assert cfgs["vanilla"].remasking == "random"
+    # "auto": every multiple of 16 up to the task's generation length, and that length; "auto:S" another step
+    assert runner.sweep_block_sizes("auto", 96) == [16, 32, 48, 64, 80, 96]
+    assert runner.sweep_block_sizes("auto", 40) == [16, 32, 40] and runner.sweep_block_sizes("auto:32", 64) == [32, 64]
+    auto = build_method_configs([], 64, None, sweep_blocks="auto")
+    assert {n: c.block_length for n, c in auto.items()} == {f"fast_dllm_b{b}": b for b in (16, 32, 48, 64)}
+    for bad in ("auto:0", "auto:x", "automatic"):
+        with pytest.raises(ValueError, match="'auto' or 'auto:S'"):
+            build_method_configs([], 64, None, sweep_blocks=bad)
     # vanilla: one step per token, block 32 (96 = 3 blocks of 32)
     assert cfgs["vanilla"].resolved() == (96, 32)
     # defaults are the paper's baselines
@@ -416,6 +424,8 @@ def test_cli_bench(tiny, tmp_path, capsys):
         (["--batch-size", "0"], "--batch-size: must be >= 1"),
         (["--threads", "-1"], "--threads: must be >= 1"),
         (["--data", "gsm8k"], "expected TASK=PATH"),
+        (["--sweep-blocks", "0,16"], "expected positive block sizes"),
+        (["--sweep-blocks", "auto:0"], "'auto' or 'auto:S' with S >= 1"),
     ],
 )
 def test_cli_bench_refuses_bad_numbers_before_loading(argv, message, capsys):
@@ -481,6 +491,15 @@ def test_raw_bench_rows_are_ignored_by_git():
     for path in ("benchmarks/results/tiny/tiny-llada-arith/samples.jsonl", "benchmarks/results/new/a/b/samples.jsonl"):
         got = subprocess.run(["git", "check-ignore", "-q", path], cwd=repo)
         assert got.returncode == 0, f"{path} is not ignored by .gitignore"
+
+
+def test_cli_bench_sweep_blocks_auto_reaches_each_tasks_generation_length():
+    from hf_blockbatch.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--sweep-blocks", "auto"])
+    assert args.sweep_blocks == "auto" and build_parser().parse_args(["bench", "--sweep-blocks", "16,64"]).sweep_blocks == [16, 64]
+    cfgs = {t: build_method_configs([], g, None, args.sweep_blocks) for t, g in (("lists", 64), ("arith", 96))}
+    assert max(c.block_length for c in cfgs["lists"].values()) == 64 and max(c.block_length for c in cfgs["arith"].values()) == 96
 
 
 def test_cli_bench_repeated_options_add_up(tiny, tmp_path):

@@ -176,6 +176,25 @@ BASELINE_BLOCK = 32
 SWEEP_PREFIX = "fast_dllm_b"
 #: overrides under this name apply to every sweep point (e.g. ``fast_dllm_sweep.early_stop=false``)
 SWEEP_KEY = "fast_dllm_sweep"
+#: ``sweep_blocks="auto"``: every multiple of this block size up to the generation length
+SWEEP_AUTO_STEP = 16
+
+
+def sweep_block_sizes(spec: Sequence[int] | str, gen_length: int) -> list[int]:
+    """The block sizes of a Fast-dLLM sweep for one task: ``spec`` itself, or for ``"auto"`` / ``"auto:S"`` every
+    multiple of S (:data:`SWEEP_AUTO_STEP`) up to the generation length, and the generation length itself (one
+    block over the whole canvas).
+
+    Why "auto": the tuned baseline is the sweep's most accurate point, so a sweep that stops short of the
+    generation length can leave the best block out. On the tiny suites a sweep to 64 missed blocks 48, 80 and 96,
+    the most accurate on four of six test splits (benchmarks/RESULTS.md §35)."""
+    if not isinstance(spec, str):
+        return [int(b) for b in spec]
+    name, _, step = spec.partition(":")
+    if name != "auto" or (step and not (step.isdigit() and int(step) > 0)):
+        raise ValueError(f"sweep blocks {spec!r}: give block sizes (e.g. [16, 32, 64]), 'auto' or 'auto:S' with S >= 1.")
+    step_size = int(step) if step else SWEEP_AUTO_STEP
+    return sorted({*range(step_size, gen_length + 1, step_size), gen_length})
 #: stats keys that are large or per step, never written per sample
 _DROP_STATS = ("trace",)
 #: row fields that differ between two runs of the same decoding (timings, process)
@@ -264,9 +283,9 @@ def build_method_configs(
     methods: Sequence[str],
     gen_length: int,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
-    sweep_blocks: Sequence[int] = (),
+    sweep_blocks: Sequence[int] | str = (),
 ) -> dict[str, Any]:
-    """Name -> generation config for one task's generation length.
+    """Name -> generation config for one task's generation length (``sweep_blocks``: see :func:`sweep_block_sizes`).
 
     Defaults (the paper's setup): vanilla = ``steps = gen length``, block 32; ``fast_dllm`` = dual
     cache, block 32, τ 0.9, no early stop; ``fast_dllm_early_stop`` = the same with early stop;
@@ -297,7 +316,7 @@ def build_method_configs(
             'with a "strategy")'
         )
 
-    names = list(dict.fromkeys(list(methods) + [f"{SWEEP_PREFIX}{int(b)}" for b in sweep_blocks]))
+    names = list(dict.fromkeys(list(methods) + [f"{SWEEP_PREFIX}{b}" for b in sweep_block_sizes(sweep_blocks, gen_length)]))
     _check_overrides(overrides, names)
     configs = {}
     for name in names:
@@ -529,8 +548,9 @@ class BenchSettings:
     methods: list[str] = field(default_factory=lambda: list(BASE_METHODS))
     #: method -> {config field: value}, see :func:`parse_overrides`
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: Fast-dLLM block sizes to sweep (the fixed-block frontier), e.g. [4, 8, 16, 32, 64]
-    sweep_blocks: list[int] = field(default_factory=list)
+    #: Fast-dLLM block sizes to sweep (the fixed-block frontier), e.g. [4, 8, 16, 32, 64], or "auto" / "auto:S"
+    #: (every multiple of S, 16 by default, up to each task's generation length: :func:`sweep_block_sizes`)
+    sweep_blocks: list[int] | str = field(default_factory=list)
     limit: int | None = None
     batch_size: int = 1
     seed: int = 0
