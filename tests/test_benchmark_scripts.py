@@ -32,6 +32,23 @@ DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md", *sorted((ROOT / 
         *sorted((ROOT / "model_cards").glob("*.md"))]  # fmt: skip
 
 
+def shell_blocks(text: str) -> list[str]:
+    """The fenced blocks of a Markdown text that hold shell (```bash, ```sh or a bare ```), continued lines joined.
+    Fences are paired line by line: a regex over the text pairs a closing fence with the next opening one."""
+    blocks, current, shell = [], None, False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            if current is None:
+                current, shell = [], line.strip()[3:].strip() in ("", "bash", "sh", "shell", "console")
+            else:
+                if shell:
+                    blocks.append("\n".join(current).replace("\\\n", " "))
+                current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
 def quoted_commands() -> list[tuple[str, str, list[str]]]:
     """``(where, script, arguments)`` of every ``python benchmarks/<script>.py ...`` the docs quote: in fenced shell
     blocks (continued lines joined, ``NAME="..."`` assignments of the block expanded) and in inline code. A command
@@ -39,11 +56,11 @@ def quoted_commands() -> list[tuple[str, str, list[str]]]:
     found = []
     for doc in DOCS:
         text = doc.read_text(encoding="utf-8")
-        fenced = re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S)
-        inline = re.findall(r"`([^`\n]*python benchmarks/[^`\n]*)`", re.sub(r"```.*?```", "", text, flags=re.S))
-        for block in [*fenced, *inline]:
+        prose = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("```"))
+        inline = re.findall(r"`([^`\n]*python benchmarks/[^`\n]*)`", prose)
+        for block in [*shell_blocks(text), *inline]:
             env: dict[str, str] = {}
-            for line in block.replace("\\\n", " ").splitlines():
+            for line in block.splitlines():
                 line = line.split(" #")[0].strip()
                 if m := re.fullmatch(r'([A-Z0-9_]+)="([^"]*)"', line):
                     env[m.group(1)] = m.group(2)
@@ -60,6 +77,27 @@ def quoted_commands() -> list[tuple[str, str, list[str]]]:
 
 
 COMMANDS = quoted_commands()
+
+
+def quoted_cli_commands() -> list[tuple[str, list[str]]]:
+    """``(where, arguments)`` of every ``hf-blockbatch generate|bench|demo ...`` in the docs' fenced shell blocks
+    (``docs/bad_inputs.md`` quotes wrong ones on purpose), continued lines joined."""
+    found = []
+    for doc in DOCS:
+        if doc.name == "bad_inputs.md":
+            continue
+        for block in shell_blocks(doc.read_text(encoding="utf-8")):
+            for line in block.splitlines():
+                if not (m := re.search(r"hf-blockbatch ((?:generate|bench|demo)\b.*)", line.split(" #")[0])):
+                    continue
+                rest = re.split(r"&&|\||;|>", m.group(1))[0]
+                if any(c in rest for c in ("$", "...", "…", "<", "`")):  # a placeholder, or prose in a bare fence
+                    continue
+                found.append((f"{doc.relative_to(ROOT)}: {line.strip()[:60]}", shlex.split(rest)))
+    return found
+
+
+CLI_COMMANDS = quoted_cli_commands()
 
 
 class _Parsed(Exception):
@@ -87,3 +125,17 @@ def test_the_commands_the_docs_quote_parse(monkeypatch, capsys, where: str, scri
             module.main()
         except SystemExit:
             pytest.fail(f"{where}: {capsys.readouterr().err.strip().splitlines()[-1]}")
+
+
+def test_the_docs_quote_cli_commands() -> None:
+    assert len(CLI_COMMANDS) >= 10 and {"generate", "bench"} <= {args[0] for _, args in CLI_COMMANDS}
+
+
+@pytest.mark.parametrize(("where", "args"), CLI_COMMANDS, ids=[f"cli-{i}" for i in range(len(CLI_COMMANDS))])
+def test_the_cli_commands_the_docs_quote_parse(capsys, where: str, args: list[str]) -> None:
+    from hf_blockbatch.cli import build_parser
+
+    try:
+        build_parser().parse_args(args)
+    except SystemExit:
+        pytest.fail(f"{where}: {capsys.readouterr().err.strip().splitlines()[-1]}")
