@@ -178,23 +178,6 @@ SWEEP_PREFIX = "fast_dllm_b"
 SWEEP_KEY = "fast_dllm_sweep"
 #: ``sweep_blocks="auto"``: every multiple of this block size up to the generation length
 SWEEP_AUTO_STEP = 16
-
-
-def sweep_block_sizes(spec: Sequence[int] | str, gen_length: int) -> list[int]:
-    """The block sizes of a Fast-dLLM sweep for one task: ``spec`` itself, or for ``"auto"`` / ``"auto:S"`` every
-    multiple of S (:data:`SWEEP_AUTO_STEP`) up to the generation length, and the generation length itself (one
-    block over the whole canvas).
-
-    Why "auto": the tuned baseline is the sweep's most accurate point, so a sweep that stops short of the
-    generation length can leave the best block out. On the tiny suites a sweep to 64 missed blocks 48, 80 and 96,
-    the most accurate on four of six test splits (benchmarks/RESULTS.md §35)."""
-    if not isinstance(spec, str):
-        return [int(b) for b in spec]
-    name, _, step = spec.partition(":")
-    if name != "auto" or (step and not (step.isdigit() and int(step) > 0)):
-        raise ValueError(f"sweep blocks {spec!r}: give block sizes (e.g. [16, 32, 64]), 'auto' or 'auto:S' with S >= 1.")
-    step_size = int(step) if step else SWEEP_AUTO_STEP
-    return sorted({*range(step_size, gen_length + 1, step_size), gen_length})
 #: stats keys that are large or per step, never written per sample
 _DROP_STATS = ("trace",)
 #: row fields that differ between two runs of the same decoding (timings, process)
@@ -277,6 +260,23 @@ def _vanilla_schedule(gen_length: int, block: int) -> tuple[int, int]:
     blocks = -(-gen_length // block)
     steps = blocks * -(-gen_length // blocks)
     return steps, block
+
+
+def sweep_block_sizes(spec: Sequence[int] | str, gen_length: int) -> list[int]:
+    """The block sizes of a Fast-dLLM sweep for one task: ``spec`` itself, or for ``"auto"`` / ``"auto:S"`` every
+    multiple of S (:data:`SWEEP_AUTO_STEP`) up to the generation length, and the generation length itself (one
+    block over the whole canvas).
+
+    Why "auto": the tuned baseline is the sweep's most accurate point, so a sweep that stops short of the
+    generation length can leave the best block out. On the tiny suites a sweep to 64 missed blocks 48, 80 and 96,
+    the most accurate on four of six test splits (benchmarks/RESULTS.md §35)."""
+    if not isinstance(spec, str):
+        return [int(b) for b in spec]
+    name, _, step = spec.partition(":")
+    if name != "auto" or (step and not (step.isdigit() and int(step) > 0)):
+        raise ValueError(f"sweep blocks {spec!r}: give block sizes (e.g. [16, 32, 64]), 'auto' or 'auto:S' with S >= 1.")
+    step_size = int(step) if step else SWEEP_AUTO_STEP
+    return sorted({*range(step_size, gen_length + 1, step_size), gen_length})
 
 
 def build_method_configs(
