@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -371,6 +372,13 @@ def summarize(raw: dict[str, dict], baseline: str = BASELINE) -> dict[str, dict]
     return rows
 
 
+def table_rows(suites: dict[str, dict[str, dict]], baseline: str, specs: list[str], cell: Callable[[dict], str]) -> list[str]:
+    """A report table's body from :func:`summarize`'s rows per suite: the baseline's accuracy and NFE, then a row per
+    spec of ``cell(its summary)`` per suite."""
+    rows = [f"| `{baseline}` | " + " | ".join(f"{r[baseline]['accuracy']:.1f} % · NFE {r[baseline]['nfe']:.2f}" for r in suites.values()) + " |"]
+    return rows + [f"| `{spec}` | " + " | ".join(cell(r[spec]) for r in suites.values()) + " |" for spec in specs]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llada")
@@ -426,13 +434,8 @@ def main(argv: list[str] | None = None) -> None:
         lines[4:4] = [f"`learned:p`: the filter fitted on training items {fit['first_item']}–{fit['first_item'] + fit['items_per_suite'] - 1} "
                       f"of each suite ({fit['masks']} masks under the threshold, {100 * fit['final_share']:.1f} % of them "
                       "proposing the token the threshold decode ends with).", ""]  # fmt: skip
-    base = " | ".join(f"{result['suites'][s][BASELINE]['accuracy']:.1f} % · NFE {result['suites'][s][BASELINE]['nfe']:.2f}"
-                      for s in suites)  # fmt: skip
-    lines.append(f"| `{BASELINE}` | {base} |")
-    for rule in rules[1:]:
-        cells = [result["suites"][s][rule.spec] for s in suites]
-        lines.append(f"| `{rule.spec}` | " + " | ".join(
-            f"{c['delta_points']:+.1f} · {c['nfe_ratio']:.3f} · {c['query_ratio']:.2f}" for c in cells) + " |")  # fmt: skip
+    lines += table_rows(result["suites"], BASELINE, [rule.spec for rule in rules[1:]],
+                        lambda c: f"{c['delta_points']:+.1f} · {c['nfe_ratio']:.3f} · {c['query_ratio']:.2f}")  # fmt: skip
     write_report(Path(args.out) / f"{args.model.replace('/', '_')}{split}_{args.limit}{args.tag}", result, "\n".join(lines))
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from commit_rules_probe import Rule, _prompts, summarize
+from commit_rules_probe import Rule, _prompts, summarize, table_rows
 from commit_rules_probe import decode as fixed_decode
 from tqdm import tqdm
 
@@ -172,13 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     base = schedules[0].spec
     lines = [f"# Window schedules in an uncached loop: {args.model}, {args.limit} {args.split} items per suite", "",
              f"Δ accuracy in points · NFE × · items won/lost, against `{base}` on the same items (threshold 0.9).", "",
-             "| schedule | " + " | ".join(suites) + " |", "|---|" + "---|" * len(suites),
-             f"| `{base}` | " + " | ".join(f"{result['suites'][s][base]['accuracy']:.1f} % · NFE {result['suites'][s][base]['nfe']:.2f}"
-                                          for s in suites) + " |"]  # fmt: skip
-    for schedule in schedules[1:]:
-        cells = [result["suites"][s][schedule.spec] for s in suites]
-        lines.append(f"| `{schedule.spec}` | " + " | ".join(
-            f"{c['delta_points']:+.1f} · {c['nfe_ratio']:.3f} · +{c['won']}/−{c['lost']}" for c in cells) + " |")  # fmt: skip
+             "| schedule | " + " | ".join(suites) + " |", "|---|" + "---|" * len(suites)]  # fmt: skip
+    lines += table_rows(result["suites"], base, [schedule.spec for schedule in schedules[1:]],
+                        lambda c: f"{c['delta_points']:+.1f} · {c['nfe_ratio']:.3f} · +{c['won']}/−{c['lost']}")  # fmt: skip
     write_report(Path(args.out) / f"{args.model.replace('/', '_')}_{args.limit}{args.tag}", result, "\n".join(lines))
 
 
