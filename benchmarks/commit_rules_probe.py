@@ -60,7 +60,7 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -327,31 +327,37 @@ def fit_filter(model, tokenizer, suites: list[str], start: int, limit: int, bloc
     return Filter.fit(f[under], y[under]).to(model.device), info
 
 
-def run_suite(model, tokenizer, suite: str, limit: int, block: int, rules: list[Rule], split: str = "train") -> dict:
-    """Every rule on the suite's first ``limit`` items of ``split``: per rule, correct items, forwards, query tokens."""
+def score_runs(model, tokenizer, suite: str, limit: int, split: str, runs: Mapping[str, Callable], extra: int = 0) -> dict:
+    """Each run on the suite's first ``limit`` items of ``split``, one request at a time: per run, which items it
+    answers, its forwards and its query tokens. ``runs[name](ids [1, P], gen_length, end_ids)`` decodes one request
+    and returns ``(canvas, forwards, query tokens)``; ``extra`` positions beyond the canvas must fit the context too
+    (the leave-one-out shadows)."""
     task = load_task(suite)
     items = task.items(split, limit=limit)
     prompts = _prompts(task, items, tokenizer)
     gen_length = int(task.default_gen_length)
-    # before any decode; the leave-one-out shadows are a block of positions more
-    shadows = block if any(r.tau_back is not None for r in rules) else 0
-    _check_prompts_fit(model, tokenizer, suite, prompts, gen_length + shadows)
-    device = model.device
-    end_ids = torch.tensor(end_token_ids(tokenizer, model.config), device=device)
-    mask_id = model.config.mask_token_id
+    _check_prompts_fit(model, tokenizer, suite, prompts, gen_length + extra)  # before any decode
+    end_ids = torch.tensor(end_token_ids(tokenizer, model.config), device=model.device)
     out: dict[str, dict] = {}
-    for rule in rules:
+    for name, run in runs.items():
         texts, nfes, queries = [], [], []
-        for prompt in tqdm(prompts, desc=f"{suite} {rule.spec}", leave=False):
-            ids, _ = _encode(tokenizer, [prompt], device)
+        for prompt in tqdm(prompts, desc=f"{suite} {name}", leave=False):
+            ids, _ = _encode(tokenizer, [prompt], model.device)
             with torch.inference_mode():
-                x, nfe, q = decode(model, ids, gen_length, block, rule, mask_id, end_ids)
+                x, nfe, q = run(ids, gen_length, end_ids)
             texts += answer_texts(tokenizer, x[:, ids.shape[1] :], end_ids.tolist())
             nfes.append(nfe)
             queries.append(q)
-        correct = [bool(sc.correct) for sc in _score_all(task, items, texts)]
-        out[rule.spec] = {"correct": correct, "nfe": nfes, "query_tokens": queries}
+        out[name] = {"correct": [bool(sc.correct) for sc in _score_all(task, items, texts)], "nfe": nfes, "query_tokens": queries}
     return out
+
+
+def run_suite(model, tokenizer, suite: str, limit: int, block: int, rules: list[Rule], split: str = "train") -> dict:
+    """Every rule on the suite's first ``limit`` items of ``split``: per rule, correct items, forwards, query tokens."""
+    mask_id = model.config.mask_token_id
+    shadows = block if any(r.tau_back is not None for r in rules) else 0  # the leave-one-out shadows: a block more
+    runs = {rule.spec: (lambda ids, gen, end, rule=rule: decode(model, ids, gen, block, rule, mask_id, end)) for rule in rules}
+    return score_runs(model, tokenizer, suite, limit, split, runs, shadows)
 
 
 def summarize(raw: dict[str, dict], baseline: str = BASELINE) -> dict[str, dict]:

@@ -33,19 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from commit_rules_probe import Rule, _prompts, summarize, table_rows
+from commit_rules_probe import Rule, score_runs, summarize, table_rows
 from commit_rules_probe import decode as fixed_decode
-from tqdm import tqdm
 
-from hf_blockbatch.eval.runner import (
-    _check_prompts_fit,
-    _encode,
-    _score_all,
-    load_for_benchmark,
-    load_task,
-    write_report,
-)
-from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
+from hf_blockbatch.eval.runner import load_for_benchmark, write_report
 from hf_blockbatch.generation.rules.threshold import threshold_select
 from hf_blockbatch.generation.sampling import sample_tokens
 
@@ -121,25 +112,9 @@ def decode(model, prompt: torch.Tensor, gen_length: int, schedule: Schedule, mas
 def run_suite(model, tokenizer, suite: str, limit: int, schedules: list[Schedule], split: str = "train") -> dict:
     """Every schedule on the suite's first ``limit`` items of ``split``: per schedule, correct items, forwards,
     query tokens (keyed by spec, the first schedule first: :func:`commit_rules_probe.summarize`'s baseline)."""
-    task = load_task(suite)
-    items = task.items(split, limit=limit)
-    prompts = _prompts(task, items, tokenizer)
-    gen_length = int(task.default_gen_length)
-    _check_prompts_fit(model, tokenizer, suite, prompts, gen_length)
-    end_ids = torch.tensor(end_token_ids(tokenizer, model.config), device=model.device)
-    out: dict[str, dict] = {}
-    for schedule in schedules:
-        texts, nfes, queries = [], [], []
-        for prompt in tqdm(prompts, desc=f"{suite} {schedule.spec}", leave=False):
-            ids, _ = _encode(tokenizer, [prompt], model.device)
-            with torch.inference_mode():
-                x, nfe, q = decode(model, ids, gen_length, schedule, model.config.mask_token_id, end_ids)
-            texts += answer_texts(tokenizer, x[:, ids.shape[1] :], end_ids.tolist())
-            nfes.append(nfe)
-            queries.append(q)
-        out[schedule.spec] = {"correct": [bool(sc.correct) for sc in _score_all(task, items, texts)], "nfe": nfes,
-                              "query_tokens": queries}  # fmt: skip
-    return out
+    mask_id = model.config.mask_token_id
+    runs = {sc.spec: (lambda ids, gen, end, sc=sc: decode(model, ids, gen, sc, mask_id, end)) for sc in schedules}
+    return score_runs(model, tokenizer, suite, limit, split, runs)
 
 
 def main(argv: list[str] | None = None) -> None:
