@@ -385,9 +385,23 @@ def table_rows(suites: dict[str, dict[str, dict]], baseline: str, specs: list[st
     return rows + [f"| `{spec}` | " + " | ".join(cell(r[spec]) for r in suites.values()) + " |" for spec in specs]
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The probes' model options: which checkpoint (a tiny one, a folder or a repo), on how many CPU threads,
+    where and in which dtype (``--device cuda --dtype bfloat16`` for a real LLaDA or Dream)."""
+    p.add_argument("--model", default="tiny-llada")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="where the model runs (cuda for a real checkpoint)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def load_from_arguments(args: argparse.Namespace) -> tuple:
+    """The model and tokenizer :func:`add_model_arguments`' options name."""
+    return load_for_benchmark(args.model, args.threads, args.device, getattr(torch, args.dtype))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny-llada")
+    add_model_arguments(p)
     p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
     p.add_argument("--limit", type=int, default=200, help="items per suite")
     p.add_argument("--split", default="train", help="the tiny suites' training items by default; the real benchmarks "
@@ -398,16 +412,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tau-back", type=float, default=0.9, help="the leave-one-out check's threshold")
     p.add_argument("--fit-limit", type=int, default=300,
                    help="learned:p rules: training items per suite the filter is fitted on, after the --limit judged ones")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--device", default="cpu", help="where the model runs (cuda for a real checkpoint)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out", default="benchmarks/results/commit_rules")
     p.add_argument("--tag", default="", help="appended to the files' names (several rule sets per model)")
     args = p.parse_args(argv)
     rules = [Rule.parse(BASELINE)] + [Rule.parse(s, args.tau_back) for s in args.rules if s != BASELINE]
     if args.fit_limit < 1 and any(rule.learned is not None for rule in rules):
         p.error("--fit-limit must be at least 1: a learned rule's filter is fitted on that many items per suite")
-    model, tokenizer = load_for_benchmark(args.model, args.threads, args.device, getattr(torch, args.dtype))
+    model, tokenizer = load_from_arguments(args)
     if model.logit_shift:  # refuse before any decode, not after the first suite
         for rule in rules:
             if rule.tau_back is not None and rule.shadows_see_shadows:

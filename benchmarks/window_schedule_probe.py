@@ -33,10 +33,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from commit_rules_probe import Rule, score_runs, summarize, table_rows
+from commit_rules_probe import (
+    Rule,
+    add_model_arguments,
+    load_from_arguments,
+    score_runs,
+    summarize,
+    table_rows,
+)
 from commit_rules_probe import decode as fixed_decode
 
-from hf_blockbatch.eval.runner import load_for_benchmark, write_report
+from hf_blockbatch.eval.runner import write_report
 from hf_blockbatch.generation.rules.threshold import threshold_select
 from hf_blockbatch.generation.sampling import sample_tokens
 
@@ -119,15 +126,12 @@ def run_suite(model, tokenizer, suite: str, limit: int, schedules: list[Schedule
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny-llada")
+    add_model_arguments(p)
     p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
     p.add_argument("--limit", type=int, default=100, help="items per suite")
     p.add_argument("--split", default="train")
     p.add_argument("--schedules", nargs="+", default=["fixed:64", "sliding:64", "masks:64"],
                    help="mode:block[:cap] each; the first is the baseline the others are compared with")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--device", default="cpu", help="where the model runs (cuda for a real checkpoint)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out", default="benchmarks/results/window_schedules")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         schedules = [Schedule.parse(s) for s in args.schedules]
     except ValueError as err:
         p.error(str(err))
-    model, tokenizer = load_for_benchmark(args.model, args.threads, args.device, getattr(torch, args.dtype))
+    model, tokenizer = load_from_arguments(args)
     result = {"model": args.model, "split": args.split, "limit": args.limit, "baseline": schedules[0].spec, "suites": {}}
     for suite in args.suites:
         rows = summarize(run_suite(model, tokenizer, suite, args.limit, schedules, args.split), schedules[0].spec)
