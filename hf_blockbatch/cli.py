@@ -171,6 +171,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     settings = BenchSettings(
         model=args.model, tasks=_names(args.task or list(TINY_TASKS)), methods=_names(args.methods or list(BASE_METHODS)),
         overrides=parse_overrides(args.set, args.configs), sweep_blocks=args.sweep_blocks or [],
+        at_tuned_block=_names(args.at_tuned_block or []),
         limit=args.limit, batch_size=args.batch_size, seed=args.seed, gen_length=args.gen_length,
         output_dir=args.output_dir, device=args.device, dtype=args.dtype, device_map=args.device_map,
         chat=False if args.no_chat else None, data_paths=dict(args.data),
@@ -256,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also run Fast-dLLM with early stop at these block sizes (the fixed-block frontier the tuned "
                             "baseline is picked from), e.g. 16,32,64; auto: every multiple of 16 (auto:S: of S) up to "
                             "each task's generation length, and the generation length")  # fmt: skip
+    bench.add_argument("--at-tuned-block", nargs="+", action="extend", default=None, metavar="METHOD",
+                       help="decode these methods (of --methods, e.g. fast_dllm_drafted_contained) last, at each task's "
+                            "tuned Fast-dLLM block: the most accurate of the sweep and fast_dllm_early_stop (one process)")  # fmt: skip
     bench.add_argument("--output-dir", default="benchmarks/results/bench")
     bench.add_argument("--device", default=None, help="cpu or cuda[:i] (default: this process's GPU when present)")
     bench.add_argument("--device-map", default=None,

@@ -264,6 +264,47 @@ def test_a_new_method_is_one_registry_entry(monkeypatch):
 # ----------------------------------------------------------------------------- the runner
 
 
+def test_bench_runs_presets_at_each_tasks_tuned_block(tiny, tmp_path):
+    """``at_tuned_block``: the method is decoded after the sweep, at the block the summary then names tuned, per task,
+    with the same tokens as a run given that block by hand; run.json records the block it ran at."""
+    model, tok, _ = tiny
+    common = dict(model="random", tasks=["arith", "code"], limit=3, batch_size=3, gen_length=24, progress=False,
+                  plots=False, methods=["fast_dllm_early_stop", "fast_dllm_sparse"])  # fmt: skip
+    settings = BenchSettings(**common, sweep_blocks=[8, 24], at_tuned_block=["fast_dllm_sparse"], output_dir=str(tmp_path / "a"))
+    summary = run_bench(settings, model, tok, shard=ShardInfo())
+    meta = json.loads((tmp_path / "a" / "run.json").read_text())
+    rows = runner.read_jsonl(tmp_path / "a" / "samples.jsonl")
+    for task in ("arith", "code"):
+        cells = summary["tasks"][task]["methods"]
+        block = cells[runner.tuned_fast_dllm(cells)]["block"]
+        assert meta["tasks"][task]["configs"]["fast_dllm_sparse"]["block_length"] == block == cells["fast_dllm_sparse"]["block"]
+        by_hand = run_bench(BenchSettings(**{**common, "methods": ["fast_dllm_sparse"]}, output_dir=str(tmp_path / f"b{task}"),
+                                          overrides={"fast_dllm_sparse": {"block_length": block}}), model, tok, shard=ShardInfo())  # fmt: skip
+        hand = runner.read_jsonl(tmp_path / f"b{task}" / "samples.jsonl")
+        ours = [(r["output"], r["nfe"]) for r in rows if r["task"] == task and r["method"] == "fast_dllm_sparse"]
+        assert ours == [(r["output"], r["nfe"]) for r in hand if r["task"] == task]
+        assert by_hand["tasks"][task]["methods"]["fast_dllm_sparse"]["nfe_mean"] == cells["fast_dllm_sparse"]["nfe_mean"]
+
+
+@pytest.mark.parametrize(
+    ("methods", "sweep", "deferred", "overrides", "world", "message"),
+    [
+        (["fast_dllm_early_stop"], [8], ["fast_dllm_sparse"], {}, 1, "not a method of this run"),
+        (["fast_dllm_early_stop"], [8], ["fast_dllm_early_stop"], {}, 1, "one of the runs the tuned block is picked from"),
+        (["fast_dllm_early_stop", "blockbatch"], [8], ["blockbatch"], {}, 1, "has no single block length"),
+        (["fast_dllm_sparse"], [], ["fast_dllm_sparse"], {}, 1, "add --sweep-blocks"),
+        (["fast_dllm_early_stop", "fast_dllm_sparse"], [8], ["fast_dllm_sparse"],
+         {"fast_dllm_sparse": {"block_length": 16}}, 1, "drop one of the two"),
+        (["fast_dllm_early_stop", "fast_dllm_sparse"], [8], ["fast_dllm_sparse"], {}, 2, "run the bench in one process"),
+    ],
+)
+def test_at_tuned_block_refuses_what_it_cannot_honour(methods, sweep, deferred, overrides, world, message):
+    settings = BenchSettings(methods=methods, sweep_blocks=sweep, at_tuned_block=deferred, overrides=overrides)
+    configs = build_method_configs(methods, 24, overrides, sweep)
+    with pytest.raises(ValueError, match=message):
+        runner._check_at_tuned_block(settings, configs, world)
+
+
 def test_bench_rows_table_plots_and_nfe(tiny, tmp_path):
     model, tok, _ = tiny
     settings = BenchSettings(
@@ -498,6 +539,8 @@ def test_cli_bench_sweep_blocks_auto_reaches_each_tasks_generation_length():
 
     args = build_parser().parse_args(["bench", "--sweep-blocks", "auto"])
     assert args.sweep_blocks == "auto" and build_parser().parse_args(["bench", "--sweep-blocks", "16,64"]).sweep_blocks == [16, 64]
+    assert build_parser().parse_args(["bench", "--at-tuned-block", "fast_dllm_sparse,fast_dllm_drafted"]).at_tuned_block == [
+        "fast_dllm_sparse,fast_dllm_drafted"]  # split by cmd_bench, as --methods is
     cfgs = {t: build_method_configs([], g, None, args.sweep_blocks) for t, g in (("lists", 64), ("arith", 96))}
     assert max(c.block_length for c in cfgs["lists"].values()) == 64 and max(c.block_length for c in cfgs["arith"].values()) == 96
 

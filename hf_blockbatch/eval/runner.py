@@ -576,6 +576,10 @@ class BenchSettings:
     #: latency at batch 1 next to the run's batch size (0: off; at batch size 1 every item is alone).
     #: Several processes: each re-times the first N items of its own shard
     latency_batch_1: int = 0
+    #: methods (of ``methods``, each with a ``block_length``) decoded last, at each task's tuned Fast-dLLM block: the
+    #: most accurate of this run's sweep points and ``fast_dllm_early_stop`` (:func:`tuned_fast_dllm`), as issue 16
+    #: compares its presets. One process only: the pick needs every item's result
+    at_tuned_block: list[str] = field(default_factory=list)
 
 
 def _resolve_dtype(name: str) -> torch.dtype | None:
@@ -694,6 +698,42 @@ def _time_alone(
         row["same_output_b1"] = texts[0] == row["output"] if greedy else None
 
 
+def _check_at_tuned_block(settings: BenchSettings, configs: Mapping[str, Any], world_size: int) -> None:
+    """Refuse, before any model loads, an ``at_tuned_block`` request the run cannot honour."""
+    deferred = settings.at_tuned_block
+    if not deferred:
+        return
+    pool = [m for m in configs if _sweep_block(m) is not None or m == "fast_dllm_early_stop"]
+    for m in deferred:
+        if m not in configs:
+            raise ValueError(f"--at-tuned-block {m}: not a method of this run; add it to --methods.")
+        if m in pool:
+            raise ValueError(f"--at-tuned-block {m}: it is one of the runs the tuned block is picked from.")
+        if not hasattr(configs[m], "block_length"):
+            raise ValueError(f"--at-tuned-block {m}: a {type(configs[m]).__name__} has no single block length.")
+        if "block_length" in settings.overrides.get(m, {}):
+            raise ValueError(f"--at-tuned-block {m}: it also sets {m}.block_length; drop one of the two.")
+    if not pool:
+        raise ValueError("--at-tuned-block needs runs to pick the tuned block from: add --sweep-blocks (e.g. auto) "
+                         "or fast_dllm_early_stop to --methods.")  # fmt: skip
+    if world_size > 1:
+        raise ValueError("--at-tuned-block picks the tuned block from every item's result: run the bench in one "
+                         "process, or give the block with --set METHOD.block_length=N.")  # fmt: skip
+
+
+def _tuned_block(rows: Sequence[Mapping[str, Any]], task: str, configs: Mapping[str, Any], aliases: Mapping[str, str]) -> int:
+    """The block of ``task``'s tuned Fast-dLLM (:func:`tuned_fast_dllm`) among the decoded rows."""
+    cells = {}
+    for m, cfg in configs.items():
+        if _sweep_block(m) is None and m != "fast_dllm_early_stop":
+            continue
+        mine = [r for r in rows if r["task"] == task and r["method"] == aliases.get(m, m)]
+        if mine:
+            cells[m] = {"accuracy": _mean([float(r["correct"]) for r in mine]), "nfe_mean": _mean([r["nfe"] for r in mine]),
+                        "sweep_block": _sweep_block(m), "early_stop": cfg.early_stop, "block": cfg.block_length}  # fmt: skip
+    return int(cells[tuned_fast_dllm(cells)]["block"])
+
+
 def run_bench(
     settings: BenchSettings,
     model: Any = None,
@@ -721,6 +761,7 @@ def run_bench(
         items = task.items("test", limit=settings.limit)
         gen_length = int(settings.gen_length or task.default_gen_length)
         configs = build_method_configs(settings.methods, gen_length, settings.overrides, settings.sweep_blocks)
+        _check_at_tuned_block(settings, configs, shard.world_size)
         plans.append((name, task, items, gen_length, configs))
 
     if model is None or tokenizer is None:
@@ -751,6 +792,7 @@ def run_bench(
     rows: list[dict[str, Any]] = []
     warmed = not settings.warmup
     started = time.perf_counter()
+    deferred = set(settings.at_tuned_block)
     for name, task, items, gen_length, configs in plans:
         mine = shard_range(len(items), shard.rank, shard.world_size)
         if not len(mine):
@@ -760,9 +802,17 @@ def run_bench(
         if not warmed:
             _warmup(model, tokenizer, prompts[mine[0]], device)
             warmed = True
-        for method, cfg in configs.items():
+        # the methods at the tuned block go last, once the runs that pick it are decoded (one process: every item)
+        order = [m for m in configs if m not in deferred] + [m for m in configs if m in deferred]
+        for method in order:
             if method in aliases[name]:
                 continue
+            if method in deferred:
+                own = {**settings.overrides.get(method, {}), "block_length": _tuned_block(rows, name, configs, aliases[name])}
+                reach = {k: v for k, v in settings.overrides.items() if k == "fast_dllm"}  # what reaches a Fast-dLLM preset
+                configs[method] = build_method_configs([method], gen_length, {**reach, method: own})[method]
+                logger.info("%s: %s at the tuned block %d", name, method, own["block_length"])
+            cfg = configs[method]
             bar.set_postfix_str(f"{name} / {method}")
             first_row = len(rows)
             for b0 in range(mine.start, mine.stop, settings.batch_size):
