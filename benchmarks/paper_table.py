@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hf_blockbatch.eval.runner import tuned_fast_dllm
+from hf_blockbatch.eval.runner import tuned_candidate, tuned_fast_dllm
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = ("fast_dllm", "fast_dllm_early_stop", "fast_dllm_b16", "fast_dllm_b64", "localleap", "localleap_early_stop",
@@ -213,7 +213,7 @@ def scorecard() -> list[dict[str, Any]]:
 def _on_frontier(name: str, cell: Mapping[str, Any]) -> bool:
     """The fixed-block frontier: dense Fast-dLLM with early stop at each block of the sweep (the runs the tuned
     baseline is picked from, ``eval.runner.tuned_fast_dllm``)."""
-    return bool(cell.get("early_stop")) and (name == "fast_dllm_early_stop" or cell.get("sweep_block") is not None)
+    return bool(cell.get("early_stop")) and tuned_candidate(name)
 
 
 def targets_markdown(card: list[dict[str, Any]]) -> str:

@@ -363,7 +363,7 @@ def method_label(name: str) -> str:
     return name
 
 
-def _tuned_candidate(name: str) -> bool:
+def tuned_candidate(name: str) -> bool:
     """Whether a method's runs compete for the tuned Fast-dLLM (:func:`tuned_fast_dllm`): the sweep's points and
     ``fast_dllm_early_stop``."""
     return _sweep_block(name) is not None or name == "fast_dllm_early_stop"
@@ -709,7 +709,7 @@ def _check_at_tuned_block(settings: BenchSettings, configs: Mapping[str, Any], w
     deferred = settings.at_tuned_block
     if not deferred:
         return
-    pool = [m for m in configs if _tuned_candidate(m)]
+    pool = [m for m in configs if tuned_candidate(m)]
     for m in deferred:
         if m not in configs:
             raise ValueError(f"--at-tuned-block {m}: not a method of this run; add it to --methods.")
@@ -731,7 +731,7 @@ def _tuned_block(rows: Sequence[Mapping[str, Any]], task: str, configs: Mapping[
     """The block of ``task``'s tuned Fast-dLLM (:func:`tuned_fast_dllm`) among the decoded rows."""
     cells = {}
     for m, cfg in configs.items():
-        if not _tuned_candidate(m):
+        if not tuned_candidate(m):
             continue
         mine = [r for r in rows if r["task"] == task and r["method"] == aliases.get(m, m)]
         if mine:
@@ -1049,7 +1049,7 @@ def tuned_fast_dllm(cells: Mapping[str, Mapping[str, Any]]) -> str | None:
     Why this one: the paper compares with Fast-dLLM at block 32 without early stop, which a user
     choosing a method would not run. It is chosen on the same items it is reported on, which
     flatters it slightly, as the best of several configurations always is."""
-    pool = [(m, c) for m, c in cells.items() if _tuned_candidate(m) and c.get("early_stop") is not False]
+    pool = [(m, c) for m, c in cells.items() if tuned_candidate(m) and c.get("early_stop") is not False]
     if not pool:
         return None
     return min(pool, key=lambda mc: (-mc[1]["accuracy"], mc[1]["nfe_mean"], mc[1].get("block") or 0))[0]
