@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "each task's generation length, and the generation length")  # fmt: skip
     bench.add_argument("--at-tuned-block", nargs="+", action="extend", default=None, metavar="METHOD",
                        help="decode these methods (of --methods, e.g. fast_dllm_drafted_contained) last, at each task's "
-                            "tuned Fast-dLLM block: the most accurate of the sweep and fast_dllm_early_stop (one process)")  # fmt: skip
+                            "tuned Fast-dLLM block: the most accurate of the sweep and fast_dllm_early_stop, over every process's items")  # fmt: skip
     bench.add_argument("--output-dir", default="benchmarks/results/bench")
     bench.add_argument("--device", default=None, help="cpu or cuda[:i] (default: this process's GPU when present)")
     bench.add_argument("--device-map", default=None,

@@ -287,22 +287,65 @@ def test_bench_runs_presets_at_each_tasks_tuned_block(tiny, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("methods", "sweep", "deferred", "overrides", "world", "message"),
+    ("methods", "sweep", "deferred", "overrides", "message"),
     [
-        (["fast_dllm_early_stop"], [8], ["fast_dllm_sparse"], {}, 1, "not a method of this run"),
-        (["fast_dllm_early_stop"], [8], ["fast_dllm_early_stop"], {}, 1, "one of the runs the tuned block is picked from"),
-        (["fast_dllm_early_stop", "blockbatch"], [8], ["blockbatch"], {}, 1, "has no single block length"),
-        (["fast_dllm_sparse"], [], ["fast_dllm_sparse"], {}, 1, "add --sweep-blocks"),
+        (["fast_dllm_early_stop"], [8], ["fast_dllm_sparse"], {}, "not a method of this run"),
+        (["fast_dllm_early_stop"], [8], ["fast_dllm_early_stop"], {}, "one of the runs the tuned block is picked from"),
+        (["fast_dllm_early_stop", "blockbatch"], [8], ["blockbatch"], {}, "has no single block length"),
+        (["fast_dllm_sparse"], [], ["fast_dllm_sparse"], {}, "add --sweep-blocks"),
         (["fast_dllm_early_stop", "fast_dllm_sparse"], [8], ["fast_dllm_sparse"],
-         {"fast_dllm_sparse": {"block_length": 16}}, 1, "drop one of the two"),
-        (["fast_dllm_early_stop", "fast_dllm_sparse"], [8], ["fast_dllm_sparse"], {}, 2, "run the bench in one process"),
+         {"fast_dllm_sparse": {"block_length": 16}}, "drop one of the two"),
     ],
 )
-def test_at_tuned_block_refuses_what_it_cannot_honour(methods, sweep, deferred, overrides, world, message):
+def test_at_tuned_block_refuses_what_it_cannot_honour(methods, sweep, deferred, overrides, message):
     settings = BenchSettings(methods=methods, sweep_blocks=sweep, at_tuned_block=deferred, overrides=overrides)
     configs = build_method_configs(methods, 24, overrides, sweep)
     with pytest.raises(ValueError, match=message):
-        runner._check_at_tuned_block(settings, configs, world)
+        runner._check_at_tuned_block(settings, configs)
+
+
+def test_at_tuned_block_sharded_equals_single_process(tiny, tmp_path, monkeypatch):
+    """Two processes (threads here, meeting at a real barrier) pick the tuned block from both shards' rows: the
+    merged samples.jsonl, and the block each task ran the method at, are a single process's."""
+    import threading
+
+    model, tok, _ = tiny
+    seen: list[tuple[str, int]] = []  # (task, rows the pick read) per pick
+    pick = runner._tuned_block
+    monkeypatch.setattr(runner, "_tuned_block", lambda rows, task, *a: seen.append((task, sum(r["task"] == task for r in rows)))
+                        or pick(rows, task, *a))  # fmt: skip
+    common = dict(model="random", tasks=["arith", "code"], methods=["fast_dllm_early_stop", "fast_dllm_sparse"],
+                  sweep_blocks=[8, 24], at_tuned_block=["fast_dllm_sparse"], limit=6, batch_size=3, gen_length=24,
+                  progress=False, plots=False)  # fmt: skip
+    run_bench(BenchSettings(output_dir=str(tmp_path / "single"), **common), model, tok, shard=ShardInfo())
+    alone, seen[:] = sorted(seen), []
+    sharded = BenchSettings(output_dir=str(tmp_path / "sharded"), **common)
+    meeting = threading.Barrier(2, timeout=300)
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            run_bench(sharded, model, tok, shard=ShardInfo(r, 2, r), barrier=meeting.wait)
+        except BaseException as err:  # noqa: BLE001 (re-raised below, in the test's thread)
+            errors.append(err)
+            meeting.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    assert sorted(seen) == sorted(alone * 2)  # each process picked from every item's rows, as one process does
+    a = runner.read_jsonl(tmp_path / "single" / "samples.jsonl")
+    b = runner.read_jsonl(tmp_path / "sharded" / "samples.jsonl")
+    assert sorted({r["rank"] for r in b}) == [0, 1]
+    assert _strip_timing(a) == _strip_timing(b)
+    single, merged = ({task: json.loads((tmp_path / run / "run.json").read_text())["tasks"][task]["configs"]
+                       ["fast_dllm_sparse"]["block_length"] for task in ("arith", "code")} for run in ("single", "sharded"))  # fmt: skip
+    assert merged == single
+    assert not (tmp_path / "sharded" / "shards").exists()  # shards and picks removed
 
 
 def test_bench_rows_table_plots_and_nfe(tiny, tmp_path):

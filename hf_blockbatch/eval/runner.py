@@ -536,10 +536,34 @@ def merge_shards(
         if not path.is_file():
             raise FileNotFoundError(f"shard of process {rank} is missing: {path}")
         rows.extend(read_jsonl(path))
+    rows.sort(key=_row_order(task_order, method_order))
+    return rows
+
+
+def _row_order(task_order: Sequence[str], method_order: Sequence[str]) -> Callable[[Mapping[str, Any]], tuple]:
+    """The sort key of a run's rows: task, method, item index, in the run's orders (unknown names last)."""
     t_ix = {t: i for i, t in enumerate(task_order)}
     m_ix = {m: i for i, m in enumerate(method_order)}
-    rows.sort(key=lambda r: (t_ix.get(r["task"], len(t_ix)), m_ix.get(r["method"], len(m_ix)), r["index"]))
-    return rows
+    return lambda r: (t_ix.get(r["task"], len(t_ix)), m_ix.get(r["method"], len(m_ix)), r["index"])
+
+
+def _pick_path(out_dir: Path, rank: int, world: int) -> Path:
+    return out_dir / "shards" / f"pick.rank{rank}-of-{world}.jsonl"
+
+
+def _gather_pick_rows(out_dir: Path, shard: ShardInfo, rows: Sequence[Mapping[str, Any]],
+                      barrier: Callable[[], None]) -> list[dict[str, Any]]:  # fmt: skip
+    """Every process's rows so far (what :func:`_tuned_block` reads of them), for a pick that needs every
+    item's result: each process writes its own, waits for the others, and reads them all. Removed with the
+    shards, after the last barrier, when every process has read them."""
+    keep = ("task", "method", "correct", "nfe")
+    path = _pick_path(out_dir, shard.rank, shard.world_size)
+    _write_jsonl(path, ({k: r[k] for k in keep} for r in rows))
+    barrier()
+    pool: list[dict[str, Any]] = []
+    for rank in range(shard.world_size):
+        pool.extend(read_jsonl(_pick_path(out_dir, rank, shard.world_size)))
+    return pool
 
 
 # ----------------------------------------------------------------------------------------- run
@@ -584,7 +608,7 @@ class BenchSettings:
     latency_batch_1: int = 0
     #: methods (of ``methods``, each with a ``block_length``) decoded last, at each task's tuned Fast-dLLM block: the
     #: most accurate of this run's sweep points and ``fast_dllm_early_stop`` (:func:`tuned_fast_dllm`), as issue 16
-    #: compares its presets. One process only: the pick needs every item's result
+    #: compares its presets. The pick needs every item's result: with several processes each reads all shards' rows
     at_tuned_block: list[str] = field(default_factory=list)
 
 
@@ -704,7 +728,7 @@ def _time_alone(
         row["same_output_b1"] = texts[0] == row["output"] if greedy else None
 
 
-def _check_at_tuned_block(settings: BenchSettings, configs: Mapping[str, Any], world_size: int) -> None:
+def _check_at_tuned_block(settings: BenchSettings, configs: Mapping[str, Any]) -> None:
     """Refuse, before any model loads, an ``at_tuned_block`` request the run cannot honour."""
     deferred = settings.at_tuned_block
     if not deferred:
@@ -722,9 +746,6 @@ def _check_at_tuned_block(settings: BenchSettings, configs: Mapping[str, Any], w
     if not pool:
         raise ValueError("--at-tuned-block needs runs to pick the tuned block from: add --sweep-blocks (e.g. auto) "
                          "or fast_dllm_early_stop to --methods.")  # fmt: skip
-    if world_size > 1:
-        raise ValueError("--at-tuned-block picks the tuned block from every item's result: run the bench in one "
-                         "process, or give the block with --set METHOD.block_length=N.")  # fmt: skip
 
 
 def _tuned_block(rows: Sequence[Mapping[str, Any]], task: str, configs: Mapping[str, Any], aliases: Mapping[str, str]) -> int:
@@ -767,7 +788,7 @@ def run_bench(
         items = task.items("test", limit=settings.limit)
         gen_length = int(settings.gen_length or task.default_gen_length)
         configs = build_method_configs(settings.methods, gen_length, settings.overrides, settings.sweep_blocks)
-        _check_at_tuned_block(settings, configs, shard.world_size)
+        _check_at_tuned_block(settings, configs)
         plans.append((name, task, items, gen_length, configs))
 
     if model is None or tokenizer is None:
@@ -796,53 +817,65 @@ def run_bench(
     bar = tqdm(total=total, desc=f"bench (process {shard.rank})" if shard.world_size > 1 else "bench",
                unit="sample", disable=not settings.progress or not shard.is_main, dynamic_ncols=True)  # fmt: skip
     rows: list[dict[str, Any]] = []
-    warmed = not settings.warmup
     started = time.perf_counter()
-    deferred = set(settings.at_tuned_block)
+    # each task's shard of the items and their prompts, all checked before the first decode
+    work: list[tuple[str, Task, list[EvalItem], int, dict[str, Any], range, dict[int, str]]] = []
     for name, task, items, gen_length, configs in plans:
         mine = shard_range(len(items), shard.rank, shard.world_size)
-        if not len(mine):
-            continue
-        prompts = {i: task.prompt(items[i], tokenizer, chat=chat) for i in mine}
-        _check_prompts_fit(model, tokenizer, name, list(prompts.values()), gen_length)
-        if not warmed:
-            _warmup(model, tokenizer, prompts[mine[0]], device)
-            warmed = True
-        # the methods at the tuned block go last, once the runs that pick it are decoded (one process: every item)
-        order = [m for m in configs if m not in deferred] + [m for m in configs if m in deferred]
-        for method in order:
-            if method in aliases[name]:
-                continue
-            if method in deferred:
-                own = {**settings.overrides.get(method, {}), "block_length": _tuned_block(rows, name, configs, aliases[name])}
+        if len(mine):
+            prompts = {i: task.prompt(items[i], tokenizer, chat=chat) for i in mine}
+            _check_prompts_fit(model, tokenizer, name, list(prompts.values()), gen_length)
+            work.append((name, task, items, gen_length, configs, mine, prompts))
+    if work and settings.warmup:
+        name, _t, _i, _g, _c, mine, prompts = work[0]
+        _warmup(model, tokenizer, prompts[mine[0]], device)
+
+    def decode(name: str, task: Task, items: list[EvalItem], gen_length: int, method: str, cfg: Any, mine: range,
+               prompts: dict[int, str]) -> None:  # fmt: skip
+        """Decode the shard's items of one task with one method, in batches, and append their rows."""
+        bar.set_postfix_str(f"{name} / {method}")
+        first_row = len(rows)
+        for b0 in range(mine.start, mine.stop, settings.batch_size):
+            idx = list(range(b0, min(b0 + settings.batch_size, mine.stop)))
+            out, texts, lengths, seconds = _decode(model, tokenizer, cfg, [prompts[i] for i in idx], device,
+                                                   settings.seed * 1_000_003 + b0, end_ids)  # fmt: skip
+            batch_items = [items[i] for i in idx]
+            scores = _score_all(task, batch_items, texts)
+            for j, (i, item, text, score) in enumerate(zip(idx, batch_items, texts, scores)):
+                stats = {k: v for k, v in (out.stats[j] if out.stats else {}).items() if k not in _DROP_STATS}
+                rows.append({
+                    "task": name, "index": i, "id": item.id, "method": method, "strategy": cfg.strategy,
+                    "gen_length": gen_length, "prompt": prompts[i], "output": text,
+                    "reference": item.reference, "extracted": score.extracted, "correct": bool(score.correct),
+                    "detail": score.detail, "nfe": int(out.nfe[j]), "latency_s": seconds / len(idx),
+                    "batch_seconds": seconds, "batch_size": len(idx), "rank": shard.rank, "stats": stats,
+                    "answer_tokens": lengths[j], "latency_b1_s": seconds if settings.batch_size == 1 else None,
+                    "same_output_b1": None,
+                })  # fmt: skip
+            bar.update(len(idx))
+        if settings.batch_size > 1 and settings.latency_batch_1:
+            _time_alone(model, tokenizer, cfg, rows[first_row : first_row + settings.latency_batch_1], device,
+                        settings.seed, end_ids)  # fmt: skip
+            bar.update(min(settings.latency_batch_1, len(mine)))
+
+    deferred = set(settings.at_tuned_block)
+    for name, task, items, gen_length, configs, mine, prompts in work:
+        for method, cfg in configs.items():
+            if method not in aliases[name] and method not in deferred:
+                decode(name, task, items, gen_length, method, cfg, mine, prompts)
+    if deferred:
+        # the methods at the tuned block go last, once the runs that pick it are decoded, on every shard: each
+        # process picks from every process's rows (the same pick everywhere)
+        pool = rows if shard.world_size == 1 else _gather_pick_rows(out_dir, shard, rows, barrier)
+        for name, task, items, gen_length, configs, mine, prompts in work:
+            for method in configs:
+                if method not in deferred or method in aliases[name]:
+                    continue
+                own = {**settings.overrides.get(method, {}), "block_length": _tuned_block(pool, name, configs, aliases[name])}
                 reach = {k: v for k, v in settings.overrides.items() if k == "fast_dllm"}  # what reaches a Fast-dLLM preset
                 configs[method] = build_method_configs([method], gen_length, {**reach, method: own})[method]
                 logger.info("%s: %s at the tuned block %d", name, method, own["block_length"])
-            cfg = configs[method]
-            bar.set_postfix_str(f"{name} / {method}")
-            first_row = len(rows)
-            for b0 in range(mine.start, mine.stop, settings.batch_size):
-                idx = list(range(b0, min(b0 + settings.batch_size, mine.stop)))
-                out, texts, lengths, seconds = _decode(model, tokenizer, cfg, [prompts[i] for i in idx], device,
-                                                       settings.seed * 1_000_003 + b0, end_ids)  # fmt: skip
-                batch_items = [items[i] for i in idx]
-                scores = _score_all(task, batch_items, texts)
-                for j, (i, item, text, score) in enumerate(zip(idx, batch_items, texts, scores)):
-                    stats = {k: v for k, v in (out.stats[j] if out.stats else {}).items() if k not in _DROP_STATS}
-                    rows.append({
-                        "task": name, "index": i, "id": item.id, "method": method, "strategy": cfg.strategy,
-                        "gen_length": gen_length, "prompt": prompts[i], "output": text,
-                        "reference": item.reference, "extracted": score.extracted, "correct": bool(score.correct),
-                        "detail": score.detail, "nfe": int(out.nfe[j]), "latency_s": seconds / len(idx),
-                        "batch_seconds": seconds, "batch_size": len(idx), "rank": shard.rank, "stats": stats,
-                        "answer_tokens": lengths[j], "latency_b1_s": seconds if settings.batch_size == 1 else None,
-                        "same_output_b1": None,
-                    })  # fmt: skip
-                bar.update(len(idx))
-            if settings.batch_size > 1 and settings.latency_batch_1:
-                _time_alone(model, tokenizer, cfg, rows[first_row : first_row + settings.latency_batch_1], device,
-                            settings.seed, end_ids)  # fmt: skip
-                bar.update(min(settings.latency_batch_1, len(mine)))
+                decode(name, task, items, gen_length, method, configs[method], mine, prompts)
     bar.close()
     logger.info("process %d: %d rows in %.1f s", shard.rank, len(rows), time.perf_counter() - started)
 
@@ -855,8 +888,11 @@ def run_bench(
         rows = merge_shards(out_dir, shard.world_size, settings.tasks, method_order)
         for rank in range(shard.world_size):
             _shard_path(out_dir, rank, shard.world_size).unlink(missing_ok=True)
+            _pick_path(out_dir, rank, shard.world_size).unlink(missing_ok=True)
         if not any((out_dir / "shards").iterdir()):
             (out_dir / "shards").rmdir()
+    else:  # the order a merge gives (methods at the tuned block were decoded last)
+        rows.sort(key=_row_order(settings.tasks, method_order))
     _write_jsonl(out_dir / SAMPLES_FILE, rows)
 
     summary = summarize(rows, settings.tasks, method_order, aliases, {n: cfgs for n, _t, _i, _g, cfgs in plans})
