@@ -916,8 +916,37 @@ def test_the_committed_targets_scorecard_is_the_committed_runs_and_the_shipped_p
         assert shipped["block"] == row["tuned_block"] and shipped["n"] == tuned["n"] == 500
         assert row["nfe_vs_tuned"] == pytest.approx(shipped["nfe_mean"] / tuned["nfe_mean"])
         assert all(name is not None for label, name in row["methods"].items() if "reference" not in label)
+    heldout = paper_table.heldout_scorecard()  # the same, at the block picked on training items
+    picks = json.loads(paper_table.HELDOUT.read_text())
+    assert len(heldout) == 6
+    for row in heldout:
+        block = picks[row["model"]][row["suite"]]["block"]
+        assert row["tuned_block"] == block == row["cells"][row["shipped"]]["block"] and row["tuned"] in row["frontier"]
     committed = (paper_table.TARGETS / "targets.md").read_text()
-    assert paper_table.targets_markdown(card) == committed
+    assert paper_table.targets_markdown(card, heldout) == committed
+
+
+def test_the_heldout_pick_reads_only_the_sweeps_own_configs(tmp_path):
+    """``paper_table.py --heldout-sweep``: the block picked on training items is ``tuned_fast_dllm``'s among runs
+    whose config is a sweep point's (a sparse run at a block does not stand for it), and a sweep with a block
+    missing is refused rather than picked from."""
+    paper_table = load_benchmark("paper_table")
+    fd = {"strategy": "fast_dllm", "cache": "dual", "threshold": 0.9, "early_stop": True}
+    blocks = {16: (40.0, 7.0), 32: (45.0, 6.1), 48: (46.0, 6.2), 64: (46.0, 6.0)}  # 48 and 64 tie: the lower NFE
+    # first in the file, the best of all, and not a sweep point
+    configs = {"sparse": {**fd, "block_length": 64, "window_queries": "sparse", "requery_radius": 6}}
+    results = {"sparse": {"n": 10, "acc": 90.0, "nfe": 1.0}}
+    configs.update({f"b{b}": {**fd, "block_length": b} for b in blocks})
+    results.update({f"b{b}": {"n": 10, "acc": acc, "nfe": nfe} for b, (acc, nfe) in blocks.items()})
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"model": "m", "limit": 10, "configs": configs, "suites": {"lists": results}}))
+    pick = paper_table.heldout_blocks([path])["m"]["lists"]
+    assert pick["block"] == 64 and pick["items"] == 10 and pick["blocks"]["64"] == {"accuracy": 0.46, "nfe_mean": 6.0}
+    assert set(pick["blocks"]) == {"16", "32", "48", "64"}
+    del configs["b48"], results["b48"]
+    path.write_text(json.dumps({"model": "m", "limit": 10, "configs": configs, "suites": {"lists": results}}))
+    with pytest.raises(SystemExit, match=r"blocks \[48\]"):
+        paper_table.heldout_blocks([path])
 
 
 def test_step_anatomy_times_each_part_exclusive_of_the_parts_it_calls(monkeypatch):
