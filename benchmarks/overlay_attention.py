@@ -37,6 +37,7 @@ ride a step; not built.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import statistics
 import time
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hf_blockbatch.attention.backends import GroupedSDPABackend
+from hf_blockbatch.attention.backends import AttentionBackend, GroupedSDPABackend
 from hf_blockbatch.attention.metadata import GROUP_CALL_COST, WindowBatch
 from hf_blockbatch.eval.runner import _encode, load_for_benchmark, load_task, write_report
 from hf_blockbatch.generation.configs import FastDLLMConfig
@@ -131,9 +132,9 @@ def build_overlay(c: Captured) -> Overlay:
     """The overlay layout of a captured step, read off the captured cache: a draft row's tail is every position
     where its cache row differs from its main row's (its own queries and its draft ancestors' echoes). Requests
     are grouped by query count with ``sdpa_grouped``'s rule (:data:`GROUP_CALL_COST`)."""
-    wb, N = c.wb, c.branches
+    wb, N, dev = c.wb, c.branches, c.k.device
     rows, L = wb.rows.tolist(), c.k.shape[1]
-    main_of = torch.arange(c.k.shape[0]) // N * N
+    main_of = torch.arange(c.k.shape[0], device=dev) // N * N
     diff = (c.k != c.k[main_of]).flatten(2).any(-1) | (c.v != c.v[main_of]).flatten(2).any(-1)  # [R, L]
     bounds = [0, *wb.lengths.cumsum(0).tolist()]
     members: dict[int, list[int]] = {}
@@ -145,8 +146,8 @@ def build_overlay(c: Captured) -> Overlay:
     for a, m in enumerate(requests):
         ks, vs, sees, queries, tail = [c.k[m]], [c.v[m]], [], [], 0
         for i in members[m]:
-            r, own = rows[i], torch.arange(bounds[i], bounds[i + 1])
-            keys = torch.ones(L, dtype=torch.bool) if wb.key_mask is None else wb.key_mask[i].clone()
+            r, own = rows[i], torch.arange(bounds[i], bounds[i + 1], device=dev)
+            keys = torch.ones(L, dtype=torch.bool, device=dev) if wb.key_mask is None else wb.key_mask[i].clone()
             slot = wb.token_pos[own]
             if r != m:
                 at = diff[r].nonzero().squeeze(1)
@@ -176,11 +177,11 @@ def build_overlay(c: Captured) -> Overlay:
     groups, units = [], 0
     for members_ in plan:
         n, Q, T = len(members_), built[members_[0]][3].numel(), max(tails[a] for a in members_)
-        k = torch.zeros(n, L + T, *c.k.shape[2:], dtype=c.k.dtype)
+        k = torch.zeros(n, L + T, *c.k.shape[2:], dtype=c.k.dtype, device=dev)
         v = torch.zeros_like(k)
-        mask = torch.zeros(n, 1, Q, L + T, dtype=torch.bool)
-        index = torch.zeros(n, Q, dtype=torch.long)
-        valid = torch.zeros(n, Q, dtype=torch.bool)
+        mask = torch.zeros(n, 1, Q, L + T, dtype=torch.bool, device=dev)
+        index = torch.zeros(n, Q, dtype=torch.long, device=dev)
+        valid = torch.zeros(n, Q, dtype=torch.bool, device=dev)
         for g, a in enumerate(members_):
             kk, vv, sees, queries, tail = built[a]
             k[g, : kk.shape[0]], v[g, : vv.shape[0]] = kk, vv
@@ -215,29 +216,35 @@ def overlay_attention(q: torch.Tensor, o: Overlay, scale: float) -> torch.Tensor
     return out
 
 
-def _median_us(fn, repeats: int) -> float:
+def _median_us(fn, repeats: int, device: torch.device) -> float:
+    """Median wall time of ``fn`` in µs (on a GPU, each call synchronized: a layer's attention, start to end)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return 1e6 * statistics.median(times)
 
 
-def measure_step(c: Captured, repeats: int) -> dict[str, Any]:
-    """Today's rows against the overlay on one captured layer call: time, key slots read, resident slots."""
-    wb, backend = c.wb, GroupedSDPABackend()
+def measure_step(c: Captured, repeats: int, backend: AttentionBackend | None = None) -> dict[str, Any]:
+    """Today's rows (``backend``: ``sdpa_grouped``, this CPU's) against the overlay on one captured layer call:
+    time, key slots read, resident slots."""
+    wb, backend = c.wb, backend or GroupedSDPABackend()
     scale = c.q.shape[-1] ** -0.5
     o = build_overlay(c)
     groups = wb.length_groups(c.q.shape[1] * c.q.shape[2])  # today's per-step metadata, built untimed as the overlay's
     error = float((backend.window(c.q, c.k, c.v, wb, scale) - overlay_attention(c.q, o, scale)).abs().max())
+    us = functools.partial(_median_us, repeats=repeats, device=c.k.device)
 
     # the layer's write in each layout: today the queries' K/V and the echoes, scattered into the cache rows; the
     # overlay the queries' K/V only (a draft's own K/V into its tail), into the overlay's cache
     flat_k, flat_v = c.k.clone().view(-1, *c.k.shape[2:]), c.v.clone().view(-1, *c.v.shape[2:])
     size = o.requests * (c.k.shape[1] + max(o.tails))
-    flat_o_k = torch.zeros(size, *c.k.shape[2:], dtype=c.k.dtype)
+    flat_o_k = torch.zeros(size, *c.k.shape[2:], dtype=c.k.dtype, device=c.k.device)
     flat_o_v = torch.zeros_like(flat_o_k)
 
     def write_rows() -> None:
@@ -252,9 +259,9 @@ def measure_step(c: Captured, repeats: int) -> dict[str, Any]:
     return {
         "rows": int(wb.rows.numel()), "requests": o.requests, "queries": int(c.q.shape[0]),
         "echoes": int(wb.write_slots.numel() - c.q.shape[0]), "groups": {"rows": len(groups), "overlay": len(o.groups)},
-        "attention_us": {"rows": _median_us(lambda: backend.window(c.q, c.k, c.v, wb, scale), repeats),
-                         "overlay": _median_us(lambda: overlay_attention(c.q, o, scale), repeats)},
-        "write_us": {"rows": _median_us(write_rows, repeats), "overlay": _median_us(write_overlay, repeats)},
+        "attention_us": {"rows": us(lambda: backend.window(c.q, c.k, c.v, wb, scale)),
+                         "overlay": us(lambda: overlay_attention(c.q, o, scale))},
+        "write_us": {"rows": us(write_rows), "overlay": us(write_overlay)},
         "keys_read": {"rows": int(wb.rows.numel()) * L, "overlay": sum(g.count * g.k.shape[2] for g in o.groups)},
         "query_key_units": {"rows": sum(g.count * g.width for g in groups) * L, "overlay": o.units},
         "resident_rows_per_request": {"rows": N, "overlay": 1 + max(o.tails) / L},
