@@ -129,8 +129,8 @@ class Overlay:
 
 
 def build_overlay(c: Captured) -> Overlay:
-    """The overlay layout of a captured step, read off the captured cache: a draft row's tail is every position
-    where its cache row differs from its main row's (its own queries and its draft ancestors' echoes). Requests
+    """The overlay layout of a captured step, read off the captured cache: a draft row's tail is its own queries and
+    every other position where its cache row differs from its main row's (its draft ancestors' echoes). Requests
     are grouped by query count with ``sdpa_grouped``'s rule (:data:`GROUP_CALL_COST`)."""
     wb, N, dev = c.wb, c.branches, c.k.device
     rows, L = wb.rows.tolist(), c.k.shape[1]
@@ -150,13 +150,15 @@ def build_overlay(c: Captured) -> Overlay:
             keys = torch.ones(L, dtype=torch.bool, device=dev) if wb.key_mask is None else wb.key_mask[i].clone()
             slot = wb.token_pos[own]
             if r != m:
-                at = diff[r].nonzero().squeeze(1)
+                # the tail: where the draft's K/V differ from its main row's, and its own queries (their K/V are
+                # its own, even where they happen to equal the main row's)
+                own_pos = torch.zeros(L, dtype=torch.bool, device=dev).index_fill_(0, slot, True)
+                at = (diff[r] | own_pos).nonzero().squeeze(1)
                 ks.append(c.k[r, at])
                 vs.append(c.v[r, at])
                 keys[at] = False
                 sees.append((keys, tail, tail + at.numel(), own.numel()))
-                # a draft query's K/V go to its position's tail slot (a draft queries only where it differs)
-                slot = L + tail + torch.searchsorted(at, slot)
+                slot = L + tail + torch.searchsorted(at, slot)  # a draft query's K/V go to its position's tail slot
                 tail += at.numel()
             else:
                 sees.append((keys, 0, 0, own.numel()))
