@@ -24,7 +24,9 @@ Several processes (data parallel): every process decodes a contiguous shard of e
 (``accelerate launch``/``torchrun`` set ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``), writes its rows to
 ``shards/``, and after a barrier process 0 merges the shards in item order and writes the table and
 plots, so the merged results equal a single-process run's (with greedy decoding and batch size 1
-exactly; padded batches give the same tokens too, as the decoding core guarantees).
+exactly; padded batches give the same tokens too, as the decoding core guarantees). Methods run at the
+tuned block (``at_tuned_block``) decode last: before them the processes meet once more, and each reads
+every shard's results, so all of them pick the same block.
 
 Files written to ``output_dir``: ``samples.jsonl`` (one row per task × method × item),
 ``summary.md``, ``summary.json``, ``run.json`` (settings, configs, versions),
