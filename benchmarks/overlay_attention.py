@@ -47,10 +47,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from step_anatomy import _batches as step_anatomy_batches
 
 from hf_blockbatch.attention.backends import AttentionBackend, GroupedSDPABackend
 from hf_blockbatch.attention.metadata import GROUP_CALL_COST, WindowBatch
-from hf_blockbatch.eval.runner import _encode, load_for_benchmark, load_task, write_report
+from hf_blockbatch.eval.runner import load_for_benchmark, load_task, write_report
 from hf_blockbatch.generation.configs import FastDLLMConfig
 
 logger = logging.getLogger("overlay_attention")
@@ -342,15 +343,13 @@ def main() -> None:
     if min(args.limit, args.batch_size, args.steps, args.repeats, args.block) < 1:
         p.error("--limit, --batch-size, --steps, --repeats and --block must be at least 1")
     try:
-        task = load_task(args.suite)
+        load_task(args.suite)  # a misspelt suite is said before the model loads
     except ValueError as err:
         p.error(str(err))
     model, tokenizer = load_for_benchmark(args.model, args.threads)
     model.set_attention_backend("sdpa_grouped")
-    items = task.items("train", limit=args.limit)
-    batches = [_encode(tokenizer, [task.prompt(it, tokenizer) for it in items[i : i + args.batch_size]], model.device)
-               for i in range(0, len(items), args.batch_size)]  # fmt: skip
-    config = FastDLLMConfig.drafted(exact=False, max_new_tokens=task.default_gen_length, block_length=args.block)
+    _, batches, gen = step_anatomy_batches(model, tokenizer, args.suite, args.limit, args.batch_size)
+    config = FastDLLMConfig.drafted(exact=False, max_new_tokens=gen, block_length=args.block)
     with torch.inference_mode():
         steps, decoded = capture(model, batches, config, args.steps)
         if not steps:
