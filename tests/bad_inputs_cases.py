@@ -167,6 +167,20 @@ def _(**_):
     return _generate(custom_generate=print, max_new_tokens=8)
 
 
+@case("kv-cache-out-of-memory")
+def _(monkeypatch, **_):
+    from conftest import make_tiny_llada
+
+    from hf_blockbatch import cache
+
+    def refuse(self, numel, dtype):  # what the allocator says when the batch's K/V do not fit in memory
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1125899906842624 bytes.")
+
+    monkeypatch.setattr(cache._StoragePool, "take", refuse)
+    model, cfg = make_tiny_llada(), hb.FastDLLMConfig.drafted(max_new_tokens=16)
+    return _message(lambda: model.generate(torch.tensor([[5, 6, 7]] * 3), generation_config=cfg), RuntimeError)
+
+
 @case("llada-official-options")
 def _(**_):
     return _generate(gen_length=32, steps=32, block_length=8)

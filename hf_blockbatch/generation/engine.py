@@ -28,6 +28,7 @@ import torch
 from hf_blockbatch.cache import reuse_storage
 from hf_blockbatch.generation.commit import completed_windows, mark_eos_hits, propose, write_commits
 from hf_blockbatch.generation.forward import Forwards, Span
+from hf_blockbatch.generation.memory import new_cache
 from hf_blockbatch.generation.outputs import DecodeResult
 from hf_blockbatch.generation.plans import DecodePlan
 from hf_blockbatch.generation.policies import StepContext
@@ -61,7 +62,8 @@ class Run:
                                        ("kv_tokens",) if plan.sparse_queries else ()),
         )  # fmt: skip
         self.L, self.N = self.state.length, self.state.branches
-        self.cache = None if plan.cache == "none" else model.new_cache(self.state.num_rows, self.L, self.state.attention_mask)
+        self.cache = None if plan.cache == "none" else new_cache(model, self.state.num_rows, self.L,
+                                                                 self.state.attention_mask, plan, self.B)  # fmt: skip
         masked_only = plan.temperature == 0 and plan.remasking == "low_confidence" and not plan.read_all_slots
         self.fwd = Forwards(model, self.state, self.cache, plan.cache, pad_id, self.eos_ids, masked_only,
                             eos_slot=plan.stop.eos_rank == "completion", requery_radius=plan.requery_radius,

@@ -1,0 +1,85 @@
+"""What a decode's K/V cache costs, and an out-of-memory error that says what to change.
+
+Why: the cache is the one allocation our decoders multiply. A request holds one cache row per
+branch: ``1 + lookahead`` with draft rows (4 for ``FastDLLMConfig.drafted()``), one per block size
+with BlockBatch (6 by default). At LLaDA-8B and a 1,024-position canvas a row is about 0.5 GB in
+bfloat16, so a batch that fits Fast-dLLM runs out of memory with drafts, and PyTorch's own error
+("CUDA out of memory. Tried to allocate 134.00 GiB") names neither the rows nor the setting that
+sized them. :func:`new_cache` builds the cache as before and, when the allocation fails, raises the
+same error type (so that code catching out-of-memory errors, such as accelerate's
+``find_executable_batch_size``, still recognises it: the allocator's message is kept in it) with what
+the cache needed, per request, and which settings shrink it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from hf_blockbatch.cache import BranchCache
+from hf_blockbatch.generation.plans import DecodePlan
+
+__all__ = ["cache_bytes_per_row", "new_cache"]
+
+#: the allocators' messages that mean "out of memory" (a CPU allocation raises a plain RuntimeError)
+_OUT_OF_MEMORY = ("out of memory", "can't allocate memory")
+
+
+def cache_bytes_per_row(model, length: int) -> int:
+    """Bytes of K/V one cache row of ``length`` positions holds for ``model`` (all layers, keys and values)."""
+    g = model.config.kv_geometry()
+    _, dtype = model._placement()
+    return 2 * g["num_layers"] * length * g["num_kv_heads"] * g["head_dim"] * dtype.itemsize
+
+
+def new_cache(model, num_rows: int, length: int, attention_mask: torch.Tensor, plan: DecodePlan,
+              requests: int) -> BranchCache:  # fmt: skip
+    """``model.new_cache(num_rows, length, attention_mask)``; an allocation that runs out of memory is
+    raised again with what the cache needed and how to make it smaller (see the module docstring)."""
+    try:
+        return model.new_cache(num_rows, length, attention_mask)
+    except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError too
+        text = str(err)
+        if not any(s in text for s in _OUT_OF_MEMORY):
+            raise
+        message = _explain(model, num_rows, length, plan, requests) + f" (the allocator: {text})"
+        try:
+            explained = type(err)(message)
+        except TypeError:  # an error type that takes other arguments: its base, which every handler catches too
+            explained = RuntimeError(message)
+        raise explained from err
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _explain(model, num_rows: int, length: int, plan: DecodePlan, requests: int) -> str:
+    """One line: what the cache needed, per request, and the settings that shrink it."""
+    rows = num_rows // max(requests, 1)
+    per_request = cache_bytes_per_row(model, length) * rows
+    device, dtype = model._placement()
+    if plan.lookahead is not None:
+        why = f" (a main row and {rows - 1} draft rows: lookahead={rows - 1})"
+    elif rows > 1:
+        why = f" (one per block size: {plan.block_sizes[:rows]})"
+    else:
+        why = ""
+    msg = (f"Out of memory for the K/V cache: {requests} request(s) × {rows} cache row(s) each{why} × {length} positions "
+           f"need {_size(per_request * requests)} in {str(dtype).removeprefix('torch.')} on {device}, "
+           f"{_size(per_request)} a request.")  # fmt: skip
+    if device.type == "cuda":
+        with contextlib.suppress(RuntimeError):  # the fit is a courtesy: never hide the error behind another
+            free = torch.cuda.mem_get_info(device)[0]
+            msg += f" {_size(free)} is free there: {math.floor(free / per_request)} request(s) of this size fit."
+    fixes = ["a smaller batch (`bench --batch-size`)", "a shorter canvas (max_new_tokens, or shorter prompts)"]
+    if plan.lookahead is not None:
+        fixes.append("fewer draft rows (lookahead=1 keeps 2 rows a request, as in FastDLLMConfig.drafted(lookahead=1); "
+                     "0 keeps 1)")  # fmt: skip
+    elif rows > 1:
+        fixes.append("fewer block sizes (each is a row; BlockBatchConfig.lean() keeps 3)")
+    if device.type == "cuda" and dtype == torch.float32:
+        fixes.append("the model in bfloat16 (torch_dtype=torch.bfloat16), which halves the cache")
+    return msg + " To fit: " + "; ".join(fixes) + "."

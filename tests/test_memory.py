@@ -1,0 +1,102 @@
+"""An out-of-memory K/V allocation says what the cache needed and what to change (generation/memory.py),
+and stays the error type that code catching out-of-memory errors recognises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_dream, make_tiny_llada
+
+import hf_blockbatch as hb
+from hf_blockbatch import cache as cache_module
+from hf_blockbatch.generation import memory
+from hf_blockbatch.generation.plans import plan_from_config
+
+CPU_OOM = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+           "allocate 1125899906842624 bytes. Error code 12 (Cannot allocate memory)")  # fmt: skip
+
+
+def _refuse(error: BaseException):
+    def take(self, numel, dtype):
+        raise error
+
+    return take
+
+
+@pytest.mark.parametrize("make", [make_tiny_llada, make_tiny_dream], ids=["llada", "dream"])
+def test_bytes_per_row_are_the_cache_s_own(make):
+    """The figure the message gives is what a decode's cache holds: rows × bytes per row."""
+    model = make()
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    seen = []
+    original = cache_module.BranchCache.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        seen.append((self.num_rows, self.length, self.nbytes()))  # as built: finished rows are dropped later
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cache_module.BranchCache, "__init__", spy)
+        model.generate(ids, generation_config=hb.FastDLLMConfig.drafted(max_new_tokens=13, block_length=8))
+    rows, length, nbytes = seen[0]
+    assert rows == 2 * 4 and nbytes == rows * memory.cache_bytes_per_row(model, length)
+
+
+@pytest.mark.parametrize("cfg,rows,advice", [
+    (hb.FastDLLMConfig.drafted(max_new_tokens=16), 4, "fewer draft rows (lookahead=1 keeps 2 rows a request"),
+    (hb.BlockBatchConfig(max_new_tokens=16), 6, "fewer block sizes (each is a row; BlockBatchConfig.lean() keeps 3)"),
+    (hb.FastDLLMConfig(max_new_tokens=16), 1, "a shorter canvas (max_new_tokens, or shorter prompts)."),
+], ids=["drafted", "blockbatch", "fast_dllm"])  # fmt: skip
+def test_a_cache_too_large_for_memory_says_what_to_change(monkeypatch, cfg, rows, advice):
+    model = make_tiny_llada()
+    monkeypatch.setattr(cache_module._StoragePool, "take", _refuse(RuntimeError(CPU_OOM)))
+    with pytest.raises(RuntimeError) as caught:
+        model.generate(torch.tensor([[5, 6, 7]] * 3), generation_config=cfg)
+    text = str(caught.value)
+    assert text.startswith(f"Out of memory for the K/V cache: 3 request(s) × {rows} cache row(s) each")
+    assert "× 19 positions need " in text and " in float32 on cpu, " in text and advice in text
+    assert text.endswith(f"(the allocator: {CPU_OOM})") and "\n" not in text
+    assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+def test_the_error_stays_an_out_of_memory_error(monkeypatch):
+    """``torch.OutOfMemoryError`` (a GPU's) stays one, and accelerate's batch-size finder still reads both
+    kinds as out of memory: it matches the allocator's words in a one-argument RuntimeError."""
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    model = make_tiny_llada()
+    cfg = hb.FastDLLMConfig(max_new_tokens=8)
+    for error in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB."), RuntimeError(CPU_OOM)):
+        monkeypatch.setattr(cache_module._StoragePool, "take", _refuse(error))
+        with pytest.raises(type(error)) as caught:
+            model.generate(torch.tensor([[5, 6, 7]]), generation_config=cfg)
+        assert type(caught.value) is type(error) and str(caught.value).startswith("Out of memory for the K/V cache")
+        assert should_reduce_batch_size(caught.value)
+
+
+def test_other_allocation_errors_pass_unchanged(monkeypatch):
+    model = make_tiny_llada()
+    monkeypatch.setattr(cache_module._StoragePool, "take", _refuse(RuntimeError("something else went wrong")))
+    with pytest.raises(RuntimeError, match="^something else went wrong$"):
+        model.generate(torch.tensor([[5, 6, 7]]), generation_config=hb.FastDLLMConfig(max_new_tokens=8))
+
+
+def test_on_a_gpu_it_says_how_many_requests_fit(monkeypatch):
+    """On CUDA the message adds the free memory and how many requests of this size it holds, and suggests
+    bfloat16 for a float32 model (the device is faked: no GPU is needed to check the text)."""
+    model = make_tiny_llada()
+    per_request = 4 * memory.cache_bytes_per_row(model, 40)
+    monkeypatch.setattr(model, "_placement", lambda: (torch.device("cuda", 0), torch.float32))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * per_request + 1, 10 * per_request))
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
+
+    monkeypatch.setattr(model, "new_cache", oom)
+    plan = plan_from_config(hb.FastDLLMConfig.drafted(max_new_tokens=16), [model.config.eos_token_id], [])
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        memory.new_cache(model, 4 * 5, 40, torch.ones(20, 40, dtype=torch.bool), plan, requests=5)
+    text = str(caught.value)
+    assert "5 request(s) × 4 cache row(s) each" in text and " on cuda:0, " in text
+    assert "is free there: 3 request(s) of this size fit." in text
+    assert "the model in bfloat16 (torch_dtype=torch.bfloat16), which halves the cache" in text
