@@ -25,6 +25,10 @@ package is not installed, ``PYTHONPATH=.`` finds it)::
    layer's attention of captured drafted steps in the model's backend against the overlay's masked SDPA, at batch
    1, 8 and 32.
 
+5. Out of memory: a drafted batch whose K/V cache is twice the free GPU memory, at LLaDA-8B width (2 layers): the
+   error ``generate`` raises (its type, and whether it gives the free memory and the requests that fit:
+   ``generation/memory.py``). Not in the dry run: a CPU allocation that size may succeed lazily and be killed later.
+
 ``--dry-run`` runs sections 2 to 4 on this machine's CPU at a small width, to check the script.
 """
 
@@ -202,6 +206,24 @@ def overlay(device: torch.device, dtype: torch.dtype, layers: int, width: int, t
     return out
 
 
+def out_of_memory(device: torch.device, G: int = 256, prompt: int = 768) -> dict:
+    """Section 5. ``drafted()`` on a batch whose cache needs twice the free memory: the cache is allocated before any
+    forward, so this spends no compute. Reports the error ``generate`` raised."""
+    from hf_blockbatch.generation.memory import cache_bytes_per_row
+
+    model, vocab = random_llada(device, torch.bfloat16, 2, 4096)
+    per_request = 4 * cache_bytes_per_row(model, prompt + G)
+    batch = -(-2 * torch.cuda.mem_get_info(device)[0] // per_request)
+    ids = torch.randint(0, vocab - 8, (batch, prompt), device=device)
+    try:
+        model.generate(ids, generation_config=hb.FastDLLMConfig.drafted(max_new_tokens=G))
+    except RuntimeError as error:
+        text = str(error)
+        return {"requests": batch, "type": type(error).__name__, "explained": text.startswith("Out of memory for the K/V"),
+                "says_what_fits": "is free there" in text, "message": text}  # fmt: skip
+    return {"requests": batch, "error": "no out-of-memory error"}
+
+
 def decoding(device: torch.device, dtype: torch.dtype, layers: int, width: int, threshold: float, G: int) -> dict:
     """Section 3. With random weights the softmax is near uniform, so a step commits about one token
     even at the low default threshold (as ``policy_overhead.py --random``): the policy's worst case,
@@ -322,6 +344,7 @@ def main() -> None:
             device, torch.bfloat16, args.decode_layers, 4096, args.threshold, args.decode_new_tokens
         ),
         "overlay": lambda: overlay(device, torch.bfloat16, args.decode_layers, 4096, args.threshold, args.decode_new_tokens),
+        "out_of_memory": lambda: out_of_memory(device),
     }
     for name, section in sections.items():
         try:

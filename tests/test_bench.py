@@ -990,3 +990,27 @@ def test_step_anatomy_parts_add_up_to_the_decode_and_count_its_forwards(tiny):
     assert all(v >= 0 for d in ops.values() for v in d.values()) and any("mm" in op or "linear" in op for op in ops["tuned"])
     table = anatomy.markdown("random", {**result, "operators": ops})
     assert all(f"| `{op}` |" in table for op in ops["tuned"])
+
+
+def test_gpu_check_out_of_memory_section_reports_the_explained_error(monkeypatch):
+    """Section 5 of ``gpu_check.py`` sizes a drafted batch at twice the free memory and reports the error
+    ``generate`` raised. On the CPU, with a small model, a faked free-memory figure and an allocator that
+    refuses: the section asks for more requests than fit and records the explained message."""
+    from conftest import make_tiny_llada
+
+    from hf_blockbatch import cache as cache_module
+    from hf_blockbatch.generation.memory import cache_bytes_per_row
+
+    gpu_check = load_benchmark("gpu_check")
+    model = make_tiny_llada()
+    per_request = 4 * cache_bytes_per_row(model, 24 + 16)
+    monkeypatch.setattr(gpu_check, "random_llada", lambda device, dtype, layers, width: (model, 96))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * per_request, 8 * per_request))
+
+    def refuse(self, numel, dtype):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 bytes.")
+
+    monkeypatch.setattr(cache_module._StoragePool, "take", refuse)
+    out = gpu_check.out_of_memory(torch.device("cpu"), G=16, prompt=24)
+    assert out["requests"] == 6 and out["type"] == "RuntimeError" and out["explained"]
+    assert out["message"].startswith("Out of memory for the K/V cache: 6 request(s) × 4 cache row(s) each")
