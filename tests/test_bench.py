@@ -399,6 +399,61 @@ def test_bench_rows_table_plots_and_nfe(tiny, tmp_path):
         assert [r["output"] for r in got] == texts, m
 
 
+def test_a_batch_out_of_memory_goes_on_at_half_the_size(tiny, tmp_path, monkeypatch):
+    """A method whose batch does not fit (drafts hold 4 cache rows a request) goes on at half the batch, then
+    keeps that size; its rows are the ones a run at that batch size gives (a padded batch decodes as alone),
+    they record the batch they ran in, and the report says the latency is not comparable. The other method
+    and any other error are untouched."""
+    from hf_blockbatch import cache as cache_module
+
+    model, tok, _ = tiny
+    calls = []
+    take = cache_module._StoragePool.take
+
+    def refuse_wide_drafted(self, numel, dtype):  # the drafted method's cache fits 2 requests, not 4 or 3
+        if calls and calls[-1][0] == "drafted" and calls[-1][1] > 2:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 bytes.")
+        return take(self, numel, dtype)
+
+    real = type(model).generate
+
+    def generate(self, input_ids, *args, **kwargs):
+        lookahead = getattr(kwargs["generation_config"], "lookahead", 0)
+        calls.append(("drafted" if lookahead else "plain", input_ids.shape[0]))
+        return real(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(cache_module._StoragePool, "take", refuse_wide_drafted)
+    monkeypatch.setattr(type(model), "generate", generate)
+    common = dict(model="random", tasks=["arith"], methods=["fast_dllm_early_stop", "fast_dllm_drafted"], limit=7,
+                  gen_length=16, progress=False, plots=False, warmup=False)  # fmt: skip
+    summary = run_bench(BenchSettings(**common, batch_size=4, output_dir=str(tmp_path / "b4")), model, tok,
+                        shard=ShardInfo())  # fmt: skip
+    assert calls == [("plain", 4), ("plain", 3), ("drafted", 4), ("drafted", 2), ("drafted", 2), ("drafted", 2),
+                     ("drafted", 1)]  # fmt: skip
+    calls.clear()
+    run_bench(BenchSettings(**common, batch_size=2, output_dir=str(tmp_path / "b2")), model, tok, shard=ShardInfo())
+    rows, at_2 = runner.read_samples(tmp_path / "b4"), runner.read_samples(tmp_path / "b2")
+    keys = ("index", "method", "output", "nfe", "correct")
+    assert [{k: r[k] for k in keys} for r in rows] == [{k: r[k] for k in keys} for r in at_2]
+    drafted = [r for r in rows if r["method"] == "fast_dllm_drafted"]
+    assert [r["batch_size"] for r in drafted] == [2, 2, 2, 2, 2, 2, 1] and all(r["batch_reduced"] for r in drafted)
+    assert not any(r["batch_reduced"] for r in rows if r["method"] == "fast_dllm_early_stop")
+    cells = summary["tasks"]["arith"]["methods"]
+    assert cells["fast_dllm_drafted"]["batch_reduced_to"] == 2 and cells["fast_dllm_early_stop"]["batch_reduced_to"] is None
+    md = (tmp_path / "b4" / "summary.md").read_text()
+    assert "**Out of memory at batch 4**" in md and f"{runner.method_label('fast_dllm_drafted')} at 2." in md
+
+    def refuse_everything(self, numel, dtype):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 bytes.")
+
+    monkeypatch.setattr(cache_module._StoragePool, "take", refuse_everything)  # not even one request fits: raised
+    with pytest.raises(RuntimeError, match="^Out of memory for the K/V cache: 1 request"):
+        run_bench(BenchSettings(**common, batch_size=2, output_dir=str(tmp_path / "none")), model, tok, shard=ShardInfo())
+    monkeypatch.setattr(cache_module._StoragePool, "take", lambda self, numel, dtype: 1 / 0)  # not memory: raised as is
+    with pytest.raises(ZeroDivisionError):
+        run_bench(BenchSettings(**common, batch_size=2, output_dir=str(tmp_path / "other")), model, tok, shard=ShardInfo())
+
+
 def test_bench_reads_query_tokens_and_authors_nfe_and_times_items_alone(tiny, tmp_path, monkeypatch):
     """What the bench reads from each request's stats (``query_tokens``, ``nfe_authors``) reaches the
     summary; ``latency_batch_1`` re-decodes the first N items of each method alone, after its batched pass."""

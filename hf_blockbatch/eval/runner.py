@@ -58,6 +58,7 @@ from hf_blockbatch.generation.configs import (
     VanillaDiffusionConfig,
     config_from_dict,
 )
+from hf_blockbatch.generation.memory import is_out_of_memory
 from hf_blockbatch.generation.mixin import check_context
 from hf_blockbatch.generation.outputs import answer_lengths, answer_texts, end_token_ids
 from hf_blockbatch.tasks.contract import EvalItem, Task
@@ -673,6 +674,12 @@ def _score_all(task: Task, items: Sequence[EvalItem], completions: Sequence[str]
     return [task.score(it, c) for it, c in zip(items, completions)]
 
 
+def _release_memory(device: torch.device) -> None:
+    """After an out-of-memory error: hand the unwound decode's cached blocks back, so the smaller batch finds them."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -836,11 +843,23 @@ def run_bench(
                prompts: dict[int, str]) -> None:  # fmt: skip
         """Decode the shard's items of one task with one method, in batches, and append their rows."""
         bar.set_postfix_str(f"{name} / {method}")
-        first_row = len(rows)
-        for b0 in range(mine.start, mine.stop, settings.batch_size):
-            idx = list(range(b0, min(b0 + settings.batch_size, mine.stop)))
-            out, texts, lengths, seconds = _decode(model, tokenizer, cfg, [prompts[i] for i in idx], device,
-                                                   settings.seed * 1_000_003 + b0, end_ids)  # fmt: skip
+        first_row, size, b0 = len(rows), settings.batch_size, mine.start
+        while b0 < mine.stop:
+            idx = list(range(b0, min(b0 + size, mine.stop)))
+            try:
+                out, texts, lengths, seconds = _decode(model, tokenizer, cfg, [prompts[i] for i in idx], device,
+                                                       settings.seed * 1_000_003 + b0, end_ids)  # fmt: skip
+            except RuntimeError as err:
+                if len(idx) == 1 or not is_out_of_memory(err):
+                    raise
+                # a padded batch decodes each request as alone, so a smaller batch gives the same rows; the method
+                # keeps the smaller size (a drafted or BlockBatch request holds 4-6 cache rows where Fast-dLLM holds 1)
+                size = len(idx) // 2
+                logger.warning("%s / %s: a batch of %d ran out of memory; this method goes on at batch %d (rows record "
+                               "their batch_size). %s", name, method, len(idx), size, err)  # fmt: skip
+                _release_memory(device)
+                continue
+            b0 += len(idx)
             batch_items = [items[i] for i in idx]
             scores = _score_all(task, batch_items, texts)
             for j, (i, item, text, score) in enumerate(zip(idx, batch_items, texts, scores)):
@@ -852,7 +871,7 @@ def run_bench(
                     "detail": score.detail, "nfe": int(out.nfe[j]), "latency_s": seconds / len(idx),
                     "batch_seconds": seconds, "batch_size": len(idx), "rank": shard.rank, "stats": stats,
                     "answer_tokens": lengths[j], "latency_b1_s": seconds if settings.batch_size == 1 else None,
-                    "same_output_b1": None,
+                    "same_output_b1": None, "batch_reduced": size < settings.batch_size,
                 })  # fmt: skip
             bar.update(len(idx))
         if settings.batch_size > 1 and settings.latency_batch_1:
@@ -1023,6 +1042,8 @@ def summarize(
                 "tokens_per_second": tps,
                 "latency_b1_mean_s": lat1, "tokens_per_second_b1": tps1, "n_b1": n1,
                 "b1_output_mismatches": sum(r.get("same_output_b1") is False for r in rs),
+                # out of memory at the run's batch size: the largest batch this method then decoded at (latency differs)
+                "batch_reduced_to": max((int(r["batch_size"]) for r in rs if r.get("batch_reduced")), default=None),
             }  # fmt: skip
         for cell in cells.values():
             for ref in ("vanilla", "fast_dllm"):
@@ -1252,6 +1273,11 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
         if odd:
             lines += ["", "**Decoded alone, these greedy answers differ from the batched ones** (a padded batch must "
                           "decode as alone): " + ", ".join(f"{k}: {v}" for k, v in odd.items()) + "."]  # fmt: skip
+        small = {c["label"]: c["batch_reduced_to"] for c in cells.values() if c.get("batch_reduced_to")}
+        if small:
+            lines += ["", f"**Out of memory at batch {batch}**: these methods went on at a smaller batch (greedy decoding "
+                          "gives the same tokens and NFE; the latency is not comparable): "
+                          + ", ".join(f"{k} at {v}" for k, v in small.items()) + "."]  # fmt: skip
         bb = cells.get("blockbatch")
         if bb and bb["winner_block_sizes"]:
             wins = ", ".join(f"{k}: {v}" for k, v in sorted(bb["winner_block_sizes"].items(), key=lambda kv: int(kv[0])))

@@ -21,10 +21,16 @@ import torch
 from hf_blockbatch.cache import BranchCache
 from hf_blockbatch.generation.plans import DecodePlan
 
-__all__ = ["cache_bytes_per_row", "new_cache"]
+__all__ = ["cache_bytes_per_row", "is_out_of_memory", "new_cache"]
 
 #: the allocators' messages that mean "out of memory" (a CPU allocation raises a plain RuntimeError)
 _OUT_OF_MEMORY = ("out of memory", "can't allocate memory")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocator running out of memory (a GPU's ``torch.OutOfMemoryError``, or the CPU
+    allocator's RuntimeError), ours included: the words are kept in the explained message."""
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in _OUT_OF_MEMORY)
 
 
 def cache_bytes_per_row(model, length: int) -> int:
@@ -41,10 +47,9 @@ def new_cache(model, num_rows: int, length: int, attention_mask: torch.Tensor, p
     try:
         return model.new_cache(num_rows, length, attention_mask)
     except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError too
-        text = str(err)
-        if not any(s in text for s in _OUT_OF_MEMORY):
+        if not is_out_of_memory(err):
             raise
-        message = _explain(model, num_rows, length, plan, requests) + f" (the allocator: {text})"
+        message = _explain(model, num_rows, length, plan, requests) + f" (the allocator: {err})"
         try:
             explained = type(err)(message)
         except TypeError:  # an error type that takes other arguments: its base, which every handler catches too
