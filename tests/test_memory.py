@@ -100,3 +100,45 @@ def test_on_a_gpu_it_says_how_many_requests_fit(monkeypatch):
     assert "5 request(s) × 4 cache row(s) each" in text and " on cuda:0, " in text
     assert "is free there: 3 request(s) of this size fit." in text
     assert "the model in bfloat16 (torch_dtype=torch.bfloat16), which halves the cache" in text
+
+
+@pytest.mark.parametrize("cfg", [
+    hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=12, block_length=4),
+    hb.BlockBatchConfig(max_new_tokens=12, block_sizes=[2, 4, 8]),
+    hb.FastDLLMConfig(max_new_tokens=12, block_length=4, temperature=0.8),
+], ids=["drafted", "blockbatch", "sampled"])  # fmt: skip
+def test_proposals_in_row_chunks_decode_the_same(monkeypatch, cfg):
+    """A decode whose logits are proposed two rows at a time (``SAMPLE_CHUNK_ELEMENTS``, which bounds the float
+    copies of a real vocabulary's logits) gives the same tokens, NFE and query tokens; sampling too, with a seed."""
+    from hf_blockbatch.generation import sampling
+
+    model = make_tiny_dream()
+    ids = torch.tensor([[5, 6, 7, 8], [0, 9, 10, 11]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+
+    def run():
+        return model.generate(ids, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True,
+                              generator=torch.Generator().manual_seed(4))  # fmt: skip
+
+    whole = run()
+    monkeypatch.setattr(sampling, "SAMPLE_CHUNK_ELEMENTS", 2 * model.config.vocab_size)
+    chunked = run()
+    assert torch.equal(whole.sequences, chunked.sequences) and torch.equal(whole.nfe, chunked.nfe)
+    assert [s["query_tokens"] for s in whole.stats] == [s["query_tokens"] for s in chunked.stats]
+
+
+def test_the_sampling_memory_benchmark_reports_each_setting(monkeypatch):
+    """``benchmarks/sampling_memory.py``'s measurement of one setting (run in its own process there; here in this
+    one, small, with chunks of two rows): the rows a chunk holds and the figures RESULTS §37 quotes."""
+    from conftest import load_benchmark
+
+    from hf_blockbatch.generation import sampling
+
+    bench = load_benchmark("sampling_memory")
+    monkeypatch.setattr(sampling, "SAMPLE_CHUNK_ELEMENTS", 2 * 1024)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # its own process sets one thread; this one keeps its
+    chunked = bench.one(rows=8, vocab=1024, temperature=1.0, chunked=True, repeats=1)
+    whole = bench.one(rows=8, vocab=1024, temperature=1.0, chunked=False, repeats=1)  # widens the chunk to all rows
+    assert (chunked["chunk_rows"], whole["chunk_rows"], sampling.SAMPLE_CHUNK_ELEMENTS) == (2, 8, 8 * 1024)
+    assert chunked["logits_mb"] == 8 * 1024 * 2 / 2**20 and chunked["peak_above_logits_mb"] >= 0
+    assert chunked["median_s"] > 0

@@ -59,6 +59,14 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, block * c + inner
 
 
+#: at most this many logits (rows x vocabulary) are proposed from at once: the float32 log-probabilities (and, when
+#: sampling, the float64 noise and scores) are copies of the logits, so an initial forward of 16 requests x 256
+#: masks at LLaDA's 126k vocabulary held about 4 GB of them (some 20 GB sampling) beside 1 GB of bf16 logits; in
+#: row chunks about 0.5 GB (2.8 GB; RESULTS §37). Row-wise work, so the proposals are the same; at the tiny models'
+#: vocabulary nothing chunks
+SAMPLE_CHUNK_ELEMENTS = 2**26
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperature: float,
@@ -82,7 +90,32 @@ def sample_tokens(
     taken out after the softmax, so every other token keeps the probability the model gives it.
     ``entropy``: also each position's predictive entropy in nats (one more pass over the vocabulary),
     for the entropy-bounded rule.
+
+    Rows are proposed in chunks of :data:`SAMPLE_CHUNK_ELEMENTS` logits (the noise drawn chunk after chunk: on a
+    CPU the same numbers as in one draw).
     """
+    rows = max(1, SAMPLE_CHUNK_ELEMENTS // max(logits.shape[-1], 1))
+    parts = [_propose_rows(logits[i : i + rows], temperature, top_k, generator, suppress_logit_ids, mask_id, entropy)
+             for i in range(0, logits.shape[0], rows)] if logits.shape[0] > rows else None  # fmt: skip
+    if parts is None:
+        tokens, probability, top_probs, top_ids, h = _propose_rows(logits, temperature, top_k, generator,
+                                                                   suppress_logit_ids, mask_id, entropy)  # fmt: skip
+    else:
+        tokens, probability, top_probs, top_ids, h = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
+    if remasking == "random":
+        confidence = torch.rand(tokens.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    else:
+        confidence = probability
+    if low_confidence_ids is not None:
+        hit = torch.isin(tokens, low_confidence_ids)
+        confidence = confidence.masked_fill(hit, float("-inf"))
+    return Sampled(tokens, confidence, probability, top_probs, top_ids, h)
+
+
+def _propose_rows(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator | None,
+                  suppress_logit_ids: torch.Tensor | None, mask_id: int | None, entropy: bool) -> tuple:  # fmt: skip
+    """:func:`sample_tokens`' work on the vocabulary, for some rows: ``(tokens, probability, top_probs, top_ids,
+    entropy)``."""
     if suppress_logit_ids is not None:
         logits = logits.index_fill(-1, suppress_logit_ids, float("-inf"))
     # One fused log-softmax pass in float32, then only the entries a step reads are exponentiated
@@ -110,13 +143,5 @@ def sample_tokens(
         token_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)
     else:
         tokens, token_logp = best_ids, best_logp
-    probability = token_logp.double().exp()
-    if remasking == "random":
-        confidence = torch.rand(tokens.shape, dtype=torch.float64, device=logits.device, generator=generator)
-    else:
-        confidence = probability
-    if low_confidence_ids is not None:
-        hit = torch.isin(tokens, low_confidence_ids)
-        confidence = confidence.masked_fill(hit, float("-inf"))
     h = torch.special.entr(logp.exp()).sum(-1).double() if entropy else None  # entr(0) = 0: the removed ids
-    return Sampled(tokens, confidence, probability, top_probs, top_ids, h)
+    return tokens, token_logp.double().exp(), top_probs, top_ids, h

@@ -1,0 +1,95 @@
+"""Peak memory and time of one proposal step over a real vocabulary, in row chunks against one pass (RESULTS §37).
+
+Why: ``sample_tokens`` makes float32 log-probabilities of every logit it is given (and, when sampling, float64 noise
+and Gumbel scores). An initial forward proposes at every mask of every request: 16 requests x 256 masks at LLaDA's
+126,464 ids is 4,096 rows, so the float copies were several times the bf16 logits themselves. The rows are now
+proposed in chunks of ``SAMPLE_CHUNK_ELEMENTS`` logits. Each setting runs in a fresh process, which reports its peak
+resident memory above the logits it was given (``ru_maxrss``: on a CPU the allocator's peak is the process's), and
+the median time of ``--repeats`` calls.
+
+    python benchmarks/sampling_memory.py --rows 4096 --vocab 126464 --repeats 3
+
+Writes ``benchmarks/results/sampling_memory.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def one(rows: int, vocab: int, temperature: float, chunked: bool, repeats: int) -> dict:
+    """In this process: the peak resident memory that proposing from ``rows`` x ``vocab`` bf16 logits added, and the
+    median time of a call."""
+    from hf_blockbatch.generation import sampling
+
+    torch.set_num_threads(1)
+    if not chunked:
+        sampling.SAMPLE_CHUNK_ELEMENTS = rows * vocab
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16)  # no float32 copy
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    times = []
+    for r in range(repeats):
+        t = time.perf_counter()
+        out = sampling.sample_tokens(logits, temperature, "low_confidence", 1, torch.Generator().manual_seed(r),
+                                     mask_id=vocab - 1)  # fmt: skip
+        times.append(time.perf_counter() - t)
+        del out
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"rows": rows, "vocab": vocab, "temperature": temperature, "chunked": chunked,
+            "chunk_rows": max(1, sampling.SAMPLE_CHUNK_ELEMENTS // vocab) if chunked else rows,
+            "logits_mb": logits.numel() * 2 / 2**20, "peak_above_logits_mb": (peak - before) / 1024,
+            "median_s": statistics.median(times)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=126464)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process's setting, as JSON
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "sampling_memory"))
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(**json.loads(args.one))))
+        return
+    results = []
+    for temperature in args.temperatures:
+        for chunked in (False, True):
+            setting = {"rows": args.rows, "vocab": args.vocab, "temperature": temperature, "chunked": chunked,
+                       "repeats": args.repeats}  # fmt: skip
+            run = subprocess.run([sys.executable, __file__, "--one", json.dumps(setting)], capture_output=True,
+                                 text=True)  # fmt: skip
+            if run.returncode:  # e.g. killed by the kernel for want of memory: that is the result
+                results.append({**setting, "chunk_rows": None, "logits_mb": args.rows * args.vocab * 2 / 2**20,
+                                "error": f"exit status {run.returncode}", "stderr": run.stderr[-500:]})  # fmt: skip
+            else:
+                results.append(json.loads(run.stdout.strip().splitlines()[-1]))
+            print(results[-1], flush=True)
+    lines = [f"# One proposal step over {args.rows} rows x {args.vocab} ids (bf16 logits of "
+             f"{results[0]['logits_mb']:.0f} MB), 1 thread", "",
+             "| decoding | rows at once | peak memory above the logits (MB) | median time (s) |", "|---|---:|---:|---:|"]
+    for r in results:
+        kind = "sampled, T 1.0" if r["temperature"] else "greedy"
+        if "error" in r:
+            lines.append(f"| {kind} | {args.rows} | failed: {r['error']} (-9: killed, out of memory) | — |")
+        else:
+            lines.append(f"| {kind} | {r['chunk_rows']} | {r['peak_above_logits_mb']:.0f} | {r['median_s']:.2f} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
