@@ -384,15 +384,17 @@ class BranchCache(Cache):
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (in that order), e.g. drop the rows of finished requests.
 
-        On CPUs, ascending rows (dropping finished requests) are moved down inside the existing
-        storage, one strided copy per moved row: a fresh allocation of the kept cache costs page
-        faults as well as the copy. Elsewhere, or in any other order, the rows are gathered into new
-        storage (one kernel per slab on a GPU, rather than one per row).
+        Ascending rows (dropping finished requests) are moved down inside the existing storage, one
+        strided copy per moved row, on every device. A fresh allocation of the kept rows would live
+        beside the whole cache until the copy ends: 1.5x the cache at the first drop, on a GPU whose
+        batch was sized to what fits (a drafted request holds 4 rows), and on a CPU page faults as
+        well. The copies run in stream order, and a source row is never overwritten before it is
+        read. Rows in any other order (``reorder_cache``) are gathered into new storage.
         """
         rows = torch.as_tensor(rows, device=self.device, dtype=torch.long)
         slabs = self._slabs()
         kept_rows = rows.tolist()
-        if slabs.device.type == "cpu" and all(a < b for a, b in zip(kept_rows, kept_rows[1:])):
+        if all(a < b for a, b in zip(kept_rows, kept_rows[1:])):
             row = self._rows()
             for i, r in enumerate(kept_rows):  # r >= i: a source is never overwritten before it is read
                 if r != i:

@@ -177,6 +177,22 @@ def test_keep_rows_exact() -> None:
     assert cache.nbytes() == 2 * LAYERS * 1 * L * H * D * 4
 
 
+def test_dropping_rows_allocates_nothing(monkeypatch) -> None:
+    """Ascending rows (finished requests dropped) move down inside the storage on every device: a new allocation of
+    the kept rows beside the whole cache would need 1.5x its memory at the first drop. Only another order (a
+    reorder) gathers into new storage."""
+    cache = random_cache(rows=6)
+    before, base = state(cache), cache.storage.data_ptr()
+    made = []
+    new_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: made.append(a) or new_empty(self, *a, **k))
+    cache.keep_rows(torch.tensor([1, 2, 5]))
+    assert made == [] and cache.storage.data_ptr() == base and cache.num_rows == 3
+    for name, old in before.items():
+        assert torch.equal(state(cache)[name], old[[1, 2, 5]]), name
+    cache.keep_rows(torch.tensor([2, 0]))
+    assert len(made) == 1 and cache.storage.data_ptr() != base
+
 def test_reorder_cache_is_keep_rows() -> None:
     cache = random_cache()
     before = state(cache)
