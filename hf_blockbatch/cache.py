@@ -344,13 +344,13 @@ class BranchCache(Cache):
         dst = torch.as_tensor(dst, device=self.device, dtype=torch.long)
         if src.shape != dst.shape:
             raise ValueError(f"copy_rows: src has {src.numel()} rows but dst has {dst.numel()}.")
-        slabs = self._slabs()
-        pairs = list(zip(src.tolist(), dst.tolist())) if slabs.device.type == "cpu" else None
-        if pairs is not None and not {s for s, _ in pairs} & {d for _, d in pairs}:
-            # On CPUs one strided copy per row is a single pass over memory; index_select followed
-            # by index_copy_ makes two.
-            # (Only when no row is both a source and a destination: each must read its source's
-            # old row.)
+        pairs = list(zip(src.tolist(), dst.tolist()))
+        if not {s for s, _ in pairs} & {d for _, d in pairs}:
+            # One strided copy per row, on every device: a single pass over memory where index_select
+            # followed by index_copy_ makes two, and no temporary of the copied rows (on a GPU, a
+            # draft's rows copied after refreshes of many requests at once would need as many cache
+            # rows again). Only when no row is both a source and a destination: each must read its
+            # source's old row.
             row = self._rows()
             for s_row, d_row in pairs:
                 row[d_row].copy_(row[s_row])

@@ -193,6 +193,24 @@ def test_dropping_rows_allocates_nothing(monkeypatch) -> None:
     cache.keep_rows(torch.tensor([2, 0]))
     assert len(made) == 1 and cache.storage.data_ptr() != base
 
+def test_copying_disjoint_rows_makes_no_temporary(monkeypatch) -> None:
+    """Rows copied into other rows (a draft's after a refresh, a follower's from its leader) go one strided copy per
+    row on every device, with no temporary of the copied rows: on a GPU, copies after refreshes of many requests at
+    once would need as many cache rows again. Only a copy whose rows overlap gathers first."""
+    cache = random_cache(rows=6)
+    before = state(cache)
+    gathered = []
+    index_select = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda self, *a, **k: gathered.append(self.shape) or
+                        index_select(self, *a, **k))  # fmt: skip
+    cache.copy_rows([0, 0, 3], [1, 2, 5], same_mask=True)
+    assert gathered == []
+    for name, old in before.items():
+        if name.startswith(("k", "v")):
+            assert torch.equal(state(cache)[name], old[[0, 0, 0, 3, 4, 3]]), name
+    cache.copy_rows([1, 4], [4, 1], same_mask=True)  # a swap: each row is a source and a destination
+    assert len(gathered) == 1
+
 def test_reorder_cache_is_keep_rows() -> None:
     cache = random_cache()
     before = state(cache)
