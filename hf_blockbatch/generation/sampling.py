@@ -95,12 +95,11 @@ def sample_tokens(
     CPU the same numbers as in one draw).
     """
     rows = max(1, SAMPLE_CHUNK_ELEMENTS // max(logits.shape[-1], 1))
-    parts = [_propose_rows(logits[i : i + rows], temperature, top_k, generator, suppress_logit_ids, mask_id, entropy)
-             for i in range(0, logits.shape[0], rows)] if logits.shape[0] > rows else None  # fmt: skip
-    if parts is None:
-        tokens, probability, top_probs, top_ids, h = _propose_rows(logits, temperature, top_k, generator,
-                                                                   suppress_logit_ids, mask_id, entropy)  # fmt: skip
+    options = (temperature, top_k, generator, suppress_logit_ids, mask_id, entropy)
+    if logits.shape[0] <= rows:
+        tokens, probability, top_probs, top_ids, h = _propose_rows(logits, *options)
     else:
+        parts = [_propose_rows(logits[i : i + rows], *options) for i in range(0, logits.shape[0], rows)]
         tokens, probability, top_probs, top_ids, h = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
     if remasking == "random":
         confidence = torch.rand(tokens.shape, dtype=torch.float64, device=logits.device, generator=generator)
