@@ -181,6 +181,19 @@ def _(monkeypatch, **_):
     return _message(lambda: model.generate(torch.tensor([[5, 6, 7]] * 3), generation_config=cfg), RuntimeError)
 
 
+@case("forward-out-of-memory")
+def _(monkeypatch, **_):
+    from conftest import make_tiny_llada
+
+    model, cfg = make_tiny_llada(), hb.FastDLLMConfig.drafted(max_new_tokens=16)
+
+    def refuse(*args, **kwargs):  # the cache fitted, the first sparse step's forward beside it does not
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1125899906842624 bytes.")
+
+    monkeypatch.setattr(model, "forward_positions", refuse)
+    return _message(lambda: model.generate(torch.tensor([[5, 6, 7]] * 3), generation_config=cfg), RuntimeError)
+
+
 @case("llada-official-options")
 def _(**_):
     return _generate(gen_length=32, steps=32, block_length=8)

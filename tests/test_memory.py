@@ -102,6 +102,66 @@ def test_on_a_gpu_it_says_how_many_requests_fit(monkeypatch):
     assert "the model in bfloat16 (torch_dtype=torch.bfloat16), which halves the cache" in text
 
 
+def _fails_on_call(fn, n: int, error: BaseException):
+    """``fn``, except that its ``n``-th call raises ``error``."""
+    calls = []
+
+    def call(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise error
+        return fn(*args, **kwargs)
+
+    return call
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB."),
+                                   RuntimeError(CPU_OOM)], ids=["cuda", "cpu"])  # fmt: skip
+def test_a_forward_out_of_memory_says_what_the_decode_holds(monkeypatch, error):
+    """A forward that runs out of memory after the cache was built (here the second sparse step's) raises the same
+    type, saying it was a forward, what the decode's cache holds and what shrinks it, with the allocator's words:
+    the bench's halving and accelerate's batch-size finder still read it as out of memory."""
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    model = make_tiny_llada()
+    monkeypatch.setattr(model, "forward_positions", _fails_on_call(model.forward_positions, 2, error))
+    with pytest.raises(type(error)) as caught:
+        model.generate(torch.tensor([[5, 6, 7]] * 3), generation_config=hb.FastDLLMConfig.drafted(max_new_tokens=16))
+    text, per_request = str(caught.value), 4 * memory.cache_bytes_per_row(model, 19)
+    assert type(caught.value) is type(error) and caught.value.__cause__ is error and "\n" not in text
+    assert text.startswith("Out of memory in a model forward, decoding 3 request(s) × 4 row(s) each (a main row and 3 "
+                           f"draft rows: lookahead=3) × 19 positions, whose K/V cache holds {3 * per_request / 2**20:.1f} "
+                           f"MiB in float32 on cpu, {per_request / 2**20:.1f} MiB a request. To fit: a smaller batch")  # fmt: skip
+    assert "fewer draft rows (lookahead=1" in text and text.endswith(f"(the allocator: {error})")
+    assert memory.is_out_of_memory(caught.value) and should_reduce_batch_size(caught.value)
+
+
+def test_out_of_memory_between_forwards_and_without_a_cache(monkeypatch):
+    """Out of memory in the policy (the proposals over the vocabulary) says so; a decode without a K/V cache (vanilla)
+    names no cache; an error that is not out of memory, in a forward, passes unchanged."""
+    from hf_blockbatch.generation import sampling
+
+    model = make_tiny_llada()
+    ids = torch.tensor([[5, 6, 7]] * 2)
+    with monkeypatch.context() as mp:
+        mp.setattr(sampling, "_propose_rows", _fails_on_call(sampling._propose_rows, 3, RuntimeError(CPU_OOM)))
+        with pytest.raises(RuntimeError, match=r"^Out of memory in the decoding policy between forwards \(proposals"):
+            model.generate(ids, generation_config=hb.BlockBatchConfig(max_new_tokens=16))
+    with monkeypatch.context() as mp:
+        mp.setattr(type(model), "forward", _fails_on_call(type(model).forward, 2, RuntimeError(CPU_OOM)))
+        with pytest.raises(RuntimeError) as caught:
+            model.generate(ids, generation_config=hb.VanillaDiffusionConfig(max_new_tokens=8))
+    assert str(caught.value).startswith("Out of memory in a model forward, decoding 2 request(s) × 1 row(s) each × "
+                                        "11 positions, with no K/V cache, on cpu. To fit: a smaller batch")  # fmt: skip
+    boom = RuntimeError("shapes do not match")
+    monkeypatch.setattr(model, "forward_positions", _fails_on_call(model.forward_positions, 1, boom))
+    with pytest.raises(RuntimeError) as caught:
+        model.generate(ids, generation_config=hb.FastDLLMConfig.drafted(max_new_tokens=16))
+    assert caught.value is boom
+    monkeypatch.undo()
+    assert model.generate(ids, generation_config=hb.FastDLLMConfig.drafted(max_new_tokens=16)).shape == (2, 19)
+
+
 @pytest.mark.parametrize("cfg", [
     hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=12, block_length=4),
     hb.BlockBatchConfig(max_new_tokens=12, block_sizes=[2, 4, 8]),

@@ -28,7 +28,7 @@ import torch
 from hf_blockbatch.cache import reuse_storage
 from hf_blockbatch.generation.commit import completed_windows, mark_eos_hits, propose, write_commits
 from hf_blockbatch.generation.forward import Forwards, Span
-from hf_blockbatch.generation.memory import new_cache
+from hf_blockbatch.generation.memory import explain_decode_error, new_cache
 from hf_blockbatch.generation.outputs import DecodeResult
 from hf_blockbatch.generation.plans import DecodePlan
 from hf_blockbatch.generation.policies import StepContext
@@ -236,6 +236,18 @@ class Run:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> DecodeResult:
+        """Decode to the end. Running out of memory raises the same error type with what the decode holds and
+        what shrinks it (:func:`~.memory.explain_decode_error`); other errors pass unchanged."""
+        try:
+            return self._run()
+        except RuntimeError as err:
+            explained = explain_decode_error(err, self.model, self.plan, self.B, self.B * self.N, self.L,
+                                             self.fwd.in_forward)  # fmt: skip
+            if explained is err:
+                raise
+            raise explained from err
+
+    def _run(self) -> DecodeResult:
         t0 = time.perf_counter()
         self.initial_step()
         self.apply_policies(full=True)

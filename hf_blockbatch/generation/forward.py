@@ -76,6 +76,7 @@ class Forwards:
         self.mask_logits = bool(getattr(model, "supports_logits_mask", False))
         self.cuda = state.canvas.device.type == "cuda"  # read once: `model.device` walks the module tree
         self.seconds = 0.0
+        self.in_forward = False
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         # column offsets, sliced by every step (never re-allocated): spans are at most L long, and
         # they also index the <= R rows of a step (the canvas positions are the cached range itself)
@@ -86,17 +87,20 @@ class Forwards:
     def timed(self, fn, *args, **kwargs):
         """A model forward, timed apart from the policy. On CUDA by a pair of events read once the
         run ends, so timing never stalls the host (a synchronize around every forward would stop
-        the CPU from queueing the forward's kernels while the policy's still run)."""
+        the CPU from queueing the forward's kernels while the policy's still run). ``in_forward``
+        stays true when the forward raises: an error message can say where decoding failed."""
+        self.in_forward = True
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             out = fn(*args, **kwargs)
             end.record()
             self._events.append((start, end))
-            return out
-        t = time.perf_counter()
-        out = fn(*args, **kwargs)
-        self.seconds += time.perf_counter() - t
+        else:
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.seconds += time.perf_counter() - t
+        self.in_forward = False
         return out
 
     def forward_seconds(self) -> float:

@@ -8,7 +8,9 @@ bfloat16, so a batch that fits Fast-dLLM runs out of memory with drafts, and PyT
 sized them. :func:`new_cache` builds the cache as before and, when the allocation fails, raises the
 same error type (so that code catching out-of-memory errors, such as accelerate's
 ``find_executable_batch_size``, still recognises it: the allocator's message is kept in it) with what
-the cache needed, per request, and which settings shrink it.
+the cache needed, per request, and which settings shrink it. Once the cache is built, a decode that
+runs out of memory later (in a forward beside the cache, or in the policy) is explained the same way by
+:func:`explain_decode_error`, which the engine calls.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from hf_blockbatch.cache import BranchCache
 from hf_blockbatch.generation.plans import DecodePlan
 
-__all__ = ["cache_bytes_per_row", "is_out_of_memory", "new_cache"]
+__all__ = ["cache_bytes_per_row", "explain_decode_error", "is_out_of_memory", "new_cache"]
 
 #: the allocators' messages that mean "out of memory" (a CPU allocation raises a plain RuntimeError)
 _OUT_OF_MEMORY = ("out of memory", "can't allocate memory")
@@ -49,36 +51,64 @@ def new_cache(model, num_rows: int, length: int, attention_mask: torch.Tensor, p
     except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError too
         if not is_out_of_memory(err):
             raise
-        message = _explain(model, num_rows, length, plan, requests) + f" (the allocator: {err})"
-        try:
-            explained = type(err)(message)
-        except TypeError:  # an error type that takes other arguments: its base, which every handler catches too
-            explained = RuntimeError(message)
-        raise explained from err
+        raise _explained(err, _cache_message(model, num_rows, length, plan, requests)) from err
+
+
+def explain_decode_error(err: RuntimeError, model, plan: DecodePlan, requests: int, num_rows: int, length: int,
+                         in_forward: bool) -> RuntimeError:  # fmt: skip
+    """The error to raise for ``err``, raised while decoding once the cache was built: ``err`` itself unless it is
+    an allocator out of memory; then the same type, saying where (a model forward, or the policy between them),
+    what the decode's cache already holds, and the same settings that shrink it. A forward's activations are
+    not what the decoders multiply, but the cache they share memory with is, and so are the rows a forward carries."""
+    if not is_out_of_memory(err) or str(err).startswith(_PREFIX):
+        return err
+    rows = num_rows // max(requests, 1)
+    per_request = cache_bytes_per_row(model, length) * rows
+    device, dtype = model._placement()
+    where = ("in a model forward" if in_forward
+             else "in the decoding policy between forwards (proposals over the vocabulary, cache copies)")  # fmt: skip
+    msg = f"{_PREFIX} {where}, decoding {requests} request(s) × {rows} row(s) each{_why(plan, rows)} × {length} positions"
+    if plan.cache == "none":
+        msg += f", with no K/V cache, on {device}."
+    else:
+        msg += (f", whose K/V cache holds {_size(per_request * requests)} in {str(dtype).removeprefix('torch.')} on "
+                f"{device}, {_size(per_request)} a request.")  # fmt: skip
+    if device.type == "cuda":
+        with contextlib.suppress(RuntimeError):  # the figure is a courtesy: never hide the error behind another
+            free, _ = torch.cuda.mem_get_info(device)
+            msg += f" {_size(free)} is free there now."
+    return _explained(err, msg + _fixes(plan, rows, device, dtype))
+
+
+#: how an explained message starts (an error explained once is not explained again)
+_PREFIX = "Out of memory"
+
+
+def _explained(err: RuntimeError, message: str) -> RuntimeError:
+    """``err``'s type with ``message`` and the allocator's own words after it: handlers that catch out-of-memory
+    errors by type (``torch.OutOfMemoryError``) or by those words (accelerate's batch-size finder) still do."""
+    message += f" (the allocator: {err})"
+    try:
+        return type(err)(message)
+    except TypeError:  # an error type that takes other arguments: its base, which every handler catches too
+        return RuntimeError(message)
 
 
 def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _explain(model, num_rows: int, length: int, plan: DecodePlan, requests: int) -> str:
-    """One line: what the cache needed, per request, and the settings that shrink it."""
-    rows = num_rows // max(requests, 1)
-    per_request = cache_bytes_per_row(model, length) * rows
-    device, dtype = model._placement()
+def _why(plan: DecodePlan, rows: int) -> str:
+    """Why a request holds ``rows`` cache rows under ``plan``."""
     if plan.lookahead is not None:
-        why = f" (a main row and {rows - 1} draft rows: lookahead={rows - 1})"
-    elif rows > 1:
-        why = f" (one per block size: {plan.block_sizes[:rows]})"
-    else:
-        why = ""
-    msg = (f"Out of memory for the K/V cache: {requests} request(s) × {rows} cache row(s) each{why} × {length} positions "
-           f"need {_size(per_request * requests)} in {str(dtype).removeprefix('torch.')} on {device}, "
-           f"{_size(per_request)} a request.")  # fmt: skip
-    if device.type == "cuda":
-        with contextlib.suppress(RuntimeError):  # the fit is a courtesy: never hide the error behind another
-            free = torch.cuda.mem_get_info(device)[0]
-            msg += f" {_size(free)} is free there: {math.floor(free / per_request)} request(s) of this size fit."
+        return f" (a main row and {rows - 1} draft rows: lookahead={rows - 1})"
+    if rows > 1:
+        return f" (one per block size: {plan.block_sizes[:rows]})"
+    return ""
+
+
+def _fixes(plan: DecodePlan, rows: int, device: torch.device, dtype: torch.dtype) -> str:
+    """`` To fit: ...``: the settings that shrink what a request holds."""
     fixes = ["a smaller batch (`bench --batch-size`)", "a shorter canvas (max_new_tokens, or shorter prompts)"]
     if plan.lookahead is not None:
         fixes.append("fewer draft rows (lookahead=1 keeps 2 rows a request, as in FastDLLMConfig.drafted(lookahead=1); "
@@ -87,4 +117,19 @@ def _explain(model, num_rows: int, length: int, plan: DecodePlan, requests: int)
         fixes.append("fewer block sizes (each is a row; BlockBatchConfig.lean() keeps 3)")
     if device.type == "cuda" and dtype == torch.float32:
         fixes.append("the model in bfloat16 (torch_dtype=torch.bfloat16), which halves the cache")
-    return msg + " To fit: " + "; ".join(fixes) + "."
+    return " To fit: " + "; ".join(fixes) + "."
+
+
+def _cache_message(model, num_rows: int, length: int, plan: DecodePlan, requests: int) -> str:
+    """One line: what the cache needed, per request, and the settings that shrink it."""
+    rows = num_rows // max(requests, 1)
+    per_request = cache_bytes_per_row(model, length) * rows
+    device, dtype = model._placement()
+    msg = (f"{_PREFIX} for the K/V cache: {requests} request(s) × {rows} cache row(s) each{_why(plan, rows)} × "
+           f"{length} positions need {_size(per_request * requests)} in {str(dtype).removeprefix('torch.')} on "
+           f"{device}, {_size(per_request)} a request.")  # fmt: skip
+    if device.type == "cuda":
+        with contextlib.suppress(RuntimeError):  # the fit is a courtesy: never hide the error behind another
+            free = torch.cuda.mem_get_info(device)[0]
+            msg += f" {_size(free)} is free there: {math.floor(free / per_request)} request(s) of this size fit."
+    return msg + _fixes(plan, rows, device, dtype)
