@@ -74,8 +74,8 @@ def test_refresh_after_commits_keeps_the_invariants_per_request(family):
     """Random settings and budgets, dual or prefix cache, the threshold or the entropy rule, with or
     without the completed block's step, on a model whose EOS is often confident: the prompt untouched,
     no mask before the first EOS, NFE = 1 + block steps + refreshes (from the trace), at least
-    Fast-dLLM's block-start refreshes, more query tokens than without, and each request decodes in a
-    left-padded batch exactly as alone (a refresh is per request)."""
+    Fast-dLLM's block-start refreshes where it decodes the same tokens, more query tokens than without,
+    and each request decodes in a left-padded batch exactly as alone (a refresh is per request)."""
     assert _check_invariants(eos_model(family).double(), seed=11) > 0
 
 
@@ -102,7 +102,10 @@ def _check_invariants(model, seed: int, settings: int = 12) -> int:
             assert MASK_ID not in gen[:first_eos]
             block_steps, refresh_steps, _ = _replay(st["trace"], G, 1)
             assert st["nfe"] == 1 + len(block_steps) + len(refresh_steps)
-            assert st["nfe_refresh"] >= base.stats[i]["nfe_refresh"]
+            if torch.equal(batch.sequences[i], base.sequences[i]):  # the same blocks decoded: their block-start
+                # refreshes, and more. (With early stop, fresher K/V can reach EOS in an earlier block, after fewer
+                # block starts: seed 7025 of the slow sweep, 2 refreshes without the option and 1 with it.)
+                assert st["nfe_refresh"] >= base.stats[i]["nfe_refresh"]
             more += st["query_tokens"] > base.stats[i]["query_tokens"]
     return more
 
