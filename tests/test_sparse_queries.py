@@ -139,13 +139,17 @@ def _replayed_queries(trace: list, prompt: int, gen: int, shift: int, radius: in
 
 @pytest.mark.parametrize("radius", [0, 1, 3])
 @pytest.mark.parametrize("family", ["llada", "dream"])
-@pytest.mark.parametrize("block", [4, 8, 24])
-def test_sparse_query_tokens_equal_the_replayed_trace(family, block, radius):
+@pytest.mark.parametrize("block,temperature", [(4, 0.0), (8, 0.0), (24, 0.0), (8, 0.8), (24, 0.8)])
+def test_sparse_query_tokens_equal_the_replayed_trace(family, block, temperature, radius):
     """Threshold 0.47 on a peaked model: steps commit a varying number of positions, anywhere in
-    the window. Every block step commits (the rule always takes the best), so the trace names all."""
+    the window. Every block step commits (the rule always takes the best), so the trace names all.
+    Sampled steps too: they propose at the masks alone, as greedy ones do (a sampled step that read
+    every slot of its window queried the whole window, and sparse queries saved nothing)."""
     model = peaked(family)
     cfg = hb.FastDLLMConfig(max_new_tokens=24, block_length=block, threshold=0.47, window_queries="sparse",
-                            requery_radius=radius, skip_completed_block_step=True, output_trace=True)  # fmt: skip
+                            requery_radius=radius, skip_completed_block_step=True, output_trace=True,
+                            temperature=temperature)  # fmt: skip
+    torch.manual_seed(0)
     for prompt in ([5, 3, 8, 1, 9, 2], [7, 7, 1]):
         st = run_padded(model, [prompt], cfg).stats[0]
         assert st["query_tokens"] == _replayed_queries(st["trace"], len(prompt), 24, model.logit_shift, radius)
