@@ -43,7 +43,7 @@ from hf_blockbatch.eval.runner import (
     write_report,
 )
 from hf_blockbatch.eval.stats import paired_difference
-from hf_blockbatch.generation.configs import config_from_dict
+from hf_blockbatch.generation.configs import DRAFTED, DRAFTED_CONTAINED, config_from_dict
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
 
 logger = logging.getLogger("beyond_paper")
@@ -184,6 +184,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
         **({} if m is None else {"lookahead_max_masks": m})}
        for b in (32, 64) for k in range(1, 7) for m in (None, 8, 16)},
     "fd_es_b32_sq_r6": {**_FD, "block_length": 32, **_SQ, "requery_radius": 6},
+    # sampled decoding (RESULTS §38): the tuned baseline, sparse queries, and the two drafted presets at temperature T
+    # (drafts hold in distribution when sampling; a sampled sparse step proposes at the masks alone)
+    **{f"{name}_t{int(t * 10):02d}": {**cfg, "temperature": t} for t in (0.5, 1.0) for name, cfg in {
+        "fd_es_b64": {**_FD, "block_length": 64},
+        "fd_es_b64_sq_r6": {**_FD, "block_length": 64, **_SQ, "requery_radius": 6},
+        "fd_es_b64_drafted": {**_FD, "block_length": 64, **DRAFTED},
+        "fd_es_b64_drafted_ct": {**_FD, "block_length": 64, **DRAFTED_CONTAINED},
+    }.items()},
     # LocalLeap inside branches whose merges take only confident tokens
     "bb_4_16_64_a2_w_sq_c07_ll": {**_LEAN3, **_SQ, "merge_source_confidence": 0.7, "rule": "localleap"},
     "bb_default_a2_w_sq_c07_ll": {**_BB, "merge_agreement": 2, "eos_prefer_widest": True, **_SQ,
@@ -191,24 +199,34 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def _key(model: str, suite: str, limit: int, gen_length: int, cfg: dict[str, Any], batch_size: int) -> str:
+def _sampled(cfg: dict[str, Any]) -> bool:
+    return float(cfg.get("temperature") or 0) > 0
+
+
+def _key(model: str, suite: str, limit: int, gen_length: int, cfg: dict[str, Any], batch_size: int,
+         seed: int = 0) -> str:  # fmt: skip
     """The cache key of a result; the batch size changes only the timing, and keys a result
-    only when it is not the default 16 (so that timing runs at batch 1 / 32 sit beside it)."""
+    only when it is not the default 16 (so that timing runs at batch 1 / 32 sit beside it). A sampled
+    config's result is keyed by its seed too."""
     what = {"model": model, "suite": suite, "limit": limit, "gen": gen_length, "cfg": cfg}
     if batch_size != 16:
         what["batch_size"] = batch_size
+    if _sampled(cfg):
+        what["seed"] = seed
     blob = json.dumps(what, sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
 def decode(model: Any, tokenizer: Any, suite: str, items: list, prompts: list[str], gen_length: int,
-           cfg_dict: dict[str, Any], batch_size: int) -> dict[str, Any]:  # fmt: skip
+           cfg_dict: dict[str, Any], batch_size: int, seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """Decode every item with one config; per-item correctness, NFE and query tokens, the wall time, and
     the part of it spent in model forwards (the engine's own ``forward_seconds``: the rest is the
-    decoding policy, so a latency gap says which side it is on)."""
+    decoding policy, so a latency gap says which side it is on). A sampled config draws from one generator
+    seeded with ``seed`` (so every round, and every config, starts from the same seed)."""
     task = load_task(suite)
     cfg = config_from_dict({"max_new_tokens": gen_length, **cfg_dict})
     cfg.validate()
+    generator = torch.Generator().manual_seed(seed) if _sampled(cfg_dict) else None
     end_ids = end_token_ids(tokenizer, model.config)
     per_item: list[dict[str, Any]] = []
     seconds = forward_seconds = 0.0
@@ -217,7 +235,7 @@ def decode(model: Any, tokenizer: Any, suite: str, items: list, prompts: list[st
         ids, mask = _encode(tokenizer, [prompts[i] for i in idx], torch.device("cpu"))
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(ids, mask, generation_config=cfg, return_dict_in_generate=True)
+            out = model.generate(ids, mask, generation_config=cfg, return_dict_in_generate=True, generator=generator)
         seconds += time.perf_counter() - t0
         forward_seconds += out.stats[0]["forward_seconds"]  # the batch's run: the same for each request
         texts = answer_texts(tokenizer, out.sequences[:, ids.shape[1] :], end_ids)
@@ -285,6 +303,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="decode each config this many times, round-robin, and report the median time (latency "
                         "runs; more than 1 re-decodes every config, cached or not)")
     p.add_argument("--tag", default="", help="suffix of the output files' names")
+    p.add_argument("--seed", type=int, default=0, help="the seed of sampled configs (temperature > 0); it keys their results")
     args = p.parse_args(argv)
     configs = dict(CONFIGS)
     if args.config_file:
@@ -309,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
         prompts = [task.prompt(it, tokenizer, chat=chat) for it in items]
         gen_length = int(task.default_gen_length)
         table[suite], full["suites"][suite] = {}, {}
-        paths = {name: out_dir / "cache" / f"{mname}_{suite}_{_key(args.model, suite, args.limit, gen_length, configs[name], args.batch_size)}.json"
+        paths = {name: out_dir / "cache" / f"{mname}_{suite}_{_key(args.model, suite, args.limit, gen_length, configs[name], args.batch_size, args.seed)}.json"
                  for name in names}  # fmt: skip
         # a latency run (--rounds > 1) times every config in this sitting: a cached time from another
         # sitting is not side by side (timings here move by 10 % between sittings)
@@ -317,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
         runs: dict[str, list[dict[str, Any]]] = {n: [] for n in todo}
         for _ in range(args.rounds):  # round-robin, so that a slow spell of the machine hits every config
             for name in todo:
-                runs[name].append(decode(model, tokenizer, suite, items, prompts, gen_length, configs[name], args.batch_size))
+                runs[name].append(decode(model, tokenizer, suite, items, prompts, gen_length, configs[name], args.batch_size,
+                                         args.seed))  # fmt: skip
         for name, rs in runs.items():
             assert all(r["items"] == rs[0]["items"] for r in rs), "a decode changed between rounds"
             res = {**rs[0], "seconds": statistics.median(r["seconds"] for r in rs),

@@ -127,11 +127,6 @@ def _(**_):
     return _message(lambda: hb.VanillaDiffusionConfig(max_new_tokens=8, steps=0).validate())
 
 
-@case("lookahead-sampling")
-def _(**_):
-    return _generate(generation_config=hb.FastDLLMConfig(max_new_tokens=8, block_length=4, lookahead=2), temperature=0.7)
-
-
 @case("misspelt-option")
 def _(**_):
     return _generate(block_size=32)

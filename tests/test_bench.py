@@ -826,6 +826,30 @@ def test_beyond_paper_latency_runs_split_forward_and_policy_time(tmp_path):
     assert beyond_paper.summarise(old)["policy_ms_item"] is None and beyond_paper._ms(None) == "-"
 
 
+def test_beyond_paper_seeds_sampled_configs(tmp_path):
+    """A sampled config (temperature > 0) draws from a generator seeded with ``--seed``: two rounds decode the same
+    (the harness asserts it), a greedy config's result is shared by every seed, a sampled one's is keyed by its seed,
+    and another seed samples other answers."""
+    import json
+
+    beyond_paper = load_benchmark("beyond_paper")
+
+    def run(seed: int) -> dict:
+        beyond_paper.main(["--model", "tiny-llada", "--suites", "lists", "--limit", "4", "--configs", "fd_es_b64",
+                           "fd_es_b64_drafted_t10", "--rounds", "2", "--seed", str(seed), "--out", str(tmp_path)])  # fmt: skip
+        return {json.loads(f.read_text())["config"].get("temperature"): f.name for f in (tmp_path / "cache").glob("*.json")}
+
+    first = run(0)
+    assert beyond_paper.CONFIGS["fd_es_b64_drafted_t10"]["temperature"] == 1.0 and len(first) == 2
+    files = sorted(f.name for f in (tmp_path / "cache").glob("*.json"))
+    run(1)
+    again = sorted(f.name for f in (tmp_path / "cache").glob("*.json"))
+    assert len(again) == 3 and set(files) < set(again)  # the greedy result is reused, the sampled one is new
+    texts = [[r["text"] for r in json.loads(f.read_text())["items"]] for f in (tmp_path / "cache").glob("*.json")
+             if json.loads(f.read_text())["config"].get("temperature")]  # fmt: skip
+    assert texts[0] != texts[1]
+
+
 def test_gpu_projection_prices_what_the_forwards_carried(tmp_path):
     """``benchmarks/gpu_projection.py`` logs every forward of a decode and prices it by a roofline:
     the log carries exactly the query tokens the engine counts (the script checks it and fails

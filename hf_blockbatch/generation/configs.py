@@ -393,9 +393,11 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             drafts, in fewer forwards, for K windows' more query tokens per step (1 to 6; the
             measured trade is in benchmarks/RESULTS.md §12–13). With ``window_queries="sparse"``
             a draft queries only what the next sparse step would (its K/V are its main row's after
-            the forward), and the tokens are sparse Fast-dLLM's. Needs ``cache="dual"``, greedy
-            decoding (temperature 0, ``low_confidence``) and a threshold, factor, entropy or LocalLeap
-            rule: what makes a draft exact.
+            the forward), and the tokens are sparse Fast-dLLM's. Sampled (``temperature`` > 0): the
+            same *distribution* of outputs as without drafts, not the same sample for a seed (a
+            draft's commit draws its own noise, independent of the main row's that chose it;
+            RESULTS §38). Needs ``cache="dual"``, ``low_confidence`` remasking and a threshold,
+            factor, entropy or LocalLeap rule: what makes a draft exact.
         lookahead_max_masks: draft only while the request's window has at most this many masks left
             (``None``, the default: at every block step). A window with many masks left mostly
             commits several tokens next, which a draft of one or two rarely matches: at 8, lookahead
@@ -562,7 +564,6 @@ def _check_lookahead(cfg: FastDLLMConfig) -> None:
     wrong = [
         why for bad, why in (
             (cfg.cache != "dual", f"cache='dual' (got {cfg.cache!r})"),
-            (float(cfg.temperature or 0) > 0, f"temperature=0 (got {cfg.temperature}: a sampled step cannot be drafted)"),
             (cfg.remasking != "low_confidence", f"remasking='low_confidence' (got {cfg.remasking!r})"),
             (cfg.steps is not None, "a threshold, factor, LocalLeap or entropy rule (steps= keeps a per-block schedule)"),
         ) if bad

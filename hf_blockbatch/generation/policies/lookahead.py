@@ -44,6 +44,15 @@ The parts:
   without drafts passes through that canvas and runs a block step on it next (advance, stop and
   refresh all need a completed window), and that block step is the draft's.
 
+* sampling (``temperature`` > 0): the same argument, in distribution. Which draft is adopted depends
+  only on the main row's sampled commit and on the drafted canvases (built from the probability map
+  before the step); the adopted draft's own commit is drawn with its own noise, independent of both.
+  So, given the canvas it stands for, that commit is a draw of the next step's commit as the decoder
+  without drafts makes it: the decoded sequences have the same distribution, not the same samples for
+  a seed (the draft rows' noise shifts the random stream). A committed token needs a confidence of at
+  least the threshold, so above 0.5 it is the top token the draft guessed; drafts miss more often the
+  hotter the sampling (a lone commit below the threshold may be any sampled token).
+
 * ``accept="contained"`` (``FastDLLMConfig(lookahead_accept="contained")``): a step that commits
   the drafted tokens *and more* holds no draft's canvas exactly, yet the draft's forward saw a context
   the main row has now decoded, plus masks where the main row committed more. The main row then
