@@ -266,7 +266,8 @@ class Settings:
     #: a branch retires once synced; with sparse queries, the re-query radius 6 of that configuration
     guarded: bool = False
     #: Fast-dLLM with exact lookahead drafts (benchmarks/RESULTS.md §12-14, ``FastDLLMConfig.drafted``):
-    #: draft rows run its likely next step in the same forward; the same tokens in fewer forwards
+    #: draft rows run its likely next step in the same forward; the same tokens in fewer forwards (sampled:
+    #: the same distribution, §38)
     fast_drafts: bool = False
     #: ... also adopted when the step committed their tokens and more (benchmarks/RESULTS.md §16,
     #: ``FastDLLMConfig.drafted(exact=False)``): fewer forwards again, not the same tokens
@@ -364,8 +365,6 @@ def check_settings(
     if fast not in BLOCK_CHOICES:
         raise InputError(f"Fast-dLLM block length must be one of {list(BLOCK_CHOICES)}, got {fast}.")
     temperature = float(_number("Temperature", temperature, 0.0, limits.max_temperature))
-    if fast_drafts and temperature > 0:
-        raise InputError("Fast-dLLM's drafts guess a greedy step: set the temperature to 0, or untick the drafts.")
     if fast_contained and not fast_drafts:
         raise InputError("Contained drafts are a kind of Fast-dLLM draft: tick the drafts too, or untick contained.")
     return Settings(
@@ -1061,7 +1060,8 @@ def build_demo(
                 )
                 fast_early_stop = gr.Checkbox(value=False, label="Fast-dLLM stops at EOS (early stop, as BlockBatch)")
                 fast_drafts = gr.Checkbox(value=False, label="Fast-dLLM drafts its next step (3 exact lookahead rows: "
-                                                             "its own tokens in fewer forwards; greedy only)")  # fmt: skip
+                                                             "its own tokens in fewer forwards; sampled, its own "
+                                                             "distribution)")  # fmt: skip
                 fast_contained = gr.Checkbox(value=False, label="… contained drafts: also adopted when the step "
                                                                 "committed more (fewer forwards, not the same tokens)")  # fmt: skip
                 block_sizes = gr.CheckboxGroup([str(b) for b in BLOCK_CHOICES], value=["4", "8", "16", "32", "64"],

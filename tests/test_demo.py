@@ -182,12 +182,12 @@ def test_guarded_merges_are_a_visitor_switch_for_blockbatch(loaded) -> None:
 
 
 def test_fast_dllm_drafts_are_a_visitor_switch(loaded) -> None:
-    """The switch gives Fast-dLLM the drafted() lookahead rows (greedy only: a clear refusal
-    otherwise); its answer is the one without drafts, in as many fewer forwards as drafts it adopted,
-    and the replay of its main row ends on the answer's tokens."""
+    """The switch gives Fast-dLLM the drafted() lookahead rows (sampling too: then the same distribution,
+    not the same sample); its greedy answer is the one without drafts, in as many fewer forwards as
+    drafts it adopted, and the replay of its main row ends on the answer's tokens."""
     assert app.check_settings("hi").fast_config().lookahead == 0
-    with pytest.raises(app.InputError, match="temperature to 0"):
-        app.check_settings("hi", temperature=0.5, fast_drafts=True)
+    sampled = app.check_settings("hi", temperature=0.5, fast_drafts=True).fast_config()
+    assert (sampled.lookahead, sampled.temperature) == (hb.FastDLLMConfig.drafted().lookahead, 0.5)
     plain = app.check_settings(PROMPT, max_new_tokens=32, fast_block="16", fast_early_stop=True)
     drafted = app.check_settings(PROMPT, max_new_tokens=32, fast_block="16", fast_early_stop=True, fast_drafts=True)
     cfg = drafted.fast_config()
