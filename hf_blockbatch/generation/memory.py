@@ -62,21 +62,17 @@ def explain_decode_error(err: RuntimeError, model, plan: DecodePlan, requests: i
     not what the decoders multiply, but the cache they share memory with is, and so are the rows a forward carries."""
     if not is_out_of_memory(err) or str(err).startswith(_PREFIX):
         return err
-    rows = num_rows // max(requests, 1)
-    per_request = cache_bytes_per_row(model, length) * rows
-    device, dtype = model._placement()
+    rows, per_request, device, dtype = _held(model, num_rows, length, requests)
     where = ("in a model forward" if in_forward
              else "in the decoding policy between forwards (proposals over the vocabulary, cache copies)")  # fmt: skip
     msg = f"{_PREFIX} {where}, decoding {requests} request(s) × {rows} row(s) each{_why(plan, rows)} × {length} positions"
     if plan.cache == "none":
         msg += f", with no K/V cache, on {device}."
     else:
-        msg += (f", whose K/V cache holds {_size(per_request * requests)} in {str(dtype).removeprefix('torch.')} on "
-                f"{device}, {_size(per_request)} a request.")  # fmt: skip
-    if device.type == "cuda":
-        with contextlib.suppress(RuntimeError):  # the figure is a courtesy: never hide the error behind another
-            free, _ = torch.cuda.mem_get_info(device)
-            msg += f" {_size(free)} is free there now."
+        msg += f", whose K/V cache holds {_amount(per_request, requests, device, dtype)}."
+    free = _free(device)
+    if free is not None:
+        msg += f" {_size(free)} is free there now."
     return _explained(err, msg + _fixes(plan, rows, device, dtype))
 
 
@@ -122,14 +118,31 @@ def _fixes(plan: DecodePlan, rows: int, device: torch.device, dtype: torch.dtype
 
 def _cache_message(model, num_rows: int, length: int, plan: DecodePlan, requests: int) -> str:
     """One line: what the cache needed, per request, and the settings that shrink it."""
-    rows = num_rows // max(requests, 1)
-    per_request = cache_bytes_per_row(model, length) * rows
-    device, dtype = model._placement()
+    rows, per_request, device, dtype = _held(model, num_rows, length, requests)
     msg = (f"{_PREFIX} for the K/V cache: {requests} request(s) × {rows} cache row(s) each{_why(plan, rows)} × "
-           f"{length} positions need {_size(per_request * requests)} in {str(dtype).removeprefix('torch.')} on "
-           f"{device}, {_size(per_request)} a request.")  # fmt: skip
-    if device.type == "cuda":
-        with contextlib.suppress(RuntimeError):  # the fit is a courtesy: never hide the error behind another
-            free = torch.cuda.mem_get_info(device)[0]
-            msg += f" {_size(free)} is free there: {math.floor(free / per_request)} request(s) of this size fit."
+           f"{length} positions need {_amount(per_request, requests, device, dtype)}.")  # fmt: skip
+    free = _free(device)
+    if free is not None:
+        msg += f" {_size(free)} is free there: {math.floor(free / per_request)} request(s) of this size fit."
     return msg + _fixes(plan, rows, device, dtype)
+
+
+def _held(model, num_rows: int, length: int, requests: int) -> tuple[int, int, torch.device, torch.dtype]:
+    """Cache rows per request, their bytes, and the cache's device and dtype."""
+    rows = num_rows // max(requests, 1)
+    device, dtype = model._placement()
+    return rows, cache_bytes_per_row(model, length) * rows, device, dtype
+
+
+def _amount(per_request: int, requests: int, device: torch.device, dtype: torch.dtype) -> str:
+    return (f"{_size(per_request * requests)} in {str(dtype).removeprefix('torch.')} on {device}, "
+            f"{_size(per_request)} a request")  # fmt: skip
+
+
+def _free(device: torch.device) -> int | None:
+    """Free memory on a CUDA device, else ``None``: a courtesy, so a failing query never hides the error."""
+    if device.type != "cuda":
+        return None
+    with contextlib.suppress(RuntimeError):
+        return torch.cuda.mem_get_info(device)[0]
+    return None
