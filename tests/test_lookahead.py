@@ -204,6 +204,50 @@ def test_sampled_drafts_decode_the_same_distribution():
     assert _homogeneity_p(plain, draws(4, temperature=0.8)[0]) < 1e-5
 
 
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_sampled_drafts_keep_the_decoding_invariants(family):
+    """Random sampled settings (temperature 0.5 or 1, every rule a draft accepts, dense or sparse, exact or contained,
+    a gate, a budget, early stop or not) on a model whose EOS is often confident: the prompt untouched, no mask before
+    the first EOS (none at all without early stop), NFE = 1 + block steps + refreshes, each main-row position committed
+    once and the output made of those commits. Drafts are adopted."""
+    import random
+
+    from _generation_helpers import EOS_ID, eos_model
+
+    model, rng, adopted = eos_model(family), random.Random(5), 0
+    for _ in range(12):
+        options = dict(max_new_tokens=rng.choice([5, 13, 24]), block_length=rng.choice([3, 4, 8, 16]),
+                       threshold=rng.choice([0.3, 0.6, 0.9]), early_stop=rng.random() < 0.5,
+                       temperature=rng.choice([0.5, 1.0]), lookahead=rng.randint(1, len(DRAFT_SHAPES)),
+                       lookahead_max_masks=rng.choice([None, 2, 8]), output_trace=True,
+                       lookahead_accept=rng.choice(["exact", "contained"]))  # fmt: skip
+        if rng.random() < 0.5:
+            options.update(window_queries="sparse", requery_radius=rng.choice([0, 3, 6]))
+        rule = rng.choice(["threshold", "factor", "localleap", "entropy"])
+        if rule == "factor":
+            options.update(threshold=None, factor=rng.choice([0.5, 1.0, 2.0]))
+        elif rule == "localleap":
+            options.update(rule="localleap", relaxed_threshold=0.8 * options["threshold"])
+        elif rule == "entropy":
+            options.update(rule="entropy", entropy_bound=rng.choice([0.0, 0.3, 1.0]))
+        if rng.random() < 0.5:
+            options["lookahead_query_budget"] = rng.choice([1.0, 2.5])
+        prompts = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 3))]
+        torch.manual_seed(rng.randrange(1000))
+        out = run_padded(model, prompts, hb.FastDLLMConfig(**options))
+        G, width = options["max_new_tokens"], out.sequences.shape[1] - options["max_new_tokens"]
+        for i, p in enumerate(prompts):
+            seq, st = out.sequences[i].tolist(), out.stats[i]
+            assert seq[width - len(p) : width] == p, options
+            gen = seq[width:]
+            first = gen.index(EOS_ID) if EOS_ID in gen else G
+            assert MASK_ID not in gen[:first] and (options["early_stop"] or MASK_ID not in gen), options
+            assert st["nfe"] == int(out.nfe[i]) == 1 + st["nfe_block"] + st["nfe_refresh"], options
+        _main_row_replay(out, width, [EOS_ID])
+        adopted += int(_adopted(out).sum())
+    assert adopted > 0
+
+
 @pytest.mark.parametrize("value", [-1, len(DRAFT_SHAPES) + 1, True, "2", 1.5])
 def test_lookahead_count_errors(value):
     with pytest.raises(ValueError, match="lookahead must be an integer from 0 to"):
