@@ -139,16 +139,19 @@ def _replayed_queries(trace: list, prompt: int, gen: int, shift: int, radius: in
 
 @pytest.mark.parametrize("radius", [0, 1, 3])
 @pytest.mark.parametrize("family", ["llada", "dream"])
-@pytest.mark.parametrize("block,temperature", [(4, 0.0), (8, 0.0), (24, 0.0), (8, 0.8), (24, 0.8)])
-def test_sparse_query_tokens_equal_the_replayed_trace(family, block, temperature, radius):
+@pytest.mark.parametrize("block,temperature,remasking", [(4, 0.0, "low_confidence"), (8, 0.0, "low_confidence"),
+                                                         (24, 0.0, "low_confidence"), (8, 0.8, "low_confidence"),
+                                                         (24, 0.8, "low_confidence"), (8, 0.0, "random"),
+                                                         (24, 0.8, "random")])  # fmt: skip
+def test_sparse_query_tokens_equal_the_replayed_trace(family, block, temperature, remasking, radius):
     """Threshold 0.47 on a peaked model: steps commit a varying number of positions, anywhere in
     the window. Every block step commits (the rule always takes the best), so the trace names all.
-    Sampled steps too: they propose at the masks alone, as greedy ones do (a sampled step that read
-    every slot of its window queried the whole window, and sparse queries saved nothing)."""
+    Sampled or randomly remasked steps too: they propose at the masks alone, as greedy ones do (one
+    that read every slot of its window queried the whole window, and sparse queries saved nothing)."""
     model = peaked(family)
     cfg = hb.FastDLLMConfig(max_new_tokens=24, block_length=block, threshold=0.47, window_queries="sparse",
                             requery_radius=radius, skip_completed_block_step=True, output_trace=True,
-                            temperature=temperature)  # fmt: skip
+                            temperature=temperature, remasking=remasking)  # fmt: skip
     torch.manual_seed(0)
     for prompt in ([5, 3, 8, 1, 9, 2], [7, 7, 1]):
         st = run_padded(model, [prompt], cfg).stats[0]

@@ -64,11 +64,11 @@ class Run:
         self.L, self.N = self.state.length, self.state.branches
         self.cache = None if plan.cache == "none" else new_cache(model, self.state.num_rows, self.L,
                                                                  self.state.attention_mask, plan, self.B)  # fmt: skip
-        # the slots a step proposes at: the masks alone, where nothing else is ranked. A sampled dense step reads its
-        # whole window, so that its noise is drawn as the official samplers draw it; a sparse step queries the masks
-        # and their neighbours only, so reading every slot would query the whole window again
-        masked_only = (plan.temperature == 0 or plan.sparse_queries) and plan.remasking == "low_confidence" \
-            and not plan.read_all_slots
+        # the slots a step proposes at: the masks alone, where nothing else is ranked. A sampled (or randomly
+        # remasked) dense step reads its whole window, so that its noise is drawn as the official samplers draw it; a
+        # sparse step queries the masks and their neighbours only, so reading every slot would query the whole window
+        masked_only = not plan.read_all_slots and (plan.sparse_queries or (plan.temperature == 0
+                                                                           and plan.remasking == "low_confidence"))
         self.fwd = Forwards(model, self.state, self.cache, plan.cache, pad_id, self.eos_ids, masked_only,
                             eos_slot=plan.stop.eos_rank == "completion", requery_radius=plan.requery_radius,
                             draft_depth=plan.lookahead.depth if plan.lookahead and plan.sparse_queries else 0,
