@@ -168,8 +168,8 @@ def _homogeneity_p(a: Counter, b: Counter, pool_below: int = 10) -> float:
     cells = [(a[k], b[k]) for k in a.keys() | b.keys() if a[k] + b[k] >= pool_below]
     cells.append((sum(a[k] for k in rare), sum(b[k] for k in rare)))
     cells = [c for c in cells if sum(c)]
-    stat = sum((x - (x + y) * na / (na + nb)) ** 2 / ((x + y) * na / (na + nb))
-               + (y - (x + y) * nb / (na + nb)) ** 2 / ((x + y) * nb / (na + nb)) for x, y in cells)  # fmt: skip
+    share = [(x + y) / (na + nb) for x, y in cells]  # each cell's share of all draws, under one distribution
+    stat = sum((x - f * na) ** 2 / (f * na) + (y - f * nb) ** 2 / (f * nb) for (x, y), f in zip(cells, share))
     half = torch.tensor([(len(cells) - 1) / 2, stat / 2], dtype=torch.float64)
     return float(torch.special.gammaincc(half[0], half[1]))
 
