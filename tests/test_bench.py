@@ -228,6 +228,11 @@ def test_headline_tuned_baseline_compute_and_latency_columns():
     lo, hi = paired_difference_interval(2, 0, 1, 1)  # items 0, 1 both right; 2 only the tuned one; 3 neither
     assert (f"| 50.0 [15.0, 85.0] | 5.0 | 4.0 | 1250 | 0.050 | 0.080 (n=2) | 200 | 125 (n=2) | "
             f"-25.0 [{100 * lo:+.1f}, {100 * hi:+.1f}] | 1.00 | 3.91 |") in line
+    # a run at batch 1 has one latency and one tokens/s column (its batch-1 figures are its own), every row as wide
+    one = runner.headline_markdown([("arith", r) for r in table], 1)
+    assert one[0].count("Latency (s)") == one[0].count("Tokens/s") == 1 and "Latency (s), batch 1 |" in one[0]
+    assert len({x.count("|") for x in one}) == 1
+    assert "| 50.0 [15.0, 85.0] | 5.0 | 4.0 | 1250 | 0.050 | 200 | -25.0" in one[-1]
     # the accuracy difference is paired on the items: the tuned row has none, the others theirs
     assert table[2]["accuracy_vs_tuned"] is None
     assert table[3]["accuracy_vs_tuned"]["difference"] == pytest.approx(-0.25)

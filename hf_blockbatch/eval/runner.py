@@ -1176,6 +1176,11 @@ def _b1(c: Mapping[str, Any], value: float | None, fmt: str) -> str:
 
 
 def _metric_header(batch: Any) -> tuple[str, str]:
+    """The measured columns' header and rule; a run at batch 1 has one latency and one tokens/s column (its batch-1
+    figures are the run's own)."""
+    if batch == 1:
+        return "Accuracy (%) [95 % CI] | NFE | NFE (authors) | Query tokens | Latency (s), batch 1 | Tokens/s, batch 1", \
+            "---|---:|---:|---:|---:|---:"  # fmt: skip
     return (
         f"Accuracy (%) [95 % CI] | NFE | NFE (authors) | Query tokens | Latency (s), batch {batch} | "
         f"Latency (s), batch 1 | Tokens/s, batch {batch} | Tokens/s, batch 1",
@@ -1183,13 +1188,16 @@ def _metric_header(batch: Any) -> tuple[str, str]:
     )
 
 
-def _metric_cells(c: Mapping[str, Any]) -> str:
-    """The measured columns of a method, shared by the per-task and the headline tables."""
-    return " | ".join([
-        _acc(c), _num(c["nfe_mean"]), _num(c.get("nfe_authors_mean")), _num(c.get("query_tokens_mean"), "{:.0f}"),
-        _num(c["latency_mean_s"], "{:.3f}"), _b1(c, c.get("latency_b1_mean_s"), "{:.3f}"),
-        _num(c.get("tokens_per_second"), "{:.0f}"), _b1(c, c.get("tokens_per_second_b1"), "{:.0f}"),
-    ])  # fmt: skip
+def _metric_cells(c: Mapping[str, Any], batch: Any) -> str:
+    """The measured columns of a method, shared by the per-task and the headline tables (see :func:`_metric_header`)."""
+    cells = [_acc(c), _num(c["nfe_mean"]), _num(c.get("nfe_authors_mean")), _num(c.get("query_tokens_mean"), "{:.0f}"),
+             _num(c["latency_mean_s"], "{:.3f}")]  # fmt: skip
+    if batch != 1:
+        cells.append(_b1(c, c.get("latency_b1_mean_s"), "{:.3f}"))
+    cells.append(_num(c.get("tokens_per_second"), "{:.0f}"))
+    if batch != 1:
+        cells.append(_b1(c, c.get("tokens_per_second_b1"), "{:.0f}"))
+    return " | ".join(cells)
 
 
 def headline_markdown(rows: Sequence[tuple[str, Mapping[str, Any]]], batch: Any, first: str = "Task") -> list[str]:
@@ -1199,7 +1207,7 @@ def headline_markdown(rows: Sequence[tuple[str, Mapping[str, Any]]], batch: Any,
     lines = [f"| {first} | Method | {top} | Δ accuracy vs tuned (points) [paired 95 % CI] | NFE / tuned Fast-dLLM | "
              "Query tokens / tuned Fast-dLLM |", f"|---|---|{rule}|---:|---:|---:|"]  # fmt: skip
     for key, r in rows:
-        lines.append(f"| {key} | {r['label']} | {_metric_cells(r)} | {paired_points(r.get('accuracy_vs_tuned'))} | "
+        lines.append(f"| {key} | {r['label']} | {_metric_cells(r, batch)} | {paired_points(r.get('accuracy_vs_tuned'))} | "
                      f"{_num(r['nfe_vs_tuned'], '{:.2f}')} | {_num(r['query_tokens_vs_tuned'], '{:.2f}')} |")  # fmt: skip
     return lines
 
@@ -1265,7 +1273,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
         for c in cells.values():
             alias = f" (= {method_label(c['alias_of'])})" if c.get("alias_of") else ""
             lines.append(
-                f"| {c['label']}{alias} | {_metric_cells(c)} | {_pct(c['nfe_ratio_vs_vanilla'])} | "
+                f"| {c['label']}{alias} | {_metric_cells(c, batch)} | {_pct(c['nfe_ratio_vs_vanilla'])} | "
                 f"{_times(c['speedup_vs_vanilla'])} | {_pct(c['nfe_ratio_vs_fast_dllm'])} | "
                 f"{_times(c['speedup_vs_fast_dllm'])} | {paired_points(c.get('accuracy_vs_tuned'))} |"
             )
