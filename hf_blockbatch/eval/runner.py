@@ -1178,26 +1178,20 @@ def _b1(c: Mapping[str, Any], value: float | None, fmt: str) -> str:
 def _metric_header(batch: Any) -> tuple[str, str]:
     """The measured columns' header and rule; a run at batch 1 has one latency and one tokens/s column (its batch-1
     figures are the run's own)."""
-    if batch == 1:
-        return "Accuracy (%) [95 % CI] | NFE | NFE (authors) | Query tokens | Latency (s), batch 1 | Tokens/s, batch 1", \
-            "---|---:|---:|---:|---:|---:"  # fmt: skip
-    return (
-        f"Accuracy (%) [95 % CI] | NFE | NFE (authors) | Query tokens | Latency (s), batch {batch} | "
-        f"Latency (s), batch 1 | Tokens/s, batch {batch} | Tokens/s, batch 1",
-        "---|---:|---:|---:|---:|---:|---:|---:",
-    )
+    alone = batch != 1
+    cols = ["Accuracy (%) [95 % CI]", "NFE", "NFE (authors)", "Query tokens", f"Latency (s), batch {batch}",
+            *(["Latency (s), batch 1"] if alone else []), f"Tokens/s, batch {batch}", *(["Tokens/s, batch 1"] if alone else [])]  # fmt: skip
+    return " | ".join(cols), "|".join(["---"] + ["---:"] * (len(cols) - 1))
 
 
 def _metric_cells(c: Mapping[str, Any], batch: Any) -> str:
     """The measured columns of a method, shared by the per-task and the headline tables (see :func:`_metric_header`)."""
-    cells = [_acc(c), _num(c["nfe_mean"]), _num(c.get("nfe_authors_mean")), _num(c.get("query_tokens_mean"), "{:.0f}"),
-             _num(c["latency_mean_s"], "{:.3f}")]  # fmt: skip
-    if batch != 1:
-        cells.append(_b1(c, c.get("latency_b1_mean_s"), "{:.3f}"))
-    cells.append(_num(c.get("tokens_per_second"), "{:.0f}"))
-    if batch != 1:
-        cells.append(_b1(c, c.get("tokens_per_second_b1"), "{:.0f}"))
-    return " | ".join(cells)
+    alone = batch != 1
+    return " | ".join([
+        _acc(c), _num(c["nfe_mean"]), _num(c.get("nfe_authors_mean")), _num(c.get("query_tokens_mean"), "{:.0f}"),
+        _num(c["latency_mean_s"], "{:.3f}"), *([_b1(c, c.get("latency_b1_mean_s"), "{:.3f}")] if alone else []),
+        _num(c.get("tokens_per_second"), "{:.0f}"), *([_b1(c, c.get("tokens_per_second_b1"), "{:.0f}")] if alone else []),
+    ])  # fmt: skip
 
 
 def headline_markdown(rows: Sequence[tuple[str, Mapping[str, Any]]], batch: Any, first: str = "Task") -> list[str]:

@@ -27,6 +27,8 @@ __all__ = ["cache_bytes_per_row", "explain_decode_error", "is_out_of_memory", "n
 
 #: the allocators' messages that mean "out of memory" (a CPU allocation raises a plain RuntimeError)
 _OUT_OF_MEMORY = ("out of memory", "can't allocate memory")
+#: how an explained message starts (an error explained once is not explained again)
+_PREFIX = "Out of memory"
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -74,10 +76,6 @@ def explain_decode_error(err: RuntimeError, model, plan: DecodePlan, requests: i
     if free is not None:
         msg += f" {_size(free)} is free there now."
     return _explained(err, msg + _fixes(plan, rows, device, dtype))
-
-
-#: how an explained message starts (an error explained once is not explained again)
-_PREFIX = "Out of memory"
 
 
 def _explained(err: RuntimeError, message: str) -> RuntimeError:
