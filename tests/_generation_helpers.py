@@ -15,6 +15,8 @@ code does, even when that forward already completed the block).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from conftest import EOS_ID, MASK_ID, make_tiny_dream, make_tiny_llada
 
@@ -27,6 +29,20 @@ def run_padded(model, prompts: list[list[int]], cfg):
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
     return model.generate(ids, attention_mask=mask, generation_config=cfg, return_dict_in_generate=True)
+
+
+def homogeneity_p(a: Counter, b: Counter, pool_below: int = 10) -> float:
+    """The p-value of Pearson's chi-square test that two samples of outcomes come from one distribution
+    (outcomes seen fewer than ``pool_below`` times in both together pooled into one category)."""
+    na, nb = sum(a.values()), sum(b.values())
+    rare = [k for k in a.keys() | b.keys() if a[k] + b[k] < pool_below]
+    cells = [(a[k], b[k]) for k in a.keys() | b.keys() if a[k] + b[k] >= pool_below]
+    cells.append((sum(a[k] for k in rare), sum(b[k] for k in rare)))
+    cells = [c for c in cells if sum(c)]
+    share = [(x + y) / (na + nb) for x, y in cells]  # each cell's share of all draws, under one distribution
+    stat = sum((x - f * na) ** 2 / (f * na) + (y - f * nb) ** 2 / (f * nb) for (x, y), f in zip(cells, share))
+    half = torch.tensor([(len(cells) - 1) / 2, stat / 2], dtype=torch.float64)
+    return float(torch.special.gammaincc(half[0], half[1]))
 
 
 def spy_caches(monkeypatch, fill: float | None = None) -> list:

@@ -77,6 +77,16 @@ def _(**_):
     return _generate(temperature=-1.0, max_new_tokens=8)
 
 
+@case("seed-not-integer")
+def _(**_):
+    return _message(lambda: hb.FastDLLMConfig(max_new_tokens=8, block_length=4, seed="7"))
+
+
+@case("seed-and-generator")
+def _(**_):
+    return _generate(seed=7, temperature=0.7, max_new_tokens=8, generator=torch.Generator())
+
+
 @case("threshold-string")
 def _(**_):
     return _message(lambda: hb.FastDLLMConfig(threshold="high").validate())

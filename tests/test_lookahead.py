@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _generation_helpers import eos_model, peaked, run_padded, spy_caches
+from _generation_helpers import eos_model, homogeneity_p, peaked, run_padded, spy_caches
 from conftest import MASK_ID
 
 import hf_blockbatch as hb
@@ -160,20 +160,6 @@ def test_lookahead_refuses_settings_where_a_draft_is_not_exact(options, message)
     assert "lookahead=0" in str(info.value) and "\n" not in str(info.value)
 
 
-def _homogeneity_p(a: Counter, b: Counter, pool_below: int = 10) -> float:
-    """The p-value of Pearson's chi-square test that two samples of outcomes come from one distribution
-    (outcomes seen fewer than ``pool_below`` times in both together pooled into one category)."""
-    na, nb = sum(a.values()), sum(b.values())
-    rare = [k for k in a.keys() | b.keys() if a[k] + b[k] < pool_below]
-    cells = [(a[k], b[k]) for k in a.keys() | b.keys() if a[k] + b[k] >= pool_below]
-    cells.append((sum(a[k] for k in rare), sum(b[k] for k in rare)))
-    cells = [c for c in cells if sum(c)]
-    share = [(x + y) / (na + nb) for x, y in cells]  # each cell's share of all draws, under one distribution
-    stat = sum((x - f * na) ** 2 / (f * na) + (y - f * nb) ** 2 / (f * nb) for (x, y), f in zip(cells, share))
-    half = torch.tensor([(len(cells) - 1) / 2, stat / 2], dtype=torch.float64)
-    return float(torch.special.gammaincc(half[0], half[1]))
-
-
 def test_sampled_drafts_decode_the_same_distribution():
     """Sampling (temperature 0.7): a draft is adopted on the main row's sampled commit, and its own commit is drawn
     with its own noise, so the decoded sequences (and the forwards without drafts, NFE + adopted) follow the
@@ -200,8 +186,8 @@ def test_sampled_drafts_decode_the_same_distribution():
     assert adopted > 1.0 and adopted_ct > 1.0  # about 2.6 of the 8 steps a row
     # on this machine: 0.93, and 4e-8 for 0.8 against 0.7 (adopting a draft whose canvas differs from the main
     # row's at one position gives 4e-188)
-    assert _homogeneity_p(plain, drafted) > 1e-3
-    assert _homogeneity_p(plain, draws(4, temperature=0.8)[0]) < 1e-5
+    assert homogeneity_p(plain, drafted) > 1e-3
+    assert homogeneity_p(plain, draws(4, temperature=0.8)[0]) < 1e-5
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
@@ -237,6 +223,8 @@ def _check_sampled_invariants(model, seed: int, settings: int = 12) -> int:
             options.update(rule="entropy", entropy_bound=rng.choice([0.0, 0.3, 1.0]))
         if rng.random() < 0.5:
             options["lookahead_query_budget"] = rng.choice([1.0, 2.5])
+        if rng.random() < 0.5:  # keyed noise
+            options["seed"] = rng.randrange(2**40)
         prompts = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 3))]
         torch.manual_seed(rng.randrange(1000))
         out = run_padded(model, prompts, hb.FastDLLMConfig(**options))

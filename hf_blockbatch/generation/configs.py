@@ -194,6 +194,13 @@ class DiffusionGenerationConfig(GenerationConfig):
             config's ``eot_token_id`` (end of turn) joins them for ``confidence_eos_eot_inf``
             and in :func:`hf_blockbatch.answer_texts`.
         output_trace: record a per-step trace (commits, merges, syncs, refreshes) in ``stats``.
+        seed: when sampling (``temperature`` > 0 or ``remasking="random"``), hash each random number from
+            (seed, the request's prompt, its branch, its step, the position, the token id) instead of drawing it
+            from a generator (:mod:`hf_blockbatch.generation.noise`): a request then decodes the same tokens
+            alone or in any batch, at any padding, and with exact drafts (sparse steps) as without them, sample
+            for sample. Identical prompts in one batch draw apart (the k-th copy as the k-th copy), so
+            ``num_return_sequences`` still samples. ``None`` (the default): the generator's stream, as the
+            official samplers draw it. A decode with a seed takes no ``generator``.
 
     Standard ``GenerationConfig`` fields kept: ``do_sample`` (follows the temperature when not
     given, and must agree with it when given), ``num_return_sequences`` (samples per prompt, with
@@ -202,7 +209,7 @@ class DiffusionGenerationConfig(GenerationConfig):
     """
 
     strategy: str = ""
-    _ours = ("strategy", "remasking", "mask_token_id", "output_trace")
+    _ours = ("strategy", "remasking", "mask_token_id", "output_trace", "seed")
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("max_new_tokens", 128)
@@ -211,6 +218,7 @@ class DiffusionGenerationConfig(GenerationConfig):
         self.remasking = kwargs.pop("remasking", "low_confidence")
         self.mask_token_id = kwargs.pop("mask_token_id", None)
         self.output_trace = kwargs.pop("output_trace", False)
+        self.seed = kwargs.pop("seed", None)
         super().__init__(**kwargs)
         self.strategy = type(self).strategy
         if self.do_sample is None:  # stated, not left unset: transformers' pipelines add do_sample=True then
@@ -259,6 +267,9 @@ class DiffusionGenerationConfig(GenerationConfig):
         if self.temperature is None or _check_real("temperature", self.temperature) < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}.")
         _check_bool("output_trace", self.output_trace)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**64):  # fmt: skip
+            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}.")
         if self.remasking not in _REMASKING:
             raise ValueError(f"remasking must be one of {_REMASKING}, got {self.remasking!r}.")
         sampling = float(self.temperature) > 0
@@ -394,9 +405,9 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             measured trade is in benchmarks/RESULTS.md §12–13). With ``window_queries="sparse"``
             a draft queries only what the next sparse step would (its K/V are its main row's after
             the forward), and the tokens are sparse Fast-dLLM's. Sampled (``temperature`` > 0): the
-            same *distribution* of outputs as without drafts, not the same sample for a seed (a
+            same *distribution* of outputs as without drafts, not the same sample for a generator (a
             draft's commit draws its own noise, independent of the main row's that chose it;
-            RESULTS §38). Needs ``cache="dual"``, ``low_confidence`` remasking and a threshold,
+            RESULTS §38); with ``seed`` and sparse steps, the same samples too. Needs ``cache="dual"``, ``low_confidence`` remasking and a threshold,
             factor, entropy or LocalLeap rule: what makes a draft exact.
         lookahead_max_masks: draft only while the request's window has at most this many masks left
             (``None``, the default: at every block step). A window with many masks left mostly

@@ -29,6 +29,7 @@ from hf_blockbatch.cache import reuse_storage
 from hf_blockbatch.generation.commit import completed_windows, mark_eos_hits, propose, write_commits
 from hf_blockbatch.generation.forward import Forwards, Span
 from hf_blockbatch.generation.memory import explain_decode_error, new_cache
+from hf_blockbatch.generation.noise import lane_keys, request_keys, slot_keys
 from hf_blockbatch.generation.outputs import DecodeResult
 from hf_blockbatch.generation.plans import DecodePlan
 from hf_blockbatch.generation.policies import StepContext
@@ -55,20 +56,26 @@ class Run:
         device = input_ids.device
         self.eos_ids = torch.tensor(eos_ids, device=device, dtype=torch.long)
         self.B, self.gs = input_ids.shape
+        # keyed noise (noise.py): a sampled step's numbers hashed from what they decide, not drawn from a stream
+        keyed = plan.seed is not None and (plan.temperature > 0 or plan.remasking == "random")
         self.state = DecodeState.start(
             input_ids, attention_mask, plan.block_sizes, plan.max_new_tokens, mask_id, quota=plan.rule.keeps_quota,
             map_k=plan.map_k, keep_commit_prob=plan.stop.eos_rank == "commit",
             features=frozenset().union(*(getattr(part, "needs", ()) for part in (plan.refresh, *plan.policies)),
-                                       ("kv_tokens",) if plan.sparse_queries else ()),
+                                       ("kv_tokens",) if plan.sparse_queries else (), ("noise",) if keyed else ()),
         )  # fmt: skip
+        if keyed:  # a draft row stands for its main row's later steps: its lane is the main row's
+            lane = self.state.branch if plan.lookahead is None else torch.zeros_like(self.state.branch)
+            self.state.noise_key = lane_keys(request_keys(plan.seed, input_ids, attention_mask)[self.state.request], lane)
         self.L, self.N = self.state.length, self.state.branches
         self.cache = None if plan.cache == "none" else new_cache(model, self.state.num_rows, self.L,
                                                                  self.state.attention_mask, plan, self.B)  # fmt: skip
         # the slots a step proposes at: the masks alone, where nothing else is ranked. A sampled (or randomly
-        # remasked) dense step reads its whole window, so that its noise is drawn as the official samplers draw it; a
-        # sparse step queries the masks and their neighbours only, so reading every slot would query the whole window
-        masked_only = not plan.read_all_slots and (plan.sparse_queries or (plan.temperature == 0
-                                                                           and plan.remasking == "low_confidence"))
+        # remasked) dense step drawing from a generator reads its whole window, so that its noise is drawn as the
+        # official samplers draw it; a sparse step queries the masks and their neighbours only, so reading every
+        # slot would query the whole window; keyed noise does not depend on the slots read
+        masked_only = not plan.read_all_slots and (plan.sparse_queries or keyed or (plan.temperature == 0
+                                                                                    and plan.remasking == "low_confidence"))
         self.fwd = Forwards(model, self.state, self.cache, plan.cache, pad_id, self.eos_ids, masked_only,
                             eos_slot=plan.stop.eos_rank == "completion", requery_radius=plan.requery_radius,
                             draft_depth=plan.lookahead.depth if plan.lookahead and plan.sparse_queries else 0,
@@ -82,23 +89,36 @@ class Run:
         self._windows: tuple[torch.Tensor, torch.Tensor, tuple] | None = None
 
     # ------------------------------------------------------------------ commits
-    def _sample(self, packed_logits: torch.Tensor) -> Sampled:
+    def _sample(self, packed_logits: torch.Tensor, noise_keys: torch.Tensor | None) -> Sampled:
         """Proposals for the packed positions; timed apart, since the softmax over the vocabulary
         is the one policy cost that grows with the model."""
         plan = self.plan
         t = time.perf_counter()
         out = sample_tokens(packed_logits, plan.temperature, plan.remasking, plan.map_k, self.generator, self.suppress,
-                            self.lowconf, self.state.mask_id, entropy=self.rule_entropy)  # fmt: skip
+                            self.lowconf, self.state.mask_id, entropy=self.rule_entropy, noise_keys=noise_keys)  # fmt: skip
         self.sample_seconds += time.perf_counter() - t
         return out
 
-    def commit(self, span: Span, packed: torch.Tensor, phase: str, slot_index: torch.Tensor | None = None) -> bool:
+    def noise_keys(self, span: Span) -> torch.Tensor:
+        """``[T]`` the keyed noise's key of each slot the span reads, in the packed logits' order (row-major):
+        its row's key and step, and its offset in the generated region (noise.py)."""
+        s = self.state
+        rows, positions, read = span.rows[:, None].expand_as(span.positions), span.positions, span.read
+        rows, positions = (rows.reshape(-1), positions.reshape(-1)) if read is None else (rows[read], positions[read])
+        return slot_keys(s.noise_key[rows], s.steps[rows], positions - s.gen_start)
+
+    def commit(self, span: Span, packed: torch.Tensor, phase: str, slot_index: torch.Tensor | None = None,
+               key_span: Span | None = None) -> bool:  # fmt: skip
         """Propose, apply the rule inside each row's window, write the commits; update the
         probability map and EOS hits. Returns whether a window may have completed (exact for
-        window spans); while none has, advancing would change nothing."""
+        window spans); while none has, advancing would change nothing. ``key_span``: the span whose
+        slots ``packed`` holds, when it is not ``span`` (the initial step's shared logits)."""
         s, plan = self.state, self.plan
-        proposal = propose(s, span, self._sample(packed), slot_index, self.fwd.slots, self.lowconf is not None)
+        keys = None if s.steps is None else self.noise_keys(span if key_span is None else key_span)
+        proposal = propose(s, span, self._sample(packed, keys), slot_index, self.fwd.slots, self.lowconf is not None)
         select, new, n_select = write_commits(s, span, proposal, plan.rule)
+        if s.steps is not None:
+            s.steps.index_add_(0, span.rows, torch.ones_like(span.rows))
         completed, complete = completed_windows(span, n_select)
         if plan.stop.early_stop and completed and phase in plan.stop.eos_phases:  # a hit needs a fully decoded window
             mark_eos_hits(s, span, proposal, new, packed, self.eos_ids, plan.stop.eos_rank, complete, plan.stop.eos_dtype)
@@ -181,7 +201,8 @@ class Run:
         branches = Span(torch.arange(s.num_rows, device=first.device), positions, None, in_win, s.canvas,
                         span.current.repeat_interleave(self.N, 0), span.masked.repeat_interleave(self.N, 0), None)  # fmt: skip
         s.refreshes += 1
-        self.commit(branches, packed, "init", slot_index=self.fwd.slots(None, first.shape[0], G).repeat_interleave(self.N, 0))
+        self.commit(branches, packed, "init", slot_index=self.fwd.slots(None, first.shape[0], G).repeat_interleave(self.N, 0),
+                    key_span=span)
 
     # ------------------------------------------------------------------ policies, stop, refresh
     def apply_policies(self, full: bool, completed: bool = True) -> bool:

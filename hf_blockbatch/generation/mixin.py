@@ -145,6 +145,11 @@ def _checked_inputs(model, cfg: DiffusionGenerationConfig, input_ids: Any, atten
         attention_mask = _padding_without_a_mask(input_ids, pad_id, eos_ids)
     check_context(model.config, input_ids.shape[1], cfg.max_new_tokens)
     device = model.device
+    if generator is not None and cfg.seed is not None:
+        raise ValueError(
+            f"seed={cfg.seed} hashes the sampling noise, so the generator would be ignored: pass one of them "
+            "(seed for the same samples alone or in any batch, generator for the official samplers' stream)."
+        )
     if generator is not None and generator.device.type != device.type:
         raise ValueError(
             f"The generator is on {generator.device.type} but the model on {device.type}: make it with "

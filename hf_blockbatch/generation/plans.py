@@ -45,6 +45,7 @@ class DecodePlan:
     cache: str = "dual"  # "none" | "prefix" | "dual"
     temperature: float = 0.0
     remasking: str = "low_confidence"
+    seed: int | None = None  # keyed sampling noise (noise.py); None: the generator's stream
     advance_after_full: bool = True  # see policies.advance.Advance
     map_k: int = 0  # entries per position of the probability map (0: none is kept)
     # full forwards update the map over the whole generated region (BlockBatch's merges read it
@@ -115,6 +116,7 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
         max_new_tokens=cfg.max_new_tokens,
         temperature=float(cfg.temperature or 0.0),
         remasking=cfg.remasking,
+        seed=None if cfg.seed is None else int(cfg.seed),
         output_trace=bool(cfg.output_trace),
         end_ids=list(eos_ids),
     )

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_blockbatch.generation.noise import confidence_uniform, uniform
+
 __all__ = ["Sampled", "eos_probability", "row_max", "sample_tokens"]
 
 # Below this many entries a plain max(dim) is cheaper than the blocked one (measured on CPU).
@@ -77,6 +79,7 @@ def sample_tokens(
     low_confidence_ids: torch.Tensor | None = None,
     mask_id: int | None = None,
     entropy: bool = False,
+    noise_keys: torch.Tensor | None = None,
 ) -> Sampled:
     """Propose a token for every packed position.
 
@@ -91,17 +94,23 @@ def sample_tokens(
     ``entropy``: also each position's predictive entropy in nats (one more pass over the vocabulary),
     for the entropy-bounded rule.
 
+    ``noise_keys`` (``[T]`` int64, :mod:`.noise`): each position's noise is a hash of its key instead of the
+    generator's next numbers, so that it does not depend on what else the step reads.
+
     Rows are proposed in chunks of :data:`SAMPLE_CHUNK_ELEMENTS` logits (the noise drawn chunk after chunk: on a
     CPU the same numbers as in one draw).
     """
     rows = max(1, SAMPLE_CHUNK_ELEMENTS // max(logits.shape[-1], 1))
     options = (temperature, top_k, generator, suppress_logit_ids, mask_id, entropy)
     if logits.shape[0] <= rows:
-        tokens, probability, top_probs, top_ids, h = _propose_rows(logits, *options)
+        tokens, probability, top_probs, top_ids, h = _propose_rows(logits, *options, noise_keys)
     else:
-        parts = [_propose_rows(logits[i : i + rows], *options) for i in range(0, logits.shape[0], rows)]
+        parts = [_propose_rows(logits[i : i + rows], *options, None if noise_keys is None else noise_keys[i : i + rows])
+                 for i in range(0, logits.shape[0], rows)]  # fmt: skip
         tokens, probability, top_probs, top_ids, h = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
-    if remasking == "random":
+    if remasking == "random" and noise_keys is not None:
+        confidence = confidence_uniform(noise_keys)
+    elif remasking == "random":
         confidence = torch.rand(tokens.shape, dtype=torch.float64, device=logits.device, generator=generator)
     else:
         confidence = probability
@@ -112,7 +121,8 @@ def sample_tokens(
 
 
 def _propose_rows(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator | None,
-                  suppress_logit_ids: torch.Tensor | None, mask_id: int | None, entropy: bool) -> tuple:  # fmt: skip
+                  suppress_logit_ids: torch.Tensor | None, mask_id: int | None, entropy: bool,
+                  noise_keys: torch.Tensor | None = None) -> tuple:  # fmt: skip
     """:func:`sample_tokens`' work on the vocabulary, for some rows: ``(tokens, probability, top_probs, top_ids,
     entropy)``."""
     if suppress_logit_ids is not None:
@@ -134,7 +144,10 @@ def _propose_rows(logits: torch.Tensor, temperature: float, top_k: int, generato
             top_probs, top_ids = best_logp.exp()[:, None], best_ids[:, None]
     if temperature > 0:
         logits64 = logits.double()
-        noise = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+        if noise_keys is None:
+            noise = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+        else:
+            noise = uniform(noise_keys, logits.shape[-1])
         gumbel = logits64.exp() / (-torch.log(noise)) ** temperature  # >= 0
         if mask_id is not None:
             gumbel[:, mask_id] = -1.0

@@ -107,6 +107,11 @@ class DecodeState:
     kv_dirty: torch.Tensor | None = None
     # [R] the row's decoded tokens when a full forward last wrote its cache (refresh_after_commits)
     decoded_at_full: torch.Tensor | None = None
+    # keyed sampling noise (feature "noise", generation/noise.py): [R] the row's key (its request's and lane's),
+    # and [R] the commits its decoder has made, which keys each step's noise (a draft row: its main row's, plus
+    # the steps it stands ahead)
+    noise_key: torch.Tensor | None = None
+    steps: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         R, dev, G = self.canvas.shape[0], self.canvas.device, self.canvas.shape[1] - self.gen_start
@@ -129,6 +134,8 @@ class DecodeState:
             self.adopted = _zeros(R, dev)
             self.draft_parked = _zeros(R, dev, torch.bool)
             self.draft_parent = torch.full((R,), -1, dtype=torch.long, device=dev)
+        if "noise" in self.features and self.steps is None:
+            self.noise_key, self.steps = _zeros(R, dev), _zeros(R, dev)
         if "kv_tokens" in self.features and self.kv_tokens is None:
             self.kv_tokens = torch.full_like(self.canvas, -1)  # nothing written yet
             if "lookahead" in self.features:

@@ -49,7 +49,10 @@ The parts:
   before the step); the adopted draft's own commit is drawn with its own noise, independent of both.
   So, given the canvas it stands for, that commit is a draw of the next step's commit as the decoder
   without drafts makes it: the decoded sequences have the same distribution, not the same samples for
-  a seed (the draft rows' noise shifts the random stream). A committed token needs a confidence of at
+  a generator's seed (the draft rows' noise shifts the random stream). With keyed noise (``seed``,
+  :mod:`hf_blockbatch.generation.noise`) a draft row draws the noise of the step it stands for (its main row's step count plus
+  its depth), and an adopted draft hands its count over: with sparse steps (a draft stands only for its
+  parent's next step) the samples are the decoder's own. A committed token needs a confidence of at
   least the threshold, so above 0.5 it is the top token the draft guessed; drafts miss more often the
   hotter the sampling (a lone commit below the threshold may be any sampled token).
 
@@ -95,7 +98,7 @@ __all__ = ["DRAFT_SHAPES", "Lookahead"]
 DRAFT_SHAPES: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 1), (0, 1, 2), (2,), (1, 2))
 
 #: what a main row takes from the draft it adopts (``kv_tokens`` exists with sparse steps only)
-_COPIED = ("canvas", "prob_p", "prob_ids", "eos_hit", "eos_prob", "commit_prob", "kv_tokens")
+_COPIED = ("canvas", "prob_p", "prob_ids", "eos_hit", "eos_prob", "commit_prob", "kv_tokens", "steps")
 
 
 def _park(s) -> None:
@@ -109,6 +112,21 @@ def _parents(drafts: int) -> list[int]:
     the first ``drafts`` does ((0, 1) extends (0,)), else the main row (0)."""
     shapes = DRAFT_SHAPES[:drafts]
     return [shapes.index(s[:-1]) + 1 if s[:-1] in shapes else 0 for s in shapes]
+
+
+def _depths(drafts: int) -> list[int]:
+    """Each draft's place in its chain: 1 for a draft of the main row's next state, its parent's + 1 for a draft
+    of a draft; also how many steps ahead of its main row it stands (so it draws that step's keyed noise)."""
+    depth = [0]
+    for p in _parents(drafts):
+        depth.append(depth[p] + 1)
+    return depth[1:]
+
+
+@functools.cache
+def _steps_ahead(drafts: int, device: torch.device) -> torch.Tensor:
+    """``[K]`` :func:`_depths` as a tensor, built once per device."""
+    return torch.tensor(_depths(drafts), device=device)
 
 
 @functools.cache
@@ -157,10 +175,7 @@ class Lookahead:
     def depth(self) -> int:
         """The longest chain of drafts, each extending the one before (sparse steps resolve a draft's
         K/V a level at a time)."""
-        parents, depth = _parents(self.drafts), [0]
-        for p in parents:
-            depth.append(depth[p] + 1)
-        return max(depth)
+        return max(_depths(self.drafts))
 
     def draft(self, run: Run) -> bool:
         """Before a block step: write each live request's drafts into its draft rows, park the
@@ -201,6 +216,9 @@ class Lookahead:
             order = torch.cat([order, order[:, :1].expand(-1, S - order.shape[1])], dim=1)
         # (a parent needs no more masks than its child: a valid draft's parent is valid)
         s.per_request(s.draft_parent)[:, 1:] = parents
+        if s.steps is not None:  # keyed noise: a draft draws what the step it stands for would (noise.py)
+            steps = s.per_request(s.steps)
+            steps[:, 1:] = steps[:, :1] + _steps_ahead(self.drafts, steps.device)
         at = order + gs
         guessed = s.per_request(s.prob_ids)[:, 0, :, 0].gather(1, order)  # [B, S] top-1 tokens
         tokens = torch.where(valid[:, :, None] & ranks, guessed[:, None], main.gather(1, at)[:, None])  # [B, K, S]

@@ -1,0 +1,174 @@
+"""Keyed sampling noise (``seed``, hf_blockbatch/generation/noise.py): the hash itself, the law of what it samples,
+and what it is for: a request decodes the same samples alone or in any batch, and with exact sparse drafts as
+without them."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+from _generation_helpers import eos_model, homogeneity_p, peaked, run_padded
+from conftest import MASK_ID, make_tiny_dream, make_tiny_llada
+
+import hf_blockbatch as hb
+from hf_blockbatch.generation import noise
+
+M32 = 0xFFFFFFFF
+
+
+def _lowbias32(x: int) -> int:
+    """C. Wellons' lowbias32 in Python's exact integers."""
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & M32
+    x ^= x >> 15
+    x = (x * 0xD35A2D97) & M32
+    return x ^ (x >> 15)
+
+
+def test_the_hash_is_lowbias32_in_exact_integers():
+    """The in-place int64 hash (whose products pass 2^63 and wrap) gives Python's exact numbers, for every
+    32-bit edge and 2,000 random values, and the uniforms are those numbers plus a half over 2^32."""
+    rng = random.Random(0)
+    values = [0, 1, 2**15, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 2, M32] + [rng.randrange(2**32) for _ in range(2000)]
+    assert noise.mix32(torch.tensor(values)).tolist() == [_lowbias32(v) for v in values]
+    keys = torch.tensor(values[:40])
+    got = noise.uniform(keys, 7)
+    want = [[(_lowbias32(k ^ _lowbias32(v + noise._TOKEN)) + 0.5) / 2**32 for v in range(7)] for k in values[:40]]
+    assert got.tolist() == want
+    assert float(got.min()) > 0.0 and float(got.max()) < 1.0
+
+
+def test_keyed_uniforms_are_uniform_and_independent():
+    """2^18 uniforms of 4,096 slots (consecutive steps and positions of one row) × 64 token ids: the 64 bins of a
+    chi-square test hold them evenly, and neighbouring token ids, positions and steps are uncorrelated (a hash that
+    passed its input through would correlate them fully)."""
+    row = noise.lane_keys(noise.request_keys(3, torch.tensor([[5, 6, 7]]), torch.ones(1, 3)), torch.zeros(1, dtype=torch.long))
+    step, offset = torch.arange(64).repeat_interleave(64), torch.arange(64).repeat(64)
+    u = noise.uniform(noise.slot_keys(row.expand(4096), step, offset), 64)  # [4096 slots, 64 ids]
+    counts = torch.histc(u, bins=64, min=0.0, max=1.0)
+    stat = float(((counts - u.numel() / 64) ** 2 / (u.numel() / 64)).sum())
+    assert float(torch.special.gammaincc(torch.tensor(31.5, dtype=torch.float64), torch.tensor(stat / 2))) > 1e-4
+    grid = u.view(64, 64, 64)  # [step, position, token id]
+    for a, b in [(grid[..., :-1], grid[..., 1:]), (grid[:, :-1], grid[:, 1:]), (grid[:-1], grid[1:])]:
+        assert abs(float(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1])) < 0.02
+
+
+def test_request_keys_follow_the_prompt_not_the_batch():
+    """A request's key is its prompt's (padding ignored), with its copy number among identical prompts: the same
+    in any batch, different for another prompt, a reordered prompt, another seed or a later copy."""
+    def keys(prompts: list[list[int]], seed: int = 1) -> list[int]:
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        return noise.request_keys(seed, ids, mask).tolist()
+
+    alone = keys([[5, 6, 7]])[0]
+    batch = keys([[9, 9, 9, 9, 9], [5, 6, 7], [7, 6, 5], [5, 6, 7], [6, 7]])
+    assert batch[1] == alone and batch[3] != alone  # the second copy draws apart
+    assert len({alone, batch[0], batch[2], batch[3], batch[4], keys([[5, 6, 7]], seed=2)[0]}) == 6
+
+
+def _decoders() -> dict[str, hb.DiffusionGenerationConfig]:
+    """One config of every decoder that samples, with a seed."""
+    fd = dict(max_new_tokens=16, block_length=8, threshold=0.9, seed=11)
+    sparse = dict(window_queries="sparse", requery_radius=3)
+    return {
+        "vanilla": hb.VanillaDiffusionConfig(max_new_tokens=16, steps=16, block_length=8, temperature=0.7, seed=11),
+        "vanilla-random": hb.VanillaDiffusionConfig(max_new_tokens=16, steps=16, block_length=8, remasking="random",
+                                                    seed=11),  # fmt: skip
+        "fast-dllm": hb.FastDLLMConfig(**fd, temperature=0.7),
+        "fast-dllm-random-remasking": hb.FastDLLMConfig(**fd, temperature=1.0, remasking="random"),
+        "sparse": hb.FastDLLMConfig(**fd, **sparse, temperature=0.7),
+        "drafted": hb.FastDLLMConfig(**fd, **sparse, temperature=0.7, lookahead=3),
+        "drafted-contained": hb.FastDLLMConfig(**fd, **sparse, temperature=0.7, lookahead=3, lookahead_accept="contained"),
+        "blockbatch": hb.BlockBatchConfig(max_new_tokens=16, block_sizes=[4, 8, 16], temperature=0.7, seed=11),
+        "blockbatch-lean": hb.BlockBatchConfig.lean(max_new_tokens=16, block_sizes=[4, 16], temperature=0.7, seed=11),
+    }
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("decoder", sorted(_decoders()))
+def test_seeded_decodes_are_the_same_alone_or_in_a_batch(family, decoder):
+    """With a seed, each request of a left-padded batch (prompts of 1-6 tokens, one prompt twice) decodes the
+    tokens, forwards and stats it decodes alone; the second copy of a prompt is a second sample, so it decodes as
+    that copy does in a batch of the two copies. Run twice, the batch decodes the same."""
+    model = eos_model(family)
+    cfg = _decoders()[decoder]
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20], [5, 6, 7]]
+    out = run_padded(model, prompts, cfg)
+    assert torch.equal(out.sequences, run_padded(model, prompts, cfg).sequences)
+    for i, p in enumerate(prompts[:3]):
+        alone = run_padded(model, [p], cfg)
+        assert out.sequences[i, -16:].tolist() == alone.sequences[0, -16:].tolist(), (decoder, i)
+        assert int(out.nfe[i]) == int(alone.nfe[0])
+        assert out.stats[i].get("lookahead_adopted", 0) == alone.stats[0].get("lookahead_adopted", 0)
+    copies = run_padded(model, [prompts[0], prompts[0]], cfg)
+    assert out.sequences[3, -16:].tolist() == copies.sequences[1, -16:].tolist()
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_seeded_sparse_drafts_decode_the_same_samples(family):
+    """With a seed, exact drafts on sparse steps draw the noise of the step they stand for, so the decoder with
+    drafts decodes the samples of the decoder without them (not only their law): the same tokens, and NFE +
+    adopted = the plain NFE, for every request of 12 random settings (sampling at 0.5 or 1, 1-6 drafts, radius
+    0-6, early stop or not, padded batches of 1-8 prompts). Drafts are adopted."""
+    model, rng, adopted = peaked(family), random.Random(7), 0
+    for trial in range(12):
+        prompts = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 8))]
+        options = dict(max_new_tokens=rng.choice([13, 24]), block_length=rng.choice([4, 8, 16]),
+                       threshold=rng.choice([0.5, 0.9]), temperature=rng.choice([0.5, 1.0]), seed=trial,
+                       window_queries="sparse", requery_radius=rng.choice([0, 3, 6]), early_stop=rng.random() < 0.5)  # fmt: skip
+        plain = run_padded(model, prompts, hb.FastDLLMConfig(**options))
+        drafted = run_padded(model, prompts, hb.FastDLLMConfig(**options, lookahead=rng.randint(1, 6)))
+        took = torch.tensor([st["lookahead_adopted"] for st in drafted.stats])
+        assert torch.equal(plain.sequences, drafted.sequences), options
+        assert torch.equal(plain.nfe, drafted.nfe + took), options
+        adopted += int(took.sum())
+    assert adopted > 100
+
+
+def test_keyed_sampling_draws_the_samplers_law():
+    """2,000 copies of one prompt decoded with a seed (each copy its own sample) against 2,000 draws from a
+    generator: one distribution of (sequence, NFE) by a chi-square test, while the same test tells temperature 0.7
+    from 0.8 apart (its power). A seed picks samples; it must not change their law."""
+    model = peaked("llada")
+    ids = torch.tensor([[5, 6, 7]] * 2000)
+
+    def draws(temperature: float = 0.7, **how) -> Counter:
+        cfg = hb.FastDLLMConfig(max_new_tokens=8, block_length=8, threshold=0.9, temperature=temperature,
+                                window_queries="sparse", seed=how.pop("seed", None))  # fmt: skip
+        out = model.generate(ids, generation_config=cfg, return_dict_in_generate=True, **how)
+        assert not bool((out.sequences == MASK_ID).any())
+        return Counter(map(tuple, torch.cat([out.sequences[:, 3:], out.nfe[:, None]], 1).tolist()))
+
+    keyed = draws(seed=0)
+    assert homogeneity_p(keyed, draws(generator=torch.Generator().manual_seed(1))) > 1e-3
+    assert homogeneity_p(keyed, draws(0.8, seed=1)) < 1e-5
+
+
+def test_a_seed_is_a_sample():
+    """Another seed draws other samples (8 prompts at temperature 1: some decode differently); greedy decoding
+    with a seed is greedy decoding."""
+    model = make_tiny_dream()
+    prompts = [[i, i + 1, i + 2] for i in range(5, 13)]
+    a, b = (run_padded(model, prompts, hb.FastDLLMConfig(max_new_tokens=12, block_length=4, temperature=1.0, seed=s))
+            for s in (0, 1))  # fmt: skip
+    assert not torch.equal(a.sequences, b.sequences)
+    greedy = hb.FastDLLMConfig(max_new_tokens=12, block_length=4)
+    model = make_tiny_llada()
+    assert torch.equal(run_padded(model, prompts, greedy).sequences,
+                       run_padded(model, prompts, hb.FastDLLMConfig(max_new_tokens=12, block_length=4, seed=3)).sequences)  # fmt: skip
+
+
+def test_the_seed_saves_and_loads(tmp_path):
+    """``seed`` is a config field: saved, loaded, and taken as ``generate()``'s keyword too."""
+    cfg = hb.FastDLLMConfig(max_new_tokens=8, block_length=4, temperature=0.7, seed=2**40 + 3)
+    cfg.save_pretrained(tmp_path)
+    loaded = hb.FastDLLMConfig.from_pretrained(tmp_path)
+    assert loaded.seed == 2**40 + 3
+    model, ids = make_tiny_llada(), torch.tensor([[5, 6, 7]])
+    assert torch.equal(model.generate(ids, generation_config=loaded), model.generate(ids, generation_config=cfg))
+    plain = hb.FastDLLMConfig(max_new_tokens=8, block_length=4, temperature=0.7)
+    assert torch.equal(model.generate(ids, generation_config=plain, seed=2**40 + 3), model.generate(ids, generation_config=cfg))
