@@ -459,6 +459,26 @@ def test_a_batch_out_of_memory_goes_on_at_half_the_size(tiny, tmp_path, monkeypa
         run_bench(BenchSettings(**common, batch_size=2, output_dir=str(tmp_path / "other")), model, tok, shard=ShardInfo())
 
 
+def test_sampled_methods_sample_the_same_answers_at_any_batch_size(tiny, tmp_path):
+    """A sampling method gets the run's seed (keyed noise): its answers and NFE are the same at batch 1 and 3, the
+    items re-decoded alone agree with the batch (``same_output_b1`` True), and another seed samples otherwise."""
+    model, tok, _ = tiny
+    common = dict(model="random", tasks=["arith"], methods=["fast_dllm", "blockbatch"], limit=4, gen_length=16,
+                  overrides={"fast_dllm": {"temperature": 1.0}, "blockbatch": {"temperature": 1.0}},
+                  progress=False, plots=False, warmup=False)  # fmt: skip
+
+    def answers(folder: str, **settings) -> tuple[list, list]:
+        run_bench(BenchSettings(**common, output_dir=str(tmp_path / folder), **settings), model, tok, shard=ShardInfo())
+        rows = sorted(runner.read_samples(tmp_path / folder), key=lambda r: (r["method"], r["index"]))
+        return [(r["method"], r["output"], r["nfe"]) for r in rows], [r["same_output_b1"] for r in rows]
+
+    alone, _ = answers("b1", batch_size=1)
+    batched, same = answers("b3", batch_size=3, latency_batch_1=2)
+    assert alone == batched
+    assert same == [True, True, None, None] * 2
+    assert answers("seed1", batch_size=3, seed=1)[0] != batched
+
+
 def test_bench_reads_query_tokens_and_authors_nfe_and_times_items_alone(tiny, tmp_path, monkeypatch):
     """What the bench reads from each request's stats (``query_tokens``, ``nfe_authors``) reaches the
     summary; ``latency_batch_1`` re-decodes the first N items of each method alone, after its batched pass."""

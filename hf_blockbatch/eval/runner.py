@@ -586,6 +586,7 @@ class BenchSettings:
     sweep_blocks: list[int] | str = field(default_factory=list)
     limit: int | None = None
     batch_size: int = 1
+    #: the sampling configs' ``seed`` when they name none (keyed noise: :func:`key_sampling_noise`)
     seed: int = 0
     #: None: each task's ``default_gen_length``
     gen_length: int | None = None
@@ -692,18 +693,31 @@ def _warmup(model: Any, tokenizer: Any, prompt: str, device: torch.device) -> No
     _synchronize(device)
 
 
+def samples(cfg: Any) -> bool:
+    """Whether a config draws random numbers (a temperature, or random remasking)."""
+    return float(cfg.temperature or 0.0) > 0 or getattr(cfg, "remasking", None) == "random"
+
+
+def key_sampling_noise(configs: Mapping[str, Any], seed: int) -> None:
+    """Give every sampling config without a ``seed`` of its own the run's: keyed noise (generation/noise.py), so
+    that an item samples the same answer whatever the batch size, the process count, an out-of-memory halving or
+    a re-decode alone, and a run repeats with the same seed."""
+    for cfg in configs.values():
+        if samples(cfg) and cfg.seed is None:
+            cfg.seed = seed
+
+
 def _decode(
-    model: Any, tokenizer: Any, cfg: Any, prompts: Sequence[str], device: torch.device, seed: int, end_ids: list[int]
+    model: Any, tokenizer: Any, cfg: Any, prompts: Sequence[str], device: torch.device, end_ids: list[int]
 ) -> tuple[Any, list[str], list[int], float]:
     """One timed ``generate`` over ``prompts`` (left-padded into one batch): ``(output, answer texts,
-    answer token counts, wall seconds)``. The clock covers only the call (synchronized on a GPU);
-    ``seed`` seeds the sampling noise, so sampling (temperature > 0) repeats across runs."""
+    answer token counts, wall seconds)``. The clock covers only the call (synchronized on a GPU). A sampling
+    config carries its seed (:func:`key_sampling_noise`)."""
     ids, mask = _encode(tokenizer, prompts, device)
-    gen = torch.Generator(device=device).manual_seed(seed)
     _synchronize(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, mask, generation_config=cfg, generator=gen, return_dict_in_generate=True)
+        out = model.generate(ids, mask, generation_config=cfg, return_dict_in_generate=True)
     _synchronize(device)
     seconds = time.perf_counter() - t0
     new = out.sequences[:, ids.shape[1] :]
@@ -716,8 +730,7 @@ def _count_timed(n_items: int, retimed: int) -> int:
 
 
 def _time_alone(
-    model: Any, tokenizer: Any, cfg: Any, rows: Sequence[dict[str, Any]], device: torch.device, seed: int,
-    end_ids: list[int],
+    model: Any, tokenizer: Any, cfg: Any, rows: Sequence[dict[str, Any]], device: torch.device, end_ids: list[int]
 ) -> None:
     """Decode each of ``rows``' items again, alone (batch 1), and record its wall time in the row.
 
@@ -725,16 +738,15 @@ def _time_alone(
     paper reports and what an interactive user sees, while the run's batch size is what makes a
     full split affordable; the first N items of each method, decoded right after that method's
     batched pass (so the model and the allocator are warm), give the batch-1 figure at the cost of
-    N decodes. ``same_output_b1`` says whether the lone decode gave the batched answer, as greedy
-    decoding must (a padded batch decodes each prompt as alone); ``None`` when sampling, whose
-    noise follows the batch layout.
+    N decodes. ``same_output_b1`` says whether the lone decode gave the batched answer, as it must (a padded
+    batch decodes each prompt as alone; sampled ones too, with keyed noise); ``None`` when a sampling config's
+    noise comes from elsewhere than a seed.
     """
-    greedy = float(cfg.temperature or 0.0) == 0 and cfg.remasking == "low_confidence"
+    same = not samples(cfg) or cfg.seed is not None
     for row in rows:
-        _, texts, _, seconds = _decode(model, tokenizer, cfg, [row["prompt"]], device,
-                                       seed * 1_000_003 + row["index"], end_ids)  # fmt: skip
+        _, texts, _, seconds = _decode(model, tokenizer, cfg, [row["prompt"]], device, end_ids)
         row["latency_b1_s"] = seconds
-        row["same_output_b1"] = texts[0] == row["output"] if greedy else None
+        row["same_output_b1"] = texts[0] == row["output"] if same else None
 
 
 def _check_at_tuned_block(settings: BenchSettings, configs: Mapping[str, Any]) -> None:
@@ -797,6 +809,7 @@ def run_bench(
         items = task.items("test", limit=settings.limit)
         gen_length = int(settings.gen_length or task.default_gen_length)
         configs = build_method_configs(settings.methods, gen_length, settings.overrides, settings.sweep_blocks)
+        key_sampling_noise(configs, settings.seed)
         _check_at_tuned_block(settings, configs)
         plans.append((name, task, items, gen_length, configs))
 
@@ -847,8 +860,7 @@ def run_bench(
         while b0 < mine.stop:
             idx = list(range(b0, min(b0 + size, mine.stop)))
             try:
-                out, texts, lengths, seconds = _decode(model, tokenizer, cfg, [prompts[i] for i in idx], device,
-                                                       settings.seed * 1_000_003 + b0, end_ids)  # fmt: skip
+                out, texts, lengths, seconds = _decode(model, tokenizer, cfg, [prompts[i] for i in idx], device, end_ids)
             except RuntimeError as err:
                 if len(idx) == 1 or not is_out_of_memory(err):
                     raise
@@ -875,8 +887,7 @@ def run_bench(
                 })  # fmt: skip
             bar.update(len(idx))
         if settings.batch_size > 1 and settings.latency_batch_1:
-            _time_alone(model, tokenizer, cfg, rows[first_row : first_row + settings.latency_batch_1], device,
-                        settings.seed, end_ids)  # fmt: skip
+            _time_alone(model, tokenizer, cfg, rows[first_row : first_row + settings.latency_batch_1], device, end_ids)
             bar.update(min(settings.latency_batch_1, len(mine)))
 
     deferred = set(settings.at_tuned_block)
@@ -895,6 +906,7 @@ def run_bench(
                 own = {**settings.overrides.get(method, {}), "block_length": _tuned_block(pool, name, configs, aliases[name])}
                 reach = {k: v for k, v in settings.overrides.items() if k == "fast_dllm"}  # what reaches a Fast-dLLM preset
                 configs[method] = build_method_configs([method], gen_length, {**reach, method: own})[method]
+                key_sampling_noise({method: configs[method]}, settings.seed)
                 logger.info("%s: %s at the tuned block %d", name, method, own["block_length"])
                 decode(name, task, items, gen_length, method, configs[method], mine, prompts)
     bar.close()
