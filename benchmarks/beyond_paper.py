@@ -37,9 +37,11 @@ import torch
 from hf_blockbatch.eval.runner import (
     _encode,
     _score_all,
+    key_sampling_noise,
     load_for_benchmark,
     load_task,
     paired_points,
+    samples,
     write_report,
 )
 from hf_blockbatch.eval.stats import paired_difference
@@ -185,7 +187,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
        for b in (32, 64) for k in range(1, 7) for m in (None, 8, 16)},
     "fd_es_b32_sq_r6": {**_FD, "block_length": 32, **_SQ, "requery_radius": 6},
     # sampled decoding (RESULTS §38): the tuned baseline, sparse queries, and the two drafted presets at temperature T
-    # (drafts hold in distribution when sampling; a sampled sparse step proposes at the masks alone)
+    # (with keyed noise the drafted presets sample sparse Fast-dLLM's answers; a sampled sparse step proposes at the
+    # masks alone)
     **{f"{name}_t{int(t * 10):02d}": {**cfg, "temperature": t} for t in (0.5, 1.0) for name, cfg in {
         "fd_es_b64": {**_FD, "block_length": 64},
         "fd_es_b64_sq_r6": {**_FD, "block_length": 64, **_SQ, "requery_radius": 6},
@@ -200,19 +203,20 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def _sampled(cfg: dict[str, Any]) -> bool:
-    return float(cfg.get("temperature") or 0) > 0
+    return samples(config_from_dict({"max_new_tokens": 1, **cfg}))
 
 
 def _key(model: str, suite: str, limit: int, gen_length: int, cfg: dict[str, Any], batch_size: int,
          seed: int = 0) -> str:  # fmt: skip
     """The cache key of a result; the batch size changes only the timing, and keys a result
     only when it is not the default 16 (so that timing runs at batch 1 / 32 sit beside it). A sampled
-    config's result is keyed by its seed too."""
+    config's result is keyed by its seed too, and by its noise being keyed (results drawn from a generator,
+    before keyed noise, are not taken for them)."""
     what = {"model": model, "suite": suite, "limit": limit, "gen": gen_length, "cfg": cfg}
     if batch_size != 16:
         what["batch_size"] = batch_size
     if _sampled(cfg):
-        what["seed"] = seed
+        what["seed"], what["noise"] = seed, "keyed"
     blob = json.dumps(what, sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
@@ -221,12 +225,13 @@ def decode(model: Any, tokenizer: Any, suite: str, items: list, prompts: list[st
            cfg_dict: dict[str, Any], batch_size: int, seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """Decode every item with one config; per-item correctness, NFE and query tokens, the wall time, and
     the part of it spent in model forwards (the engine's own ``forward_seconds``: the rest is the
-    decoding policy, so a latency gap says which side it is on). A sampled config draws from one generator
-    seeded with ``seed`` (so every round, and every config, starts from the same seed)."""
+    decoding policy, so a latency gap says which side it is on). A sampled config samples with keyed noise of
+    ``seed`` (unless it names its own): every round, every batch size, and every config that decodes the same
+    way (the drafted presets and sparse Fast-dLLM) sample the same answers."""
     task = load_task(suite)
     cfg = config_from_dict({"max_new_tokens": gen_length, **cfg_dict})
+    key_sampling_noise({"cfg": cfg}, seed)
     cfg.validate()
-    generator = torch.Generator().manual_seed(seed) if _sampled(cfg_dict) else None
     end_ids = end_token_ids(tokenizer, model.config)
     per_item: list[dict[str, Any]] = []
     seconds = forward_seconds = 0.0
@@ -235,7 +240,7 @@ def decode(model: Any, tokenizer: Any, suite: str, items: list, prompts: list[st
         ids, mask = _encode(tokenizer, [prompts[i] for i in idx], torch.device("cpu"))
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(ids, mask, generation_config=cfg, return_dict_in_generate=True, generator=generator)
+            out = model.generate(ids, mask, generation_config=cfg, return_dict_in_generate=True)
         seconds += time.perf_counter() - t0
         forward_seconds += out.stats[0]["forward_seconds"]  # the batch's run: the same for each request
         texts = answer_texts(tokenizer, out.sequences[:, ids.shape[1] :], end_ids)
@@ -303,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="decode each config this many times, round-robin, and report the median time (latency "
                         "runs; more than 1 re-decodes every config, cached or not)")
     p.add_argument("--tag", default="", help="suffix of the output files' names")
-    p.add_argument("--seed", type=int, default=0, help="the seed of sampled configs (temperature > 0); it keys their results")
+    p.add_argument("--seed", type=int, default=0, help="the seed of sampled configs' keyed noise (temperature > 0); it keys their results")
     args = p.parse_args(argv)
     configs = dict(CONFIGS)
     if args.config_file:

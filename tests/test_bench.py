@@ -852,9 +852,9 @@ def test_beyond_paper_latency_runs_split_forward_and_policy_time(tmp_path):
 
 
 def test_beyond_paper_seeds_sampled_configs(tmp_path):
-    """A sampled config (temperature > 0) draws from a generator seeded with ``--seed``: two rounds decode the same
-    (the harness asserts it), a greedy config's result is shared by every seed, a sampled one's is keyed by its seed,
-    and another seed samples other answers."""
+    """A sampled config (temperature > 0) samples with keyed noise of ``--seed``: two rounds decode the same (the
+    harness asserts it), a greedy config's result is shared by every seed, a sampled one's is keyed by its seed, and
+    another seed samples other answers."""
     import json
 
     beyond_paper = load_benchmark("beyond_paper")
