@@ -266,8 +266,8 @@ class Settings:
     #: a branch retires once synced; with sparse queries, the re-query radius 6 of that configuration
     guarded: bool = False
     #: Fast-dLLM with exact lookahead drafts (benchmarks/RESULTS.md §12-14, ``FastDLLMConfig.drafted``):
-    #: draft rows run its likely next step in the same forward; the same tokens in fewer forwards (sampled:
-    #: the same distribution, §38)
+    #: draft rows run its likely next step in the same forward; the same tokens in fewer forwards (sampled, with
+    #: the seed's keyed noise: the same sample with sparse queries; with dense ones almost always, §38-§39)
     fast_drafts: bool = False
     #: ... also adopted when the step committed their tokens and more (benchmarks/RESULTS.md §16,
     #: ``FastDLLMConfig.drafted(exact=False)``): fewer forwards again, not the same tokens
@@ -280,7 +280,7 @@ class Settings:
         return hb.FastDLLMConfig(
             max_new_tokens=self.max_new_tokens, block_length=self.fast_block, threshold=self.threshold, cache="dual",
             temperature=self.temperature, early_stop=self.fast_early_stop, output_trace=True,
-            window_queries="sparse" if self.sparse else "all", **drafts,
+            window_queries="sparse" if self.sparse else "all", seed=self.seed, **drafts,
         )  # fmt: skip
 
     def blockbatch_config(self) -> hb.BlockBatchConfig:
@@ -290,7 +290,7 @@ class Settings:
             max_new_tokens=self.max_new_tokens, block_sizes=self.block_sizes, threshold=self.threshold,
             merge_threshold=self.merge_threshold, temperature=self.temperature, sync_threshold=self.sync_threshold,
             refresh_interval=self.refresh_interval, output_trace=True, window_queries="sparse" if self.sparse else "all",
-            **guards,
+            seed=self.seed, **guards,
         )  # fmt: skip
 
 
@@ -595,11 +595,11 @@ def _printable(text: str) -> str:
 def run_side(loaded: LoadedModel, ids: torch.Tensor, config: Any, key: str, settings: Settings) -> SideResult:
     """Decode once with ``config`` and package the result with its replay frames."""
     model, tokenizer = loaded.model, loaded.tokenizer
-    generator = torch.Generator(device=model.device).manual_seed(settings.seed)
     ids = ids.to(model.device)
     start = time.perf_counter()
+    # the configs carry the seed: keyed noise, so a sample does not change with the drafts switch (sparse queries)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                         return_dict_in_generate=True, generator=generator)  # fmt: skip
+                         return_dict_in_generate=True)  # fmt: skip
     seconds = time.perf_counter() - start
     stats = dict(out.stats[0])
     gen = out.sequences[0, ids.shape[1] :].tolist()

@@ -182,12 +182,17 @@ def test_guarded_merges_are_a_visitor_switch_for_blockbatch(loaded) -> None:
 
 
 def test_fast_dllm_drafts_are_a_visitor_switch(loaded) -> None:
-    """The switch gives Fast-dLLM the drafted() lookahead rows (sampling too: then the same distribution,
-    not the same sample); its greedy answer is the one without drafts, in as many fewer forwards as
-    drafts it adopted, and the replay of its main row ends on the answer's tokens."""
+    """The switch gives Fast-dLLM the drafted() lookahead rows; its greedy answer is the one without drafts, in as
+    many fewer forwards as drafts it adopted (sampled with sparse queries too: the seed keys the noise), and the
+    replay of its main row ends on the answer's tokens."""
     assert app.check_settings("hi").fast_config().lookahead == 0
-    sampled = app.check_settings("hi", temperature=0.5, fast_drafts=True).fast_config()
-    assert (sampled.lookahead, sampled.temperature) == (hb.FastDLLMConfig.drafted().lookahead, 0.5)
+    sampled = app.check_settings("hi", temperature=0.5, fast_drafts=True, seed=4).fast_config()
+    assert (sampled.lookahead, sampled.temperature, sampled.seed) == (hb.FastDLLMConfig.drafted().lookahead, 0.5, 4)
+    hot = dict(max_new_tokens=32, fast_block="16", fast_early_stop=True, sparse=True, temperature=0.5, seed=3)
+    hot_plain, _ = app.compare_once(loaded, app.check_settings(PROMPT, **hot))
+    hot_drafted, _ = app.compare_once(loaded, app.check_settings(PROMPT, **hot, fast_drafts=True))
+    assert hot_drafted.text == hot_plain.text and hot_drafted.stats["lookahead_adopted"] > 0
+    assert hot_drafted.nfe + hot_drafted.stats["lookahead_adopted"] == hot_plain.nfe
     plain = app.check_settings(PROMPT, max_new_tokens=32, fast_block="16", fast_early_stop=True)
     drafted = app.check_settings(PROMPT, max_new_tokens=32, fast_block="16", fast_early_stop=True, fast_drafts=True)
     cfg = drafted.fast_config()
