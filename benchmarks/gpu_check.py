@@ -11,7 +11,8 @@
    layers, random weights), every strategy and cache mode, a batch of 4 left-padded prompts and
    one of them alone: NFE, wall time and the policy's share per call, whether the padded batch
    gives the alone tokens (bf16 kernels may round differently per shape: reported, not asserted),
-   and whether the window backends decode the same tokens; with dense and sparse window queries.
+   and whether the window backends decode the same tokens; with dense and sparse window queries, and sampled with
+   keyed noise (``seed``: the padded batch and the drafts should sample the alone and plain tokens).
    Section 2 also times a sparse query step (a quarter of each window's positions).
 
 Writes ``benchmarks/results/gpu_check.json`` (or ``$OUT/gpu_check.json`` when ``OUT`` is set)
@@ -262,6 +263,13 @@ def decoding(device: torch.device, dtype: torch.dtype, layers: int, width: int, 
         # batch 1 under eager PyTorch (fewer host operations), slower once forwards are graphed (more tokens)
         "fast_dllm_drafted_contained_dense": hb.FastDLLMConfig(max_new_tokens=G, threshold=threshold, lookahead=3,
                                                                lookahead_max_masks=16, lookahead_accept="contained"),
+        # sampled with keyed noise (generation/noise.py): the padded batch samples what each request samples alone,
+        # and the drafts sample sparse Fast-dLLM's tokens (up to bf16 rounding at a near tie)
+        "fast_dllm_dual_sparse_r6_sampled": hb.FastDLLMConfig(max_new_tokens=G, threshold=threshold, temperature=0.7,
+                                                              seed=0, window_queries="sparse", requery_radius=6),
+        "fast_dllm_dual_sparse_lookahead3_sampled": hb.FastDLLMConfig(
+            max_new_tokens=G, threshold=threshold, temperature=0.7, seed=0, lookahead=3, window_queries="sparse",
+            requery_radius=6),
     }
     backends = [b for b in available_backends(device, dtype) if b != "reference"]
     out: dict = {"params_billion": sum(p.numel() for p in model.parameters()) / 1e9, "backends": backends}
@@ -304,6 +312,10 @@ def decoding(device: torch.device, dtype: torch.dtype, layers: int, width: int, 
             sparse_lookahead_tokens = first
         if name == "fast_dllm_dual_sparse_r6":
             runs["same_tokens_as_fast_dllm_dual_sparse_lookahead3"] = bool(torch.equal(first, sparse_lookahead_tokens))
+        if name == "fast_dllm_dual_sparse_r6_sampled":
+            sampled_tokens = first
+        if name == "fast_dllm_dual_sparse_lookahead3_sampled":
+            runs["same_tokens_as_fast_dllm_dual_sparse_r6_sampled"] = bool(torch.equal(first, sampled_tokens))
         print(name, json.dumps(runs), flush=True)
     return out
 
