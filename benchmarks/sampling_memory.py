@@ -5,7 +5,8 @@ and Gumbel scores). An initial forward proposes at every mask of every request: 
 126,464 ids is 4,096 rows, so the float copies were several times the bf16 logits themselves. The rows are now
 proposed in chunks of ``SAMPLE_CHUNK_ELEMENTS`` logits. Each setting runs in a fresh process, which reports its peak
 resident memory above the logits it was given (``ru_maxrss``: on a CPU the allocator's peak is the process's), and
-the median time of ``--repeats`` calls.
+the median time of ``--repeats`` calls. Sampled, the chunked step also runs with keyed noise (``seed``:
+``generation/noise.py``), whose hash replaces the generator's ``torch.rand`` (RESULTS §39).
 
     python benchmarks/sampling_memory.py --rows 4096 --vocab 126464 --repeats 3
 
@@ -26,25 +27,26 @@ from pathlib import Path
 import torch
 
 
-def one(rows: int, vocab: int, temperature: float, chunked: bool, repeats: int) -> dict:
+def one(rows: int, vocab: int, temperature: float, chunked: bool, repeats: int, keyed: bool = False) -> dict:
     """In this process: the peak resident memory that proposing from ``rows`` x ``vocab`` bf16 logits added, and the
-    median time of a call."""
+    median time of a call (``keyed``: the noise hashed from a key per row, as with a seed, not drawn)."""
     from hf_blockbatch.generation import sampling
 
     torch.set_num_threads(1)
     if not chunked:
         sampling.SAMPLE_CHUNK_ELEMENTS = rows * vocab
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16)  # no float32 copy
+    keys = torch.randint(0, 2**32, (rows,), generator=torch.Generator().manual_seed(1)) if keyed else None
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     times = []
     for r in range(repeats):
         t = time.perf_counter()
         out = sampling.sample_tokens(logits, temperature, "low_confidence", 1, torch.Generator().manual_seed(r),
-                                     mask_id=vocab - 1)  # fmt: skip
+                                     mask_id=vocab - 1, noise_keys=keys)  # fmt: skip
         times.append(time.perf_counter() - t)
         del out
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"rows": rows, "vocab": vocab, "temperature": temperature, "chunked": chunked,
+    return {"rows": rows, "vocab": vocab, "temperature": temperature, "chunked": chunked, "keyed": keyed,
             "chunk_rows": max(1, sampling.SAMPLE_CHUNK_ELEMENTS // vocab) if chunked else rows,
             "logits_mb": logits.numel() * 2 / 2**20, "peak_above_logits_mb": (peak - before) / 1024,
             "median_s": statistics.median(times)}  # fmt: skip
@@ -63,23 +65,26 @@ def main() -> None:
         print(json.dumps(one(**json.loads(args.one))))
         return
     results = []
-    for temperature in args.temperatures:
-        for chunked in (False, True):
-            setting = {"rows": args.rows, "vocab": args.vocab, "temperature": temperature, "chunked": chunked,
-                       "repeats": args.repeats}  # fmt: skip
-            run = subprocess.run([sys.executable, __file__, "--one", json.dumps(setting)], capture_output=True,
-                                 text=True)  # fmt: skip
-            if run.returncode:  # e.g. killed by the kernel for want of memory: that is the result
-                results.append({**setting, "chunk_rows": None, "logits_mb": args.rows * args.vocab * 2 / 2**20,
-                                "error": f"exit status {run.returncode}", "stderr": run.stderr[-500:]})  # fmt: skip
-            else:
-                results.append(json.loads(run.stdout.strip().splitlines()[-1]))
-            print(results[-1], flush=True)
+    # sampled, the shipped (chunked) step is also timed with keyed noise
+    settings = [(t, chunked, keyed) for t in args.temperatures for chunked in (False, True)
+                for keyed in ((False, True) if t and chunked else (False,))]  # fmt: skip
+    for temperature, chunked, keyed in settings:
+        setting = {"rows": args.rows, "vocab": args.vocab, "temperature": temperature, "chunked": chunked,
+                   "keyed": keyed, "repeats": args.repeats}  # fmt: skip
+        run = subprocess.run([sys.executable, __file__, "--one", json.dumps(setting)], capture_output=True,
+                             text=True)  # fmt: skip
+        if run.returncode:  # e.g. killed by the kernel for want of memory: that is the result
+            results.append({**setting, "chunk_rows": None, "logits_mb": args.rows * args.vocab * 2 / 2**20,
+                            "error": f"exit status {run.returncode}", "stderr": run.stderr[-500:]})  # fmt: skip
+        else:
+            results.append(json.loads(run.stdout.strip().splitlines()[-1]))
+        print(results[-1], flush=True)
     lines = [f"# One proposal step over {args.rows} rows x {args.vocab} ids (bf16 logits of "
              f"{results[0]['logits_mb']:.0f} MB), 1 thread", "",
              "| decoding | rows at once | peak memory above the logits (MB) | median time (s) |", "|---|---:|---:|---:|"]
     for r in results:
-        kind = "sampled, T 1.0" if r["temperature"] else "greedy"
+        kind = (f"sampled, T {r['temperature']:g}" + (", keyed noise" if r.get("keyed") else "")
+                if r["temperature"] else "greedy")  # fmt: skip
         if "error" in r:
             lines.append(f"| {kind} | {args.rows} | failed: {r['error']} (-9: killed, out of memory) | — |")
         else:

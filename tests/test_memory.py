@@ -189,7 +189,8 @@ def test_proposals_in_row_chunks_decode_the_same(monkeypatch, cfg):
 
 def test_the_sampling_memory_benchmark_reports_each_setting(monkeypatch):
     """``benchmarks/sampling_memory.py``'s measurement of one setting (run in its own process there; here in this
-    one, small, with chunks of two rows): the rows a chunk holds and the figures RESULTS §37 quotes."""
+    one, small, with chunks of two rows): the rows a chunk holds and the figures RESULTS §37 quotes, with keyed noise
+    too (§39)."""
     from conftest import load_benchmark
 
     from hf_blockbatch.generation import sampling
@@ -198,7 +199,9 @@ def test_the_sampling_memory_benchmark_reports_each_setting(monkeypatch):
     monkeypatch.setattr(sampling, "SAMPLE_CHUNK_ELEMENTS", 2 * 1024)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # its own process sets one thread; this one keeps its
     chunked = bench.one(rows=8, vocab=1024, temperature=1.0, chunked=True, repeats=1)
+    keyed = bench.one(rows=8, vocab=1024, temperature=1.0, chunked=True, repeats=1, keyed=True)
     whole = bench.one(rows=8, vocab=1024, temperature=1.0, chunked=False, repeats=1)  # widens the chunk to all rows
     assert (chunked["chunk_rows"], whole["chunk_rows"], sampling.SAMPLE_CHUNK_ELEMENTS) == (2, 8, 8 * 1024)
     assert chunked["logits_mb"] == 8 * 1024 * 2 / 2**20 and chunked["peak_above_logits_mb"] >= 0
     assert chunked["median_s"] > 0
+    assert keyed["keyed"] and not chunked["keyed"] and keyed["chunk_rows"] == 2 and keyed["median_s"] > 0
