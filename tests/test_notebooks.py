@@ -65,6 +65,7 @@ def test_quickstart_notebook_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert "padding in the batch: [0, 0, 0]" not in text
     # the drafts: Fast-dLLM's own tokens, each adopted draft one forward less
     assert "same tokens: True  NFE + adopted == NFE without drafts: True" in text
+    assert "sampled at T 0.7 with seed=0, same tokens with drafts: True" in text
     assert "... contained (drafted(exact=False))" in text  # and the contained drafts' row
     images = [o for c in book.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) >= 2, "the NFE bar chart and the branch trace plot"
