@@ -11,7 +11,8 @@ Usage: ``python benchmarks/policy_overhead.py [--model tiny-llada] [--random] [-
 (``--lookahead K`` adds Fast-dLLM with K lookahead draft rows; with ``--sparse``, of sparse steps;
 ``--lookahead-accept contained`` adopts contained drafts too; ``--presets`` adds the shipped
 ``FastDLLMConfig.drafted()`` and ``drafted(exact=False)``, and the latter without its query budget).
-``--random`` uses a random model at the tiny checkpoints' geometry (no weights needed); a random
+``--temperature T`` samples with every strategy (from the global generator, or with ``--seed S`` keyed noise:
+``generation/noise.py``, RESULTS §39). ``--random`` uses a random model at the tiny checkpoints' geometry (no weights needed); a random
 model commits about one token per step, the worst case for per-step policy cost.
 Each strategy runs ``--repeats`` times over the same prompts; the run with the median policy share
 is reported, with every run's share. Timings move between machines and sessions, so one more,
@@ -92,6 +93,8 @@ def main() -> None:
     parser.add_argument("--presets", action="store_true",
                         help="also FastDLLMConfig.drafted() and drafted(exact=False) at block 32, and the latter "
                              "without its query budget (RESULTS §17)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (0: greedy)")
+    parser.add_argument("--seed", type=int, default=None, help="with --temperature: keyed noise of this seed")
     args = parser.parse_args()
     # a bare name goes under benchmarks/results/, a path where it says; its folder exists before the run
     out_path = Path(args.out) if Path(args.out).parent != Path() else Path(__file__).parent / "results" / args.out
@@ -111,8 +114,9 @@ def main() -> None:
         prompts = torch.randint(0, vocab - 8, (args.prompts, 24))
         masks = torch.ones_like(prompts)
     threshold = 0.9 if not args.random else 0.02
-    # --sparse: the same two with sparse window queries (issue 16)
+    # --sparse: the same two with sparse window queries (issue 16); --temperature, --seed: every strategy samples
     sparse, tag = ({"window_queries": "sparse"}, "_sparse") if args.sparse else ({}, "")
+    sparse = {**sparse, **({"temperature": args.temperature, "seed": args.seed} if args.temperature else {})}
     strategies = {
         f"fast_dllm_dual_b32{tag}": hb.FastDLLMConfig(max_new_tokens=args.max_new_tokens, block_length=32,
                                                       threshold=threshold, **sparse),
@@ -124,14 +128,16 @@ def main() -> None:
             max_new_tokens=args.max_new_tokens, block_length=32, threshold=threshold, lookahead=args.lookahead,
             lookahead_accept=args.lookahead_accept, **sparse)
     if args.presets:  # the shipped lookahead points, as users run them
-        common = {"max_new_tokens": args.max_new_tokens, "block_length": 32, "threshold": threshold}
+        common = {"max_new_tokens": args.max_new_tokens, "block_length": 32, "threshold": threshold,
+                  **{k: v for k, v in sparse.items() if k in ("temperature", "seed")}}
         strategies["fast_dllm_drafted_b32"] = hb.FastDLLMConfig.drafted(**common)
         strategies["fast_dllm_drafted_contained_b32"] = hb.FastDLLMConfig.drafted(exact=False, **common)
         strategies["fast_dllm_drafted_contained_no_budget_b32"] = hb.FastDLLMConfig.drafted(
             exact=False, lookahead_query_budget=None, **common)
     model_name = f"random d{args.d_model} L{args.layers} V{args.vocab}" if args.random else args.model
     report = {"model": model_name, "threads": args.threads, "prompts": args.prompts,
-              "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "strategies": {}}  # fmt: skip
+              "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+              "seed": args.seed, "strategies": {}}  # fmt: skip
     for name, cfg in strategies.items():
         runs = []
         for _ in range(args.repeats):  # the same work each time: a quiet machine still moves timings by ~1 point
