@@ -251,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help='a JSON file {"method": {"field": value}}; a new name with "strategy" adds a method')  # fmt: skip
     bench.add_argument("--limit", type=_positive_int, default=None, help="first N items of each task")
     bench.add_argument("--batch-size", type=_positive_int, default=1, help="requests per generate call (left padding)")
-    bench.add_argument("--seed", type=int, default=0, help="seed of the sampling noise (temperature > 0): keyed, so an item samples the same answer at any batch size")
+    bench.add_argument("--seed", type=int, default=0,
+                       help="seed of the sampling noise (temperature > 0): keyed, so an item samples the same answer at any "
+                            "batch size")  # fmt: skip
     bench.add_argument("--gen-length", type=_positive_int, default=None, help="new tokens (default: the task's own)")
     bench.add_argument("--sweep-blocks", type=_sweep_blocks, default=None, metavar="B1,B2,...|auto[:S]",
                        help="also run Fast-dLLM with early stop at these block sizes (the fixed-block frontier the tuned "

@@ -60,6 +60,7 @@ from hf_blockbatch.generation.configs import (
 )
 from hf_blockbatch.generation.memory import is_out_of_memory
 from hf_blockbatch.generation.mixin import check_context
+from hf_blockbatch.generation.noise import draws_noise
 from hf_blockbatch.generation.outputs import answer_lengths, answer_texts, end_token_ids
 from hf_blockbatch.tasks.contract import EvalItem, Task
 
@@ -695,7 +696,7 @@ def _warmup(model: Any, tokenizer: Any, prompt: str, device: torch.device) -> No
 
 def samples(cfg: Any) -> bool:
     """Whether a config draws random numbers (a temperature, or random remasking)."""
-    return float(cfg.temperature or 0.0) > 0 or getattr(cfg, "remasking", None) == "random"
+    return draws_noise(float(cfg.temperature or 0.0), getattr(cfg, "remasking", "low_confidence"))
 
 
 def key_sampling_noise(configs: Mapping[str, Any], seed: int) -> None:

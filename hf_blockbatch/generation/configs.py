@@ -407,8 +407,9 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             the forward), and the tokens are sparse Fast-dLLM's. Sampled (``temperature`` > 0): the
             same *distribution* of outputs as without drafts, not the same sample for a generator (a
             draft's commit draws its own noise, independent of the main row's that chose it;
-            RESULTS §38); with ``seed`` and sparse steps, the same samples too. Needs ``cache="dual"``, ``low_confidence`` remasking and a threshold,
-            factor, entropy or LocalLeap rule: what makes a draft exact.
+            RESULTS §38); with ``seed`` and sparse steps, the same samples too (§39). Needs
+            ``cache="dual"``, ``low_confidence`` remasking and a threshold, factor, entropy or
+            LocalLeap rule: what makes a draft exact.
         lookahead_max_masks: draft only while the request's window has at most this many masks left
             (``None``, the default: at every block step). A window with many masks left mostly
             commits several tokens next, which a draft of one or two rarely matches: at 8, lookahead

@@ -29,7 +29,7 @@ from hf_blockbatch.cache import reuse_storage
 from hf_blockbatch.generation.commit import completed_windows, mark_eos_hits, propose, write_commits
 from hf_blockbatch.generation.forward import Forwards, Span
 from hf_blockbatch.generation.memory import explain_decode_error, new_cache
-from hf_blockbatch.generation.noise import lane_keys, request_keys, slot_keys
+from hf_blockbatch.generation.noise import draws_noise, lane_keys, request_keys, slot_keys
 from hf_blockbatch.generation.outputs import DecodeResult
 from hf_blockbatch.generation.plans import DecodePlan
 from hf_blockbatch.generation.policies import StepContext
@@ -57,7 +57,8 @@ class Run:
         self.eos_ids = torch.tensor(eos_ids, device=device, dtype=torch.long)
         self.B, self.gs = input_ids.shape
         # keyed noise (noise.py): a sampled step's numbers hashed from what they decide, not drawn from a stream
-        keyed = plan.seed is not None and (plan.temperature > 0 or plan.remasking == "random")
+        draws = draws_noise(plan.temperature, plan.remasking)
+        keyed = draws and plan.seed is not None
         self.state = DecodeState.start(
             input_ids, attention_mask, plan.block_sizes, plan.max_new_tokens, mask_id, quota=plan.rule.keeps_quota,
             map_k=plan.map_k, keep_commit_prob=plan.stop.eos_rank == "commit",
@@ -65,8 +66,9 @@ class Run:
                                        ("kv_tokens",) if plan.sparse_queries else (), ("noise",) if keyed else ()),
         )  # fmt: skip
         if keyed:  # a draft row stands for its main row's later steps: its lane is the main row's
-            lane = self.state.branch if plan.lookahead is None else torch.zeros_like(self.state.branch)
-            self.state.noise_key = lane_keys(request_keys(plan.seed, input_ids, attention_mask)[self.state.request], lane)
+            s = self.state
+            lane = s.branch if plan.lookahead is None else torch.zeros_like(s.branch)
+            s.noise_key = lane_keys(request_keys(plan.seed, input_ids, attention_mask)[s.request], lane)
         self.L, self.N = self.state.length, self.state.branches
         self.cache = None if plan.cache == "none" else new_cache(model, self.state.num_rows, self.L,
                                                                  self.state.attention_mask, plan, self.B)  # fmt: skip
@@ -74,8 +76,7 @@ class Run:
         # remasked) dense step drawing from a generator reads its whole window, so that its noise is drawn as the
         # official samplers draw it; a sparse step queries the masks and their neighbours only, so reading every
         # slot would query the whole window; keyed noise does not depend on the slots read
-        masked_only = not plan.read_all_slots and (plan.sparse_queries or keyed or (plan.temperature == 0
-                                                                                    and plan.remasking == "low_confidence"))
+        masked_only = not plan.read_all_slots and (plan.sparse_queries or keyed or not draws)
         self.fwd = Forwards(model, self.state, self.cache, plan.cache, pad_id, self.eos_ids, masked_only,
                             eos_slot=plan.stop.eos_rank == "completion", requery_radius=plan.requery_radius,
                             draft_depth=plan.lookahead.depth if plan.lookahead and plan.sparse_queries else 0,

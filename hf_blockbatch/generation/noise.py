@@ -21,10 +21,10 @@ acceptance) with drafts or without, sample for sample, as it does greedily: up t
 the logits, which a near-tie between two noisy scores can turn into a different token.
 
 The hash is ``lowbias32`` (C. Wellons' hash-prospector, a bijection of 32-bit integers) applied to each key
-part in turn, computed in place in int64 tensors: on this CPU 1.2 against ``torch.rand``'s 0.7 s for 530 slots of
-126,464 ids (a proposal step's chunk, whose softmax and Gumbel scores take several times either), and about the
-same as ``torch.rand`` at the tiny models' 1,024 ids. The tests check the numbers
-against a pure-Python copy in exact integers, so a platform that computed them otherwise would fail there.
+part in turn, computed in place in int64 tensors: on this CPU 1.2 against ``torch.rand``'s 0.7 s for 530 slots
+of 126,464 ids (a proposal step's chunk, whose softmax and Gumbel scores take several times either), and about
+the same as ``torch.rand`` at the tiny models' 1,024 ids. The tests check the numbers against a pure-Python copy
+in exact integers, so a platform that computed them otherwise would fail there.
 
 A uniform is the 32-bit hash plus one half, over 2^32: in (0, 1), never 0 or 1, with 2^-32 resolution (a Gumbel
 score is cut off at about 23, which a 126k vocabulary exceeds with probability below 1e-4 per position). Keys are
@@ -38,11 +38,16 @@ import functools
 
 import torch
 
-__all__ = ["MASK32", "confidence_uniform", "lane_keys", "mix32", "request_keys", "slot_keys", "uniform"]
+__all__ = ["MASK32", "confidence_uniform", "draws_noise", "lane_keys", "mix32", "request_keys", "slot_keys", "uniform"]
 
 MASK32 = 0xFFFFFFFF
 # distinct offsets per key part, so that the same small integer means different things in different parts
 _LANE, _STEP, _POSITION, _TOKEN, _CONFIDENCE, _PROMPT, _COPY = (0x9E3779B9 * (k + 1) & MASK32 for k in range(7))
+
+
+def draws_noise(temperature: float, remasking: str) -> bool:
+    """Whether a decode draws random numbers: it samples (a temperature), or commits in a random order."""
+    return temperature > 0 or remasking == "random"
 
 
 def mix32(x: torch.Tensor, spare: torch.Tensor | None = None) -> torch.Tensor:

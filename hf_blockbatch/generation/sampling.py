@@ -85,8 +85,7 @@ def sample_tokens(
 
     Greedy at temperature 0; otherwise Gumbel-max on float64 logits (LLaDA's
     ``exp(logits) / (-log u)^T``, computed as its logarithm), since low-precision Gumbel noise hurts masked
-    diffusion. The
-    confidence is the softmax probability of the proposed token (``low_confidence``) or a
+    diffusion. The confidence is the softmax probability of the proposed token (``low_confidence``) or a
     uniform random number (``random`` remasking). ``top_k = 0`` skips the top-k map.
 
     ``mask_id`` is never proposed: committing it would leave the position masked, and a step that

@@ -50,9 +50,9 @@ The parts:
   So, given the canvas it stands for, that commit is a draw of the next step's commit as the decoder
   without drafts makes it: the decoded sequences have the same distribution, not the same samples for
   a generator's seed (the draft rows' noise shifts the random stream). With keyed noise (``seed``,
-  :mod:`hf_blockbatch.generation.noise`) a draft row draws the noise of the step it stands for (its main row's step count plus
-  its depth), and an adopted draft hands its count over: with sparse steps (a draft stands only for its
-  parent's next step) the samples are the decoder's own. A committed token needs a confidence of at
+  :mod:`hf_blockbatch.generation.noise`) a draft row draws the noise of the step it stands for (its main
+  row's step count plus its depth), and an adopted draft hands its count over: with sparse steps (a draft
+  stands only for its parent's next step) the samples are the decoder's own. A committed token needs a confidence of at
   least the threshold, so above 0.5 it is the top token the draft guessed; drafts miss more often the
   hotter the sampling (a lone commit below the threshold may be any sampled token).
 
