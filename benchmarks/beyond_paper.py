@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="decode each config this many times, round-robin, and report the median time (latency "
                         "runs; more than 1 re-decodes every config, cached or not)")
     p.add_argument("--tag", default="", help="suffix of the output files' names")
-    p.add_argument("--seed", type=int, default=0, help="the seed of sampled configs' keyed noise (temperature > 0); it keys their results")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the seed of sampled configs' keyed noise (temperature > 0); it keys their results")
     args = p.parse_args(argv)
     configs = dict(CONFIGS)
     if args.config_file:

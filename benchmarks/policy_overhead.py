@@ -12,7 +12,8 @@ Usage: ``python benchmarks/policy_overhead.py [--model tiny-llada] [--random] [-
 ``--lookahead-accept contained`` adopts contained drafts too; ``--presets`` adds the shipped
 ``FastDLLMConfig.drafted()`` and ``drafted(exact=False)``, and the latter without its query budget).
 ``--temperature T`` samples with every strategy (from the global generator, or with ``--seed S`` keyed noise:
-``generation/noise.py``, RESULTS §39). ``--random`` uses a random model at the tiny checkpoints' geometry (no weights needed); a random
+``generation/noise.py``, RESULTS §39). ``--random`` uses a random model at the tiny checkpoints' geometry (no
+weights needed); a random
 model commits about one token per step, the worst case for per-step policy cost.
 Each strategy runs ``--repeats`` times over the same prompts; the run with the median policy share
 is reported, with every run's share. Timings move between machines and sessions, so one more,
@@ -116,20 +117,20 @@ def main() -> None:
     threshold = 0.9 if not args.random else 0.02
     # --sparse: the same two with sparse window queries (issue 16); --temperature, --seed: every strategy samples
     sparse, tag = ({"window_queries": "sparse"}, "_sparse") if args.sparse else ({}, "")
-    sparse = {**sparse, **({"temperature": args.temperature, "seed": args.seed} if args.temperature else {})}
+    sampling = {"temperature": args.temperature, "seed": args.seed} if args.temperature else {}
     strategies = {
         f"fast_dllm_dual_b32{tag}": hb.FastDLLMConfig(max_new_tokens=args.max_new_tokens, block_length=32,
-                                                      threshold=threshold, **sparse),
-        f"blockbatch_default{tag}": hb.BlockBatchConfig(max_new_tokens=args.max_new_tokens, threshold=threshold, **sparse),
+                                                      threshold=threshold, **sparse, **sampling),
+        f"blockbatch_default{tag}": hb.BlockBatchConfig(max_new_tokens=args.max_new_tokens, threshold=threshold, **sparse,
+                                                        **sampling),
     }  # fmt: skip
     if args.lookahead:  # with --sparse, the drafts of sparse steps
         ct = "_ct" if args.lookahead_accept == "contained" else ""
         strategies[f"fast_dllm_dual_b32_la{args.lookahead}{ct}{tag}"] = hb.FastDLLMConfig(
             max_new_tokens=args.max_new_tokens, block_length=32, threshold=threshold, lookahead=args.lookahead,
-            lookahead_accept=args.lookahead_accept, **sparse)
+            lookahead_accept=args.lookahead_accept, **sparse, **sampling)
     if args.presets:  # the shipped lookahead points, as users run them
-        common = {"max_new_tokens": args.max_new_tokens, "block_length": 32, "threshold": threshold,
-                  **{k: v for k, v in sparse.items() if k in ("temperature", "seed")}}
+        common = {"max_new_tokens": args.max_new_tokens, "block_length": 32, "threshold": threshold, **sampling}
         strategies["fast_dllm_drafted_b32"] = hb.FastDLLMConfig.drafted(**common)
         strategies["fast_dllm_drafted_contained_b32"] = hb.FastDLLMConfig.drafted(exact=False, **common)
         strategies["fast_dllm_drafted_contained_no_budget_b32"] = hb.FastDLLMConfig.drafted(
