@@ -100,8 +100,9 @@ def _token_parts(vocab: int, device: torch.device) -> torch.Tensor:
     return mix32((torch.arange(vocab, device=device) + _TOKEN) & MASK32)
 
 
-def _to_uniform(h: torch.Tensor) -> torch.Tensor:
-    return h.double().add_(0.5).mul_(2.0**-32)
+def _to_uniform(h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """32-bit hashes as float64 uniforms in (0, 1): plus one half, over 2^32 (into ``out`` when given)."""
+    return (h.double() if out is None else out.copy_(h)).add_(0.5).mul_(2.0**-32)
 
 
 def uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -110,7 +111,7 @@ def uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     h = keys[:, None] ^ _token_parts(vocab, keys.device)
     spare = torch.empty_like(h)
     mix32(h, spare)
-    return spare.view(torch.float64).copy_(h).add_(0.5).mul_(2.0**-32)
+    return _to_uniform(h, out=spare.view(torch.float64))
 
 
 def confidence_uniform(keys: torch.Tensor) -> torch.Tensor:
