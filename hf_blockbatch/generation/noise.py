@@ -16,8 +16,8 @@ it did. With ``seed`` set (``DiffusionGenerationConfig.seed``), each uniform num
   that a draft row drawing for its main row's next step draws exactly what that step would;
 * position: the offset in the generated region (not the canvas position, which moves with left padding).
 
-So a request decodes the same tokens alone or in any batch, at any padding; and (sparse steps, ``exact``
-acceptance) with drafts or without, sample for sample, as it does greedily: up to floating-point differences in
+So a request decodes the same tokens alone or in any batch, at any padding; and (``exact`` acceptance, sparse or
+dense steps) with drafts or without, sample for sample, as it does greedily: up to floating-point differences in
 the logits, which a near-tie between two noisy scores can turn into a different token.
 
 The hash is ``lowbias32`` (C. Wellons' hash-prospector, a bijection of 32-bit integers) applied to each key

@@ -51,8 +51,9 @@ The parts:
   without drafts makes it: the decoded sequences have the same distribution, not the same samples for
   a generator's seed (the draft rows' noise shifts the random stream). With keyed noise (``seed``,
   :mod:`hf_blockbatch.generation.noise`) a draft row draws the noise of the step it stands for (its main
-  row's step count plus its depth), and an adopted draft hands its count over: with sparse steps (a draft
-  stands only for its parent's next step) the samples are the decoder's own. A committed token needs a confidence of at
+  row's step count plus its depth), and an adopted draft hands its count over; a draft is then adopted only as
+  its parent's next step (as with sparse steps), since one adopted sooner drew a later step's noise. So the
+  samples are the decoder's own, with dense steps as with sparse ones. A committed token needs a confidence of at
   least the threshold, so above 0.5 it is the top token the draft guessed; drafts miss more often the
   hotter the sampling (a lone commit below the threshold may be any sampled token).
 
@@ -285,9 +286,10 @@ class Lookahead:
             source = torch.zeros(B, dtype=torch.long, device=live.device)  # branch whose state the main row takes
             took = torch.zeros_like(source)
             branch = _shapes(self.drafts, live.device)[3]  # each draft row's branch, 1..K
-            # with sparse steps a draft's K/V are those its parent's row holds after this forward:
-            # it stands only for its parent's next step
-            parents = s.per_request(s.draft_parent)[:, 1:] if s.kv_dirty is not None else None
+            # with sparse steps a draft's K/V are those its parent's row holds after this forward, and with
+            # keyed noise it drew the noise of its parent's next step: it stands only for that step
+            chained = s.kv_dirty is not None or s.steps is not None
+            parents = s.per_request(s.draft_parent)[:, 1:] if chained else None
             contained = self.accept == "contained"
             if contained:  # what does not change along a chain, built once
                 ws, we = s.per_request(s.win_start)[:, 0], s.per_request(s.win_end)[:, 0]
