@@ -76,11 +76,21 @@ def request_keys(seed: int, input_ids: torch.Tensor, attention_mask: torch.Tenso
     index = mask.long().cumsum(-1) - 1  # each token's offset in its unpadded prompt
     tokens = _absorb(mix32(index.clamp_min(0) & MASK32), input_ids, _PROMPT)
     content = (tokens * mask).sum(-1) & MASK32  # a sum of hashed (offset, token) pairs: order held by the offsets
-    ids = input_ids * mask
-    same = (ids[:, None] == ids[None]).all(-1) & (mask[:, None] == mask[None]).all(-1)  # identical prompts
-    copies = torch.tril(same, diagonal=-1).sum(-1)
+    copies = _copy_numbers(input_ids.masked_fill(~mask, -1))
     base = mix32(torch.full_like(content, seed & MASK32) ^ mix32(torch.full_like(content, (seed >> 32) & MASK32)))
     return _absorb(_absorb(_absorb(base, mask.sum(-1), _PROMPT), content, _PROMPT), copies, _COPY)
+
+
+def _copy_numbers(rows: torch.Tensor) -> torch.Tensor:
+    """``[B]``: how many identical rows come before each row of ``rows`` ``[B, Lp]``. Rows are grouped by a sort
+    (``unique``), O(B · Lp) memory: comparing every pair held a ``[B, B, Lp]`` boolean (67 MB at batch 256 and
+    1,024-token prompts). A stable sort of the group ids keeps the batch's order inside each group."""
+    group = torch.unique(rows, dim=0, return_inverse=True)[1]
+    ordered, order = torch.sort(group, stable=True)
+    sizes = torch.bincount(group)
+    first = sizes.cumsum(0) - sizes  # each group's first place in the sorted order
+    rank = torch.arange(rows.shape[0], device=rows.device) - first[ordered]
+    return torch.empty_like(rank).scatter_(0, order, rank)
 
 
 def lane_keys(request_key: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
