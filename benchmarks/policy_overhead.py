@@ -66,6 +66,10 @@ def count_policy_ops(model, prompts, masks, cfg, batch_size: int, callers: int =
     if callers:
         out["policy_callers"] = [{"caller": name, "ops_per_forward": ops / forwards, "syncs_per_forward": syncs / forwards}
                                  for name, ops, syncs in log.policy_callers[:callers]]  # fmt: skip
+        # the same callers by the time their operations took (in the counting pass: a share, not a latency)
+        total = sum(t for _, t in log.policy_caller_seconds)
+        out["policy_callers_by_time"] = [{"caller": name, "op_ms_per_forward": 1e3 * t / forwards, "share": t / total}
+                                         for name, t in log.policy_caller_seconds[:callers]]  # fmt: skip
     return out
 
 
@@ -90,7 +94,8 @@ def main() -> None:
                         help="which drafts are adopted (FastDLLMConfig.lookahead_accept; RESULTS §16)")
     parser.add_argument("--callers", type=int, default=0, metavar="N",
                         help="also the N functions running most of the policy's operations, with their operations "
-                             "and host syncs per forward (exact; RESULTS §26)")
+                             "and host syncs per forward (exact; RESULTS §26), and the N whose operations take the "
+                             "most time, with their share of the policy's operation time (RESULTS §40)")
     parser.add_argument("--presets", action="store_true",
                         help="also FastDLLMConfig.drafted() and drafted(exact=False) at block 32, and the latter "
                              "without its query budget (RESULTS §17)")

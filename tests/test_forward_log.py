@@ -137,7 +137,11 @@ def test_the_policy_s_operations_are_counted_per_calling_function():
         assert all(ops > 0 for _, ops, _ in callers) and [c[1] for c in callers] == sorted((c[1] for c in callers), reverse=True)
         assert "generation/commit.py:write_commits" in names and "?" not in names
         assert ("generation/policies/lookahead.py:Lookahead.apply" in names) == drafts
+        seconds = dict(log.policy_caller_seconds)
+        assert seconds.keys() == set(names) and all(t >= 0 for t in seconds.values()) and sum(seconds.values()) > 0
     with ForwardLog(model) as log:
         pass
     with pytest.raises(ValueError, match="by_caller=True"):
         _ = log.policy_callers
+    with pytest.raises(ValueError, match="by_caller=True"):
+        _ = log.policy_caller_seconds

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,7 +98,9 @@ class OpCounter(TorchFunctionMode):
 
     With ``by_caller``, ``callers`` also counts the ``"policy"`` bucket's calls and syncs per calling
     function of the package (:func:`_caller`): which part of the policy a change should be judged by
-    (a stack walk per call: for untimed passes only)."""
+    (a stack walk per call: for untimed passes only); and ``caller_seconds`` the wall time of those calls
+    themselves (the counting's own overhead outside it): counts say where the operations are, times where
+    the host's time goes, since one row copy of a K/V cache costs what tens of small operations do."""
 
     def __init__(self, by_caller: bool = False) -> None:
         super().__init__()
@@ -106,6 +109,7 @@ class OpCounter(TorchFunctionMode):
         self.syncs: dict[str, int] = {}
         self.before_sync: dict[str, int] = {}
         self.callers: dict[str, list[int]] | None = {} if by_caller else None
+        self.caller_seconds: dict[str, float] | None = {} if by_caller else None
 
     def reset(self, bucket: str) -> None:
         self.counts[bucket] = self.syncs[bucket] = 0
@@ -121,9 +125,14 @@ class OpCounter(TorchFunctionMode):
                 self.before_sync.setdefault(bucket, n)
             self.counts[bucket] = n + 1
             if self.callers is not None and bucket == "policy":
-                entry = self.callers.setdefault(_caller(), [0, 0])
+                caller = _caller()
+                entry = self.callers.setdefault(caller, [0, 0])
                 entry[0] += 1
                 entry[1] += sync
+                start = time.perf_counter()
+                out = func(*args, **(kwargs or {}))
+                self.caller_seconds[caller] = self.caller_seconds.get(caller, 0.0) + time.perf_counter() - start
+                return out
         return func(*args, **(kwargs or {}))
 
 
@@ -256,6 +265,14 @@ class ForwardLog:
         if self.counter.callers is None:
             raise ValueError("ForwardLog(model, by_caller=True) counts the policy's operations per caller.")
         return sorted(((k, ops, syncs) for k, (ops, syncs) in self.counter.callers.items()), key=lambda c: (-c[1], c[0]))
+
+    @property
+    def policy_caller_seconds(self) -> list[tuple[str, float]]:
+        """``(caller, seconds)``: the wall time of the policy's operations per function of the package
+        (``by_caller``), longest first; the callers of :attr:`policy_callers`."""
+        if self.counter.caller_seconds is None:
+            raise ValueError("ForwardLog(model, by_caller=True) times the policy's operations per caller.")
+        return sorted(self.counter.caller_seconds.items(), key=lambda c: (-c[1], c[0]))
 
     # ------------------------------------------------------------------ recording
     def _wrap(self, fn, kind: str):
