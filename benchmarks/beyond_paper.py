@@ -211,12 +211,15 @@ def _key(model: str, suite: str, limit: int, gen_length: int, cfg: dict[str, Any
     """The cache key of a result; the batch size changes only the timing, and keys a result
     only when it is not the default 16 (so that timing runs at batch 1 / 32 sit beside it). A sampled
     config's result is keyed by its seed too, and by its noise being keyed (results drawn from a generator,
-    before keyed noise, are not taken for them)."""
+    before keyed noise, are not taken for them), and one with a draft radius by that radius not applying when
+    sampling (RESULTS §40: results from before are not taken for it)."""
     what = {"model": model, "suite": suite, "limit": limit, "gen": gen_length, "cfg": cfg}
     if batch_size != 16:
         what["batch_size"] = batch_size
     if _sampled(cfg):
         what["seed"], what["noise"] = seed, "keyed"
+        if cfg.get("lookahead_draft_radius") is not None:  # sampled drafts re-query at the main radius (§40)
+            what["draft_radius"] = "main when sampled"
     blob = json.dumps(what, sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 

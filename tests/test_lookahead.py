@@ -661,6 +661,20 @@ def test_a_smaller_draft_radius_queries_fewer_positions_on_the_checkpoints(train
     _main_row_replay(lean, enc.input_ids.shape[1], hb.end_token_ids(tok, model.config))
 
 
+def test_a_sampled_decode_drafts_at_the_main_radius(trained):
+    """When sampling, ``lookahead_draft_radius`` does not apply (RESULTS §40: a forced commit sampled from a draft
+    with staler neighbours spliced forms): the sampled preset at radius 2 decodes the samples, forwards and query
+    tokens it decodes at the main radius, while greedy it queries fewer positions (the test above)."""
+    model, tok = trained
+    enc = _batch(tok, "code", 8)
+    options = {**hb.generation.configs.DRAFTED_CONTAINED, "block_length": 64, "temperature": 0.5, "seed": 3}
+    lean = _decode(model, enc, **options)
+    full = _decode(model, enc, **{**options, "lookahead_draft_radius": None})
+    assert torch.equal(lean.sequences, full.sequences) and torch.equal(lean.nfe, full.nfe)
+    assert [st["query_tokens"] for st in lean.stats] == [st["query_tokens"] for st in full.stats]
+    assert int(_adopted(lean).sum()) > 0
+
+
 @pytest.mark.parametrize("sparse,budget,parked", [
     # dense steps: every row queries its 12-wide window, so budget b admits floor(b) - 1 drafts (the
     # bound itself fits: 2.0 and 4.0 are exact)

@@ -419,11 +419,14 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             whose tokens the step committed along with others; the request keeps its own commit and
             takes the draft's commits where it left masks (docs/algorithm.md, "Contained acceptance";
             measured in benchmarks/RESULTS.md §16). Fewer forwards, not the same tokens.
-        lookahead_draft_radius: with sparse window queries and contained acceptance, a draft re-queries
-            the decoded neighbours of its masks within this radius only (``None``, the default: the
-            ``requery_radius``, as the next sparse step would); beyond it, where its main row re-queries
-            one in the same forward, the draft reads that fresh K/V. Fewer query tokens per draft, for
-            neighbours one step staler (RESULTS §16).
+        lookahead_draft_radius: with sparse window queries and contained acceptance, a greedy decode's
+            draft re-queries the decoded neighbours of its masks within this radius only (``None``, the
+            default: the ``requery_radius``, as the next sparse step would); beyond it, where its main row
+            re-queries one in the same forward, the draft reads that fresh K/V. Fewer query tokens per
+            draft, for neighbours one step staler (RESULTS §16). A sampled decode (``temperature`` > 0)
+            re-queries at the ``requery_radius`` whatever this says: a step whose one commit is forced samples
+            it from the draft's logits, and with staler neighbours those spliced forms (``max(b, b)``;
+            tiny-dream code at T 0.5 −1.6 points at radius 2, −0.2 at the main radius: RESULTS §40).
         lookahead_query_budget: a request's step with drafts may query about this many of its windows'
             widths in all (``None``, the default: no limit). Drafts are admitted in order while they fit,
             estimated before the step as a sparse step queries (the masks and the decoded positions within
@@ -480,10 +483,11 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         keep the block size you tuned). ``exact=False`` is :data:`DRAFTED_CONTAINED`: drafts are also
         adopted when the step committed their tokens and more (``lookahead_accept="contained"``),
         drafted while at most 16 masks are left, re-query their masks' neighbours within 2 positions
-        (``lookahead_draft_radius=2``), and ride only while the request's step fits about two windows of
-        query tokens (``lookahead_query_budget=2.0``): fewer forwards, but no longer sparse Fast-dLLM's
-        tokens (RESULTS §16-17: on the test splits at the tuned block, −0.8 to +0.2 points from the tuned
-        dense Fast-dLLM at 0.72-0.81x its forwards and 0.72-0.96x its query tokens).
+        when greedy (``lookahead_draft_radius=2``; sampled, within 6), and ride only while the request's
+        step fits about two windows of query tokens (``lookahead_query_budget=2.0``): fewer forwards, but
+        no longer sparse Fast-dLLM's tokens (RESULTS §16-17: on the test splits at the tuned block, −0.8
+        to +0.2 points from the tuned dense Fast-dLLM at 0.72-0.81x its forwards and 0.72-0.96x its query
+        tokens).
         ``drafted(exact=False, lookahead=6)`` needs 0.01-0.03x fewer forwards for 0.05-0.11x more query
         tokens, and more CPU time at every batch size measured (RESULTS §17).
 

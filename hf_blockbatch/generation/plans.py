@@ -133,7 +133,10 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
         steps_per_block = None if cfg.steps is None else cfg.steps // -(-cfg.max_new_tokens // cfg.block_length)
         after_full = cfg.cache == "none" or bool(cfg.skip_completed_block_step)
         max_masks = None if cfg.lookahead_max_masks is None else int(cfg.lookahead_max_masks)
-        radius = None if cfg.lookahead_draft_radius is None else int(cfg.lookahead_draft_radius)
+        # a sampled decode's drafts re-query at the main radius: a forced commit samples from the draft's logits,
+        # and staler neighbours spliced forms there (`max(b, b)`; RESULTS §40)
+        greedy = not cfg.temperature
+        radius = None if cfg.lookahead_draft_radius is None or not greedy else int(cfg.lookahead_draft_radius)
         budget = None if cfg.lookahead_query_budget is None else float(cfg.lookahead_query_budget)
         lookahead = Lookahead(int(cfg.lookahead), max_masks, cfg.lookahead_accept, radius, budget) if cfg.lookahead else None
         return DecodePlan(
