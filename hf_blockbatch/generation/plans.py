@@ -135,7 +135,7 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
         max_masks = None if cfg.lookahead_max_masks is None else int(cfg.lookahead_max_masks)
         # a sampled decode's drafts re-query at the main radius: a forced commit samples from the draft's logits,
         # and staler neighbours spliced forms there (`max(b, b)`; RESULTS §40)
-        greedy = not cfg.temperature
+        greedy = common["temperature"] == 0
         radius = None if cfg.lookahead_draft_radius is None or not greedy else int(cfg.lookahead_draft_radius)
         budget = None if cfg.lookahead_query_budget is None else float(cfg.lookahead_query_budget)
         lookahead = Lookahead(int(cfg.lookahead), max_masks, cfg.lookahead_accept, radius, budget) if cfg.lookahead else None
