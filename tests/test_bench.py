@@ -975,6 +975,41 @@ def test_draft_rankings_orders_the_masks_left_and_counts_step_one(tmp_path):
     assert f"| code | {res['requests']} | {res['positions']} |" in (tmp_path / "rankings_tiny-llada_6.md").read_text()
 
 
+def test_draft_misses_sorts_every_block_step_into_one_class(tmp_path):
+    """``benchmarks/draft_misses.py`` (RESULTS §41): a step is ``completes`` when no mask is left in its window, else
+    ``parked`` without a draft, else by the one commit's rank in the drafts' map and its token; the decode it counts is
+    the plain decode's, the classes sum to the block steps, and the patched methods are put back."""
+    from hf_blockbatch.generation.policies.lookahead import Lookahead
+
+    dm = load_benchmark("draft_misses")
+    M = 9  # mask id; generated region from position 2, window [2, 7)
+    before = torch.tensor([5, 5, M, M, M, M, 1, 0])
+    # the map of positions 2..7: confidence ranks 2, 4, 3, 5; top token 3, runner-up 4
+    prob = torch.tensor([[0.8, 0.1], [0.6, 0.3], [0.7, 0.2], [0.5, 0.4], [0.0, 0], [0.0, 0]])
+    ids = torch.tensor([[3, 4], [3, 4], [3, 4], [3, 4], [0, 0], [0, 0]])
+
+    def cls(after: list[int], rode: bool = True, adopted: int = 0) -> str:
+        return dm.classify(before, torch.tensor(after), M, 2, (2, 7), prob, ids, rode, adopted)
+
+    assert cls([5, 5, 3, 3, 3, 3, 1, 0]) == "completes"
+    assert cls([5, 5, 3, M, M, M, 1, 0], rode=False) == "parked"
+    assert cls([5, 5, 3, M, M, M, 1, 0], adopted=2) == "adopted_2"
+    assert cls([5, 5, 3, M, M, M, 1, 0]) == "one_r0_top1"
+    assert cls([5, 5, M, M, 4, M, 1, 0]) == "one_r1_top2"
+    assert cls([5, 5, M, 7, M, M, 1, 0]) == "one_r2_other"
+    assert cls([5, 5, M, M, M, 3, 1, 0]) == "one_r3_top1"
+    assert cls([5, 5, 3, 3, M, M, 1, 0]) == "several"
+    draft = Lookahead.draft
+    dm.main(["--model", "tiny-llada", "--suites", "code", "--limit", "6", "--batch-size", "3", "--block", "32",
+             "--out", str(tmp_path)])  # fmt: skip
+    assert Lookahead.draft is draft
+    res = json.loads((tmp_path / "misses_tiny-llada_6.json").read_text())["suites"]["code"]
+    assert res["items"] == 6 and res["block_steps_mean"] > 0
+    assert sum(res["per_item"].values()) == pytest.approx(res["block_steps_mean"])
+    assert res["nfe_mean"] == pytest.approx(1 + res["block_steps_mean"] + res["refreshes_mean"])
+    assert f"| code (32) | {res['nfe_mean']:.2f} |" in (tmp_path / "misses_tiny-llada_6.md").read_text()
+
+
 def test_write_report_writes_both_files_under_the_whole_stem(tmp_path):
     """The benchmark scripts' one writer: a JSON and a Markdown file beside each other, the folder created,
     and a stem holding a dot (a tag such as ``_q2.5``) kept whole, where ``with_suffix`` would cut it."""

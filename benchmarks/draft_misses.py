@@ -1,0 +1,188 @@
+"""Where the drafted preset's block steps go: which steps a draft stood in for, and why the others had none.
+
+A block step of ``FastDLLMConfig.drafted(exact=False)`` either adopts a draft (the next block step is then
+skipped), or it does not, and then the request pays for the next step. This script decodes training items (never a
+test question) at each suite's block picked on training items (``results/targets/heldout_blocks.json``) and sorts
+every (request, block step) into one class, from what the main row held before the step, the probability map its
+drafts were built from (the previous forward's), and what the step committed:
+
+* ``adopted``: the main row took a draft's state (``adopted_2``: two chained drafts, two steps skipped);
+* ``completes``: the step committed every mask left in the window. It is the window's last step, so there is no next
+  step for a draft to stand for (nothing to save: an end, or a refresh);
+* ``parked``: no draft rode (a closed gate or the query budget) and the window kept a mask;
+* ``one_r<k>_<token>``: drafts rode, none was adopted, the step committed one token: at the mask the previous
+  forward ranked ``k``-th by confidence (``3`` for 3 or more), with that forward's top token (``top1``), its
+  runner-up (``top2``) or another (``other``). The drafts hold ranks 0 and 1 with their top tokens: ``one_r0_top1``
+  and ``one_r1_top1`` are adopted unless a draft was parked;
+* ``several``: drafts rode, none was adopted, the step committed several tokens.
+
+The counts per class sum to the block steps the requests ran (``nfe_block``), and the adopted levels to
+``lookahead_adopted``: the script checks both, and that the instrumented decode (the probability map kept at its top
+two tokens instead of one) decodes what the plain one does. RESULTS §37 and §41 read the classes.
+
+    PYTHONPATH=$PWD python benchmarks/draft_misses.py --model tiny-dream --limit 500
+
+Writes ``benchmarks/results/lookahead/misses_<model>_<limit>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import hf_blockbatch.generation.mixin as mixin
+from hf_blockbatch.eval.runner import _encode, load_for_benchmark, load_task, write_report
+from hf_blockbatch.generation.configs import FastDLLMConfig
+from hf_blockbatch.generation.policies.lookahead import Lookahead
+
+logger = logging.getLogger("draft_misses")
+
+HELDOUT = Path(__file__).parent / "results" / "targets" / "heldout_blocks.json"
+#: the classes in the order the report lists them
+CLASSES = ("adopted_1", "adopted_2", "completes", "parked", *(f"one_r{k}_{t}" for k in range(4) for t in ("top1", "top2", "other")),
+           "several")  # fmt: skip
+
+
+def classify(before: torch.Tensor, after: torch.Tensor, mask_id: int, gen_start: int, win: tuple[int, int],
+             prob: torch.Tensor, ids: torch.Tensor, rode: bool, adopted: int) -> str:  # fmt: skip
+    """One request's block step: ``before``/``after`` its main row's canvas around the step's commit (before any
+    adoption), ``prob``/``ids`` ``[G, 2]`` the top-2 map its drafts were built from, ``win`` its window."""
+    if adopted:
+        return f"adopted_{min(adopted, 2)}"
+    in_win = torch.zeros_like(before, dtype=torch.bool)
+    in_win[win[0] : win[1]] = True
+    open_ = (before == mask_id) & in_win
+    taken = open_ & (after != mask_id)
+    if not bool((open_ & ~taken).any()):
+        return "completes"
+    if not rode:
+        return "parked"
+    if int(taken.sum()) > 1:
+        return "several"
+    p = int(taken.nonzero()[0, 0])
+    positions = open_.nonzero().squeeze(1)
+    conf = prob[positions - gen_start, 0]
+    order = positions[conf.argsort(descending=True, stable=True)]  # the drafts' ranking (ties: the leftmost first)
+    rank = min(int((order == p).nonzero()[0, 0]), 3)
+    token = int(after[p])
+    top = ids[p - gen_start].tolist()
+    kind = "top1" if token == top[0] else "top2" if token == top[1] else "other"
+    return f"one_r{rank}_{kind}"
+
+
+@contextlib.contextmanager
+def instrumented(counts: Counter[str]) -> Iterator[None]:
+    """Count every request's block steps into ``counts`` while decoding; the map kept at two tokens per position."""
+    plan_from_config, draft, apply = mixin.plan_from_config, Lookahead.draft, Lookahead.apply
+    seen: dict[str, torch.Tensor] = {}
+
+    def plan_top2(*args, **kwargs):
+        plan = plan_from_config(*args, **kwargs)
+        return dataclasses.replace(plan, map_k=2) if plan.lookahead is not None else plan
+
+    def draft_and_look(self: Lookahead, run) -> bool:
+        changed = draft(self, run)
+        s = run.state
+        seen.update(canvas=s.per_request(s.canvas)[:, 0].clone(), prob=s.per_request(s.prob_p)[:, 0].clone(),
+                    ids=s.per_request(s.prob_ids)[:, 0].clone(), rode=(~s.per_request(s.pruned)[:, 1:]).any(-1),
+                    done=s.per_request(s.done)[:, 0].clone(), adopted=s.per_request(s.adopted)[:, 0].clone(),
+                    ws=s.per_request(s.win_start)[:, 0].clone(), we=s.per_request(s.win_end)[:, 0].clone())  # fmt: skip
+        return changed
+
+    def apply_and_count(self: Lookahead, ctx) -> bool:
+        if ctx.full or not seen:
+            return apply(self, ctx)
+        s = ctx.state
+        after = s.per_request(s.canvas)[:, 0].clone()
+        moved = apply(self, ctx)
+        took = (s.per_request(s.adopted)[:, 0] - seen["adopted"]).tolist()
+        for b in (~seen["done"]).nonzero().squeeze(1).tolist():
+            counts[classify(seen["canvas"][b], after[b], s.mask_id, s.gen_start, (int(seen["ws"][b]), int(seen["we"][b])),
+                            seen["prob"][b], seen["ids"][b], bool(seen["rode"][b]), took[b])] += 1  # fmt: skip
+        seen.clear()
+        return moved
+
+    mixin.plan_from_config, Lookahead.draft, Lookahead.apply = plan_top2, draft_and_look, apply_and_count
+    try:
+        yield
+    finally:
+        mixin.plan_from_config, Lookahead.draft, Lookahead.apply = plan_from_config, draft, apply
+
+
+def count(model, tokenizer, suite: str, limit: int, block: int, batch_size: int) -> dict:
+    """Every block step of ``limit`` training items, by class; checked against the decode's own counters."""
+    task = load_task(suite)
+    items = task.items("train", limit=limit)
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    prompts = [task.prompt(it, tokenizer, chat=chat) for it in items]
+    cfg = FastDLLMConfig.drafted(exact=False, max_new_tokens=int(task.default_gen_length), block_length=block)
+    counts: Counter[str] = Counter()
+    nfe = block_steps = adopted = refreshes = 0
+    for b0 in tqdm(range(0, len(prompts), batch_size), desc=suite, leave=False):
+        ids, mask = _encode(tokenizer, prompts[b0 : b0 + batch_size], torch.device("cpu"))
+        with torch.inference_mode():
+            plain = model.generate(ids, mask, generation_config=cfg, return_dict_in_generate=True)
+            with instrumented(counts):
+                out = model.generate(ids, mask, generation_config=cfg, return_dict_in_generate=True)
+        if not (torch.equal(plain.sequences, out.sequences) and torch.equal(plain.nfe, out.nfe)):
+            raise RuntimeError(f"{suite}: the instrumented decode differs from the plain one; its counts would not be this decode's")
+        nfe += int(out.nfe.sum())
+        refreshes += sum(st["nfe_refresh"] for st in out.stats)
+        block_steps += sum(st["nfe_block"] for st in out.stats)
+        adopted += sum(st["lookahead_adopted"] for st in out.stats)
+    if sum(counts.values()) != block_steps or counts["adopted_1"] + 2 * counts["adopted_2"] != adopted:
+        raise RuntimeError(f"{suite}: {sum(counts.values())} steps counted for {block_steps} block steps; "
+                           f"adopted {counts['adopted_1']} + 2 x {counts['adopted_2']} for {adopted}")  # fmt: skip
+    n = len(prompts)
+    return {"items": n, "block": block, "nfe_mean": nfe / n, "block_steps_mean": block_steps / n,
+            "nfe_without_drafts_mean": (nfe + adopted) / n, "refreshes_mean": refreshes / n,
+            "per_item": {c: counts[c] / n for c in CLASSES}}  # fmt: skip
+
+
+def heldout_block(model: str, suite: str) -> int:
+    """The block picked on training items for a tiny checkpoint's suite (the scorecard's second table)."""
+    return int(json.loads(HELDOUT.read_text(encoding="utf-8"))[Path(model).name][suite]["block"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-llada")
+    p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
+    p.add_argument("--limit", type=int, default=200, help="training items per suite")
+    p.add_argument("--block", type=int, default=None, help="one block for every suite (default: each suite's block "
+                   "picked on training items, results/targets/heldout_blocks.json)")  # fmt: skip
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="benchmarks/results/lookahead")
+    args = p.parse_args(argv)
+    model, tokenizer = load_for_benchmark(args.model, args.threads)
+    result = {"model": args.model, "limit": args.limit, "suites": {}}
+    for suite in args.suites:
+        block = args.block or heldout_block(args.model, suite)
+        result["suites"][suite] = count(model, tokenizer, suite, args.limit, block, args.batch_size)
+        logger.info("%s %s", suite, json.dumps(result["suites"][suite]))
+    shown = [c for c in CLASSES if any(r["per_item"][c] for r in result["suites"].values())]
+    lines = [f"# The drafted preset's block steps by class: {args.model}, {args.limit} training items", "",
+             "`FastDLLMConfig.drafted(exact=False)`; block steps per item in each class (benchmarks/draft_misses.py "
+             "says what each class is). NFE = 1 + block steps + refreshes; the adopted steps are the "
+             "forwards saved (`adopted_2`: two each).", "",
+             "| suite (block) | NFE | without drafts | " + " | ".join(f"`{c}`" for c in shown) + " |",
+             "|---|---:|---:|" + "---:|" * len(shown)]  # fmt: skip
+    for suite, r in result["suites"].items():
+        lines.append(f"| {suite} ({r['block']}) | {r['nfe_mean']:.2f} | {r['nfe_without_drafts_mean']:.2f} | "
+                     + " | ".join(f"{r['per_item'][c]:.3f}" for c in shown) + " |")  # fmt: skip
+    write_report(Path(args.out) / f"misses_{Path(args.model).name}_{args.limit}", result, "\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
