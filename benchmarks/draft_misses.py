@@ -150,7 +150,12 @@ def count(model, tokenizer, suite: str, limit: int, block: int, batch_size: int)
 
 def heldout_block(model: str, suite: str) -> int:
     """The block picked on training items for a tiny checkpoint's suite (the scorecard's second table)."""
-    return int(json.loads(HELDOUT.read_text(encoding="utf-8"))[Path(model).name][suite]["block"])
+    picked = json.loads(HELDOUT.read_text(encoding="utf-8"))
+    try:
+        return int(picked[Path(model).name][suite]["block"])
+    except KeyError:
+        raise SystemExit(f"No block picked on training items for {model} {suite} in {HELDOUT.name} "
+                         f"(it has {', '.join(picked)}): pass --block.") from None
 
 
 def main(argv: list[str] | None = None) -> None:

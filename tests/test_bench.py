@@ -999,6 +999,8 @@ def test_draft_misses_sorts_every_block_step_into_one_class(tmp_path):
     assert cls([5, 5, M, 7, M, M, 1, 0]) == "one_r2_other"
     assert cls([5, 5, M, M, M, 3, 1, 0]) == "one_r3_top1"
     assert cls([5, 5, 3, 3, M, M, 1, 0]) == "several"
+    with pytest.raises(SystemExit, match="pass --block"):
+        dm.heldout_block("my-llada", "code")
     draft = Lookahead.draft
     dm.main(["--model", "tiny-llada", "--suites", "code", "--limit", "6", "--batch-size", "3", "--block", "32",
              "--out", str(tmp_path)])  # fmt: skip
