@@ -13,7 +13,7 @@ from _generation_helpers import eos_model, homogeneity_p, peaked, run_padded
 from conftest import MASK_ID, make_tiny_dream, make_tiny_llada
 
 import hf_blockbatch as hb
-from hf_blockbatch.generation import noise
+from hf_blockbatch.generation import noise, sampling
 
 M32 = 0xFFFFFFFF
 
@@ -25,6 +25,15 @@ def _lowbias32(x: int) -> int:
     x ^= x >> 15
     x = (x * 0xD35A2D97) & M32
     return x ^ (x >> 15)
+
+
+def _inverse_lowbias32(h: int) -> int:
+    """The 32-bit input that :func:`_lowbias32` maps to ``h`` (it is a bijection): each step undone in reverse."""
+    h ^= (h >> 15) ^ (h >> 30)
+    h = (h * pow(0xD35A2D97, -1, 2**32)) & M32
+    h ^= (h >> 15) ^ (h >> 30)
+    h = (h * pow(0x21F0AAAD, -1, 2**32)) & M32
+    return h ^ (h >> 16)
 
 
 def test_the_hash_is_lowbias32_in_exact_integers():
@@ -210,3 +219,124 @@ def test_the_seed_saves_and_loads(tmp_path):
     assert torch.equal(model.generate(ids, generation_config=loaded), model.generate(ids, generation_config=cfg))
     plain = hb.FastDLLMConfig(max_new_tokens=8, block_length=4, temperature=0.7)
     assert torch.equal(model.generate(ids, generation_config=plain, seed=2**40 + 3), model.generate(ids, generation_config=cfg))
+
+
+# ----------------------------------------------------------------------------- pruned keyed draws
+def _draws(logits: torch.Tensor, temperature: float, keys: torch.Tensor, mask_id: int | None, monkeypatch) -> tuple:
+    """The keyed draw pruned (every share allowed) and over the whole vocabulary, and whether the pruned one
+    scored the whole vocabulary (it calls ``noise.uniform`` only then)."""
+    full_draws = []
+    whole = sampling.uniform
+
+    def counted(*args):
+        full_draws.append(1)
+        return whole(*args)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(sampling, "uniform", counted)
+        mp.setattr(sampling, "PRUNED_DRAW_MIN_NUMEL", 0)
+        pruned = sampling.gumbel_tokens(logits, temperature, None, keys, mask_id, max_share=1.0)
+    return pruned, sampling.gumbel_tokens(logits, temperature, None, keys, mask_id, max_share=0.0), bool(full_draws)
+
+
+def test_a_pruned_keyed_draw_is_the_full_draw(monkeypatch):
+    """Only ids within the noise's spread of a row's top logit can win a keyed draw, so scoring those alone picks
+    the full draw's tokens: 150 settings of 400 rows (vocabularies 96 and 1,024, logit scales 1-1,000, temperatures
+    0.05-2, float32, bfloat16 and float64 logits, -inf logits, a mask id just below the top logit, never drawn). On
+    the peaked settings the pruned draw ran without the full one; on the flat ones it kept most ids (then it is the
+    full draw anyway)."""
+    torch.manual_seed(0)
+    pruned_runs = 0
+    for V in (96, 1024):
+        for scale in (1.0, 5.0, 20.0, 100.0, 1000.0):
+            for t in (0.05, 0.2, 0.5, 1.0, 2.0):
+                for dtype in (torch.float32, torch.bfloat16, torch.float64):
+                    logits = torch.randn(400, V) * scale
+                    logits[:3, 5] = float("-inf")
+                    # the mask id just below each row's top logit, within any spread: never drawn all the same
+                    logits[:, 7] = logits.index_fill(1, torch.tensor([7]), float("-inf")).amax(-1) - 0.01 * scale
+                    logits = logits.to(dtype)
+                    keys = torch.randint(0, 2**32, (400,))
+                    pruned, full, whole = _draws(logits, t, keys, 7, monkeypatch)
+                    assert torch.equal(pruned, full), (V, scale, t, dtype)
+                    assert not bool((pruned == 7).any())
+                    pruned_runs += not whole
+                    if scale / t >= 100:  # a peaked draw: pruned
+                        assert not whole, (V, scale, t, dtype)
+    assert pruned_runs >= 60
+
+
+def test_a_pruned_keyed_draw_keeps_an_id_only_the_least_noise_on_the_top_id_lets_win(monkeypatch):
+    """The bound is the noise's full spread, both ends: an id whose logit lies further below the top logit than
+    the largest noise can lift it (22.9 T) still wins when the top id draws noise below zero. The key is built
+    (by inverting the hash) so that the low id draws the largest uniform there is, and its logit is set so that it
+    wins by 1e-3: a bound without the least noise's term drops it."""
+    t, V, low = 0.5, 64, 10
+    part = _lowbias32(low + noise._TOKEN)
+    key = _inverse_lowbias32(M32) ^ part  # key ^ part hashes to 2^32 - 1: the low id's uniform is UNIFORM_MAX
+    keys = torch.tensor([key])
+    u = noise.uniform(keys, V)[0]
+    assert float(u[low]) == noise.UNIFORM_MAX
+    top = next(i for i in range(V) if i != low and float(u[i]) < 0.3)  # an id whose noise is below zero
+    lift = [-t * torch.log(-torch.log(u[i])).item() for i in (low, top)]
+    logits = torch.full((1, V), -1000.0, dtype=torch.float64)
+    logits[0, top] = 0.0
+    logits[0, low] = lift[1] - lift[0] + 1e-3
+    assert -logits[0, low] > lift[0]  # further below the top logit than the largest noise lifts
+    pruned, full, whole = _draws(logits, t, keys, None, monkeypatch)
+    assert int(full) == low and int(pruned) == low and not whole
+    logits[0, low] -= 2e-3  # and the top id wins when the low one falls short
+    pruned, full, whole = _draws(logits, t, keys, None, monkeypatch)
+    assert int(full) == top and int(pruned) == top and not whole
+
+
+def test_a_pruned_keyed_draw_leaves_non_finite_rows_to_the_full_draw(monkeypatch):
+    """A NaN or +inf logit, a row of -inf but one id, a row of -inf: the same ids as the full draw."""
+    logits = torch.randn(40, 1000) * 10
+    logits[0, 3] = float("nan")
+    logits[1, 4] = float("inf")
+    logits[2] = float("-inf")
+    logits[2, 9] = 0.0
+    logits[3] = float("nan")
+    logits[4] = float("-inf")
+    keys = torch.randint(0, 2**32, (40,), generator=torch.Generator().manual_seed(0))
+    pruned, full, _ = _draws(logits, 0.5, keys, None, monkeypatch)
+    assert torch.equal(pruned, full) and pruned[:3].tolist() == [3, 4, 9]
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_seeded_decodes_are_the_same_with_pruned_draws(family, monkeypatch):
+    """Sampled decodes with a seed (sparse Fast-dLLM and the contained drafts, T 0.3 and 1.0, a peaked model)
+    decode the same sequences, with the same forwards, whether each draw is pruned or scores the whole vocabulary;
+    and some draws were pruned."""
+    model = peaked(family)
+    prompts = [[i, i + 1, i + 2] for i in range(5, 13)]
+    full_draws = []
+    whole = sampling.uniform
+
+    def counted(*args):
+        full_draws.append(1)
+        return whole(*args)
+
+    draws = []
+    count = sampling.gumbel_tokens
+
+    def counted_draw(*args, **kwargs):
+        draws.append(1)
+        return count(*args, **kwargs)
+
+    for t in (0.3, 1.0):
+        for cfg in (hb.FastDLLMConfig(max_new_tokens=16, block_length=8, temperature=t, seed=4, window_queries="sparse"),
+                    hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=16, block_length=8, temperature=t, seed=4)):
+            with monkeypatch.context() as mp:
+                mp.setattr(sampling, "PRUNED_DRAW_MAX_SHARE", 0.0)
+                full = run_padded(model, prompts, cfg)
+            with monkeypatch.context() as mp:
+                for name, value in (("PRUNED_DRAW_MIN_NUMEL", 0), ("PRUNED_DRAW_MAX_SHARE", 1.0), ("uniform", counted),
+                                    ("gumbel_tokens", counted_draw)):
+                    mp.setattr(sampling, name, value)
+                before = len(full_draws), len(draws)
+                pruned = run_padded(model, prompts, cfg)
+            assert torch.equal(pruned.sequences, full.sequences) and torch.equal(pruned.nfe, full.nfe), (t, cfg)
+            assert len(full_draws) - before[0] < len(draws) - before[1], (t, cfg)  # some draws were pruned
+

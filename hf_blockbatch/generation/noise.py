@@ -26,6 +26,10 @@ of 126,464 ids (a proposal step's chunk, whose softmax and Gumbel scores take se
 the same as ``torch.rand`` at the tiny models' 1,024 ids. The tests check the numbers against a pure-Python copy
 in exact integers, so a platform that computed them otherwise would fail there.
 
+Since a token id's noise depends on nothing but its key, a draw can hash only the ids that can win it
+(:func:`uniform_at`; ``sampling.gumbel_tokens`` prunes the others by the noise's bounds, :data:`UNIFORM_MIN` and
+:data:`UNIFORM_MAX`), which a generator's stream, drawn in order, cannot.
+
 A uniform is the 32-bit hash plus one half, over 2^32: in (0, 1), never 0 or 1, with 2^-32 resolution (a Gumbel
 score is cut off at about 23, which a 126k vocabulary exceeds with probability below 1e-4 per position). Keys are
 32 bits: two slots of a decode share their noise with probability 2^-32 per pair, a dependence far below anything
@@ -38,7 +42,8 @@ import functools
 
 import torch
 
-__all__ = ["MASK32", "confidence_uniform", "draws_noise", "lane_keys", "mix32", "request_keys", "slot_keys", "uniform"]
+__all__ = ["MASK32", "UNIFORM_MAX", "UNIFORM_MIN", "confidence_uniform", "draws_noise", "lane_keys", "mix32", "request_keys", "slot_keys",
+           "uniform", "uniform_at"]
 
 MASK32 = 0xFFFFFFFF
 # distinct offsets per key part, so that the same small integer means different things in different parts
@@ -122,6 +127,18 @@ def uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     spare = torch.empty_like(h)
     mix32(h, spare)
     return _to_uniform(h, out=spare.view(torch.float64))
+
+
+def uniform_at(keys: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[n]`` float64: the uniforms of ``n`` chosen (slot, token id) pairs, given as the slot's key ``keys[i]`` and
+    the id ``ids[i]``: the entries :func:`uniform` holds there (the same integers hashed, so the same numbers),
+    without the rest of the vocabulary. What a sampled step needs where only a few ids can win its draw."""
+    return _to_uniform(mix32(keys ^ _token_parts(vocab, keys.device)[ids]))
+
+
+#: the smallest and largest uniforms :func:`uniform` returns (32-bit hashes of all zeros and all ones): the noise
+#: any id draws lies between what these give
+UNIFORM_MIN, UNIFORM_MAX = 0.5 * 2.0**-32, (MASK32 + 0.5) * 2.0**-32
 
 
 def confidence_uniform(keys: torch.Tensor) -> torch.Tensor:
