@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 from _generation_helpers import eos_model, homogeneity_p, peaked, run_padded
-from conftest import MASK_ID, make_tiny_dream, make_tiny_llada
+from conftest import MASK_ID, load_benchmark, make_tiny_dream, make_tiny_llada
 
 import hf_blockbatch as hb
 from hf_blockbatch.generation import noise, sampling
@@ -340,3 +340,17 @@ def test_seeded_decodes_are_the_same_with_pruned_draws(family, monkeypatch):
             assert torch.equal(pruned.sequences, full.sequences) and torch.equal(pruned.nfe, full.nfe), (t, cfg)
             assert len(full_draws) - before[0] < len(draws) - before[1], (t, cfg)  # some draws were pruned
 
+
+def test_the_keyed_draw_benchmark_replays_real_draws():
+    """``benchmarks/keyed_draw.py`` records the keyed draws of a seeded decode of training items (logits, keys, the
+    mask id) and times them both ways; on a peaked synthetic vocabulary the pruned draw keeps a few percent of the
+    ids and picks the full draw's tokens."""
+    bench = load_benchmark("keyed_draw")
+    model, tokenizer = hb.load_model("tiny-llada", device="cpu")
+    draws = bench.capture(model, tokenizer, "lists", 2, 0.5, 2)
+    assert draws and all(k.shape == (lg.shape[0],) and m == model.config.mask_token_id for lg, k, m in draws)
+    assert sampling.gumbel_tokens is not None and sampling.gumbel_tokens.__name__ == "gumbel_tokens"  # put back
+    row = bench.timed(draws, 0.5, 1)
+    assert row["same_tokens"] and row["draws"] == len(draws)
+    row = bench.timed(bench.synthetic(8, 4096), 0.5, 1)
+    assert row["same_tokens"] and row["kept_share"] < 0.05
