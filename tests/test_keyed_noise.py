@@ -37,11 +37,15 @@ def _inverse_lowbias32(h: int) -> int:
 
 
 def test_the_hash_is_lowbias32_in_exact_integers():
-    """The in-place int64 hash (whose products pass 2^63 and wrap) gives Python's exact numbers, for every
-    32-bit edge and 2,000 random values, and the uniforms are those numbers plus a half over 2^32."""
+    """The in-place int64 hash (whose products pass 2^63 and wrap) and the int32 one (whose shifts copy the sign bit
+    and whose products wrap at 2^31) give Python's exact numbers, for every 32-bit edge and 2,000 random values, and
+    the uniforms are those numbers plus a half over 2^32."""
     rng = random.Random(0)
     values = [0, 1, 2**15, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 2, M32] + [rng.randrange(2**32) for _ in range(2000)]
     assert noise.mix32(torch.tensor(values)).tolist() == [_lowbias32(v) for v in values]
+    # the vocabulary-wide hash, on int32 bit patterns (negative where the top bit is set): the same bits
+    bits = noise._mix32_bits(torch.tensor(values).to(torch.int32))
+    assert (bits.long() & M32).tolist() == [_lowbias32(v) for v in values]
     keys = torch.tensor(values[:40])
     got = noise.uniform(keys, 7)
     want = [[(_lowbias32(k ^ _lowbias32(v + noise._TOKEN)) + 0.5) / 2**32 for v in range(7)] for k in values[:40]]
