@@ -21,10 +21,10 @@ dense steps) with drafts or without, sample for sample, as it does greedily: up 
 the logits, which a near-tie between two noisy scores can turn into a different token.
 
 The hash is ``lowbias32`` (C. Wellons' hash-prospector, a bijection of 32-bit integers) applied to each key
-part in turn, computed in place: keys in int64 tensors, the vocabulary-wide hash on int32 bit patterns. On this CPU
-that takes 0.72 against ``torch.rand``'s 0.53 s for 530 slots of 126,464 ids (a proposal step's chunk; 1.2 s in
-int64), and half of ``torch.rand``'s time at the tiny models' 1,024 ids. The tests check the numbers against a pure-Python copy
-in exact integers, so a platform that computed them otherwise would fail there.
+part in turn, computed in place: keys in int64 tensors, the vocabulary-wide hash on int32 bit patterns. On this
+CPU that takes 0.72 against ``torch.rand``'s 0.53 s for 530 slots of 126,464 ids (a proposal step's chunk; 1.2 s
+in int64), and half of ``torch.rand``'s time at the tiny models' 1,024 ids. The tests check the numbers against a
+pure-Python copy in exact integers, so a platform that computed them otherwise would fail there.
 
 Since a token id's noise depends on nothing but its key, a draw can hash only the ids that can win it
 (:func:`uniform_at`; ``sampling.gumbel_tokens`` prunes the others by the noise's bounds, :data:`UNIFORM_MIN` and
@@ -42,8 +42,8 @@ import functools
 
 import torch
 
-__all__ = ["MASK32", "UNIFORM_MAX", "UNIFORM_MIN", "confidence_uniform", "draws_noise", "lane_keys", "mix32", "request_keys", "slot_keys",
-           "uniform", "uniform_at"]
+__all__ = ["MASK32", "UNIFORM_MAX", "UNIFORM_MIN", "confidence_uniform", "draws_noise", "lane_keys", "mix32",
+           "request_keys", "slot_keys", "uniform", "uniform_at"]
 
 MASK32 = 0xFFFFFFFF
 # distinct offsets per key part, so that the same small integer means different things in different parts

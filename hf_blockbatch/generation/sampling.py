@@ -197,7 +197,8 @@ def keyed_floor(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def gumbel_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None,
-                  noise_keys: torch.Tensor | None, mask_id: int | None, max_share: float | None = None) -> torch.Tensor:  # fmt: skip
+                  noise_keys: torch.Tensor | None, mask_id: int | None,
+                  max_share: float | None = None) -> torch.Tensor:  # fmt: skip
     """``[T]`` the sampled id of each row of ``logits`` ``[T, V]``: the argmax of its Gumbel scores
     (:func:`_scores`), the first id on a tie, never ``mask_id``; uniforms from ``noise_keys`` (keyed noise) or
     else ``generator``.
@@ -224,7 +225,8 @@ def gumbel_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gen
         floor = keyed_floor(logits, temperature)
         # (a NaN or infinite logit leaves a row without a finite winner below, and the full draw decides it)
         # (counts by ``count_nonzero``: a bool ``sum`` took ten times as long over 4 M ids)
-        if T <= _PROBE_ROWS or int((logits[:_PROBE_ROWS] >= floor[:_PROBE_ROWS, None]).count_nonzero()) <= share * _PROBE_ROWS * V:
+        probe = logits[:_PROBE_ROWS] >= floor[:_PROBE_ROWS, None] if T > _PROBE_ROWS else None
+        if probe is None or int(probe.count_nonzero()) <= share * probe.numel():
             keep = logits >= floor[:, None]
             if mask_id is not None:
                 keep[:, mask_id] = False
