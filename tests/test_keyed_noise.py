@@ -226,18 +226,22 @@ def test_the_seed_saves_and_loads(tmp_path):
 
 
 # ----------------------------------------------------------------------------- pruned keyed draws
+def _counting(fn, calls: list):
+    """``fn``, noting each call in ``calls``."""
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return counted
+
+
 def _draws(logits: torch.Tensor, temperature: float, keys: torch.Tensor, mask_id: int | None, monkeypatch) -> tuple:
     """The keyed draw pruned (every share allowed) and over the whole vocabulary, and whether the pruned one
     scored the whole vocabulary (it calls ``noise.uniform`` only then)."""
     full_draws = []
-    whole = sampling.uniform
-
-    def counted(*args):
-        full_draws.append(1)
-        return whole(*args)
-
     with monkeypatch.context() as mp:
-        mp.setattr(sampling, "uniform", counted)
+        mp.setattr(sampling, "uniform", _counting(sampling.uniform, full_draws))
         mp.setattr(sampling, "PRUNED_DRAW_MIN_NUMEL", 0)
         pruned = sampling.gumbel_tokens(logits, temperature, None, keys, mask_id, max_share=1.0)
     return pruned, sampling.gumbel_tokens(logits, temperature, None, keys, mask_id, max_share=0.0), bool(full_draws)
@@ -315,20 +319,8 @@ def test_seeded_decodes_are_the_same_with_pruned_draws(family, monkeypatch):
     and some draws were pruned."""
     model = peaked(family)
     prompts = [[i, i + 1, i + 2] for i in range(5, 13)]
-    full_draws = []
-    whole = sampling.uniform
-
-    def counted(*args):
-        full_draws.append(1)
-        return whole(*args)
-
-    draws = []
-    count = sampling.gumbel_tokens
-
-    def counted_draw(*args, **kwargs):
-        draws.append(1)
-        return count(*args, **kwargs)
-
+    full_draws, draws = [], []
+    counted, counted_draw = _counting(sampling.uniform, full_draws), _counting(sampling.gumbel_tokens, draws)
     for t in (0.3, 1.0):
         for cfg in (hb.FastDLLMConfig(max_new_tokens=16, block_length=8, temperature=t, seed=4, window_queries="sparse"),
                     hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=16, block_length=8, temperature=t, seed=4)):
