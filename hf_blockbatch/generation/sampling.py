@@ -184,6 +184,7 @@ def _spread(temperature: float, dtype: torch.dtype) -> float:
 
 @functools.cache
 def _minus_infinity(dtype: torch.dtype) -> torch.Tensor:
+    """-inf as a ``dtype`` tensor, the direction :func:`keyed_floor` rounds to (built once per dtype)."""
     return torch.tensor(-math.inf, dtype=dtype)
 
 
@@ -216,9 +217,9 @@ def gumbel_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gen
     The whole vocabulary is scored where more than ``max_share`` (default :data:`PRUNED_DRAW_MAX_SHARE`) of the
     logits stay in (a flat distribution, a high temperature: the first :data:`_PROBE_ROWS` rows say so before the
     rest are looked at), where a row's top logit is not finite or is the mask id's (no id of the row is kept, a
-    case of untrained models), for fewer than :data:`PRUNED_DRAW_MIN_NUMEL`
-    logits, at ``max_share`` 0, off the CPU (the pruning reads counts back to the host), and with a generator,
-    whose stream must be drawn for every id anyway (there pruning measured slower than the full draw)."""
+    case of untrained models), for fewer than :data:`PRUNED_DRAW_MIN_NUMEL` logits, at ``max_share`` 0, off the
+    CPU (the pruning reads counts back to the host), and with a generator, whose stream must be drawn for every id
+    anyway (there pruning measured slower than the full draw)."""
     T, V = logits.shape
     share = PRUNED_DRAW_MAX_SHARE if max_share is None else max_share
     if noise_keys is not None and logits.device.type == "cpu" and share > 0 and T * V >= PRUNED_DRAW_MIN_NUMEL:
@@ -237,10 +238,11 @@ def gumbel_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gen
                 if bool(torch.isfinite(best).all()):
                     first = torch.full((T,), V, dtype=torch.long, device=s.device)
                     return first.scatter_reduce_(0, r, torch.where(s == best[r], j, V), "amin")
-    noise = None
     if noise_keys is None:
-        noise = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
-    scores = _scores(uniform(noise_keys, V) if noise is None else noise, temperature, logits)
+        u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    else:
+        u = uniform(noise_keys, V)
+    scores = _scores(u, temperature, logits)
     if mask_id is not None:
         scores[:, mask_id] = float("-inf")
     return row_max(scores)[1]
