@@ -238,11 +238,12 @@ def _counting(fn, calls: list):
 
 def _draws(logits: torch.Tensor, temperature: float, keys: torch.Tensor, mask_id: int | None, monkeypatch) -> tuple:
     """The keyed draw pruned (every share allowed) and over the whole vocabulary, and whether the pruned one
-    scored the whole vocabulary (it calls ``noise.uniform`` only then)."""
+    scored the whole vocabulary."""
     full_draws = []
     with monkeypatch.context() as mp:
-        mp.setattr(sampling, "uniform", _counting(sampling.uniform, full_draws))
+        mp.setattr(sampling, "_full_draw", _counting(sampling._full_draw, full_draws))
         mp.setattr(sampling, "PRUNED_DRAW_MIN_NUMEL", 0)
+        mp.setattr(sampling, "SCREENED_DRAW_MIN_NUMEL", 0)
         pruned = sampling.gumbel_tokens(logits, temperature, None, keys, mask_id, max_share=1.0)
     return pruned, sampling.gumbel_tokens(logits, temperature, None, keys, mask_id, max_share=0.0), bool(full_draws)
 
@@ -312,6 +313,88 @@ def test_a_pruned_keyed_draw_leaves_non_finite_rows_to_the_full_draw(monkeypatch
     assert torch.equal(pruned, full) and pruned[:3].tolist() == [3, 4, 9]
 
 
+def test_a_screened_keyed_draw_is_the_full_draw():
+    """The noise screen scores an id only where its noise can still lift it to a score its row reaches, so it picks
+    the full draw's tokens: the 150 settings of the pruned draw's test, run through the screen itself (every share
+    allowed), and rows whose top logit is the mask id's. On flat rows, where the logit bound keeps most ids, it keeps
+    a few percent."""
+    torch.manual_seed(1)
+    for V in (96, 1024):
+        for scale in (0.3, 1.0, 5.0, 20.0, 1000.0):
+            for t in (0.05, 0.2, 0.5, 1.0, 2.0):
+                for dtype in (torch.float32, torch.bfloat16, torch.float64):
+                    logits = torch.randn(400, V) * scale
+                    logits[:3, 5] = float("-inf")
+                    logits[:, 7] = logits.index_fill(1, torch.tensor([7]), float("-inf")).amax(-1) - 0.01 * scale
+                    logits[3:40, 7] += 0.5 * scale  # the mask id on top: never drawn, nor a bound
+                    logits = logits.to(dtype)
+                    keys = torch.randint(0, 2**32, (400,))
+                    screened = sampling._screened_draw(logits, t, noise.uniform_codes(keys, V), 7, 1.0)
+                    full = sampling.gumbel_tokens(logits, t, None, keys, 7, max_share=0.0)
+                    assert screened is not None and torch.equal(screened, full), (V, scale, t, dtype)
+                    assert not bool((screened == 7).any())
+                    if V == 1024 and scale <= 1.0 and t >= 0.5:  # flat: the screen keeps few ids
+                        assert sampling._screened_draw(logits, t, noise.uniform_codes(keys, V), 7, 0.05) is not None
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_screened_keyed_draw_keeps_an_id_just_below_a_level_that_wins(level):
+    """Each of the screen's levels bounds the lift of the codes below it, both ways: an id one code below the level,
+    whose logit is below the top logit and lets it win by 1e-3, is kept and wins (its key built by inverting the
+    hash); with 2e-3 less it loses to the top id. A level whose lift were rounded down by more than 1e-3 / T would
+    drop it."""
+    t, V, low = 0.5, 64, 10
+    code = sampling._SCREEN_CODES[level] - 1
+    part = _lowbias32(low + noise._TOKEN)
+    key = _inverse_lowbias32(code + 2**31) ^ part  # the low id's code: one below the level
+    keys = torch.tensor([key])
+    codes = noise.uniform_codes(keys, V)
+    assert int(codes[0, low]) == code
+    u = noise.code_uniforms(codes)[0]
+    top = next(i for i in range(V) if i != low and float(u[i]) < 0.3)  # a top logit whose noise is below zero
+    lift = [-torch.log(-torch.log(u[i])).item() for i in (low, top)]
+    assert lift[0] < sampling._SCREEN_LIFTS[level] < lift[0] + 1e-6
+    logits = torch.full((1, V), -1000.0, dtype=torch.float64)
+    logits[0, top] = 0.0
+    logits[0, low] = t * (lift[1] - lift[0]) + 1e-3
+    assert float(logits[0, low]) < 0.0  # below the top logit
+    for margin, winner in ((0.0, low), (-2e-3, top)):
+        lg = logits.clone()
+        lg[0, low] += margin
+        full = sampling.gumbel_tokens(lg, t, None, keys, None, max_share=0.0)
+        screened = sampling._screened_draw(lg, t, codes, None, 1.0)
+        assert int(full) == winner and screened is not None and int(screened) == winner
+
+
+def test_a_screened_keyed_draw_leaves_non_finite_rows_to_the_full_draw():
+    """A NaN, an infinite or an all -inf row: the screen declines, and the default draw is still the full draw's."""
+    keys = torch.randint(0, 2**32, (40,), generator=torch.Generator().manual_seed(0))
+    for fill in (float("nan"), float("inf")):
+        logits = torch.randn(40, 1000) * 0.5
+        logits[5, 3] = fill
+        assert sampling._screened_draw(logits, 1.0, noise.uniform_codes(keys, 1000), None, 1.0) is None
+    logits = torch.randn(40, 1000) * 0.5
+    logits[6] = float("-inf")
+    assert sampling._screened_draw(logits, 1.0, noise.uniform_codes(keys, 1000), None, 1.0) is None
+
+
+def test_hot_seeded_draws_go_through_the_screen(monkeypatch):
+    """At T 1 the tiny vocabularies' logit bound keeps most ids, so the default draw hashes every id and screens it:
+    the same tokens as the full draw, on rows of a flat and of a peaked distribution, without scoring every id."""
+    g = torch.Generator().manual_seed(3)
+    for scale in (0.5, 4.0):
+        logits = torch.randn(64, 1024, generator=g) * scale
+        keys = torch.randint(0, 2**32, (64,), generator=g)
+        screened, full_draws = [], []
+        with monkeypatch.context() as mp:
+            mp.setattr(sampling, "_screened_draw", _counting(sampling._screened_draw, screened))
+            mp.setattr(sampling, "SCREENED_DRAW_MIN_NUMEL", 0)
+            mp.setattr(sampling, "_full_draw", _counting(sampling._full_draw, full_draws))
+            got = sampling.gumbel_tokens(logits, 1.0, None, keys, 1023)
+        assert screened and not full_draws, scale
+        assert torch.equal(got, sampling.gumbel_tokens(logits, 1.0, None, keys, 1023, max_share=0.0))
+
+
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_seeded_decodes_are_the_same_with_pruned_draws(family, monkeypatch):
     """Sampled decodes with a seed (sparse Fast-dLLM and the contained drafts, T 0.3 and 1.0, a peaked model)
@@ -320,7 +403,7 @@ def test_seeded_decodes_are_the_same_with_pruned_draws(family, monkeypatch):
     model = peaked(family)
     prompts = [[i, i + 1, i + 2] for i in range(5, 13)]
     full_draws, draws = [], []
-    counted, counted_draw = _counting(sampling.uniform, full_draws), _counting(sampling.gumbel_tokens, draws)
+    counted, counted_draw = _counting(sampling._full_draw, full_draws), _counting(sampling.gumbel_tokens, draws)
     for t in (0.3, 1.0):
         for cfg in (hb.FastDLLMConfig(max_new_tokens=16, block_length=8, temperature=t, seed=4, window_queries="sparse"),
                     hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=16, block_length=8, temperature=t, seed=4)):
@@ -328,13 +411,44 @@ def test_seeded_decodes_are_the_same_with_pruned_draws(family, monkeypatch):
                 mp.setattr(sampling, "PRUNED_DRAW_MAX_SHARE", 0.0)
                 full = run_padded(model, prompts, cfg)
             with monkeypatch.context() as mp:
-                for name, value in (("PRUNED_DRAW_MIN_NUMEL", 0), ("PRUNED_DRAW_MAX_SHARE", 1.0), ("uniform", counted),
+                for name, value in (("PRUNED_DRAW_MIN_NUMEL", 0), ("PRUNED_DRAW_MAX_SHARE", 1.0), ("_full_draw", counted),
                                     ("gumbel_tokens", counted_draw)):
                     mp.setattr(sampling, name, value)
                 before = len(full_draws), len(draws)
                 pruned = run_padded(model, prompts, cfg)
             assert torch.equal(pruned.sequences, full.sequences) and torch.equal(pruned.nfe, full.nfe), (t, cfg)
             assert len(full_draws) - before[0] < len(draws) - before[1], (t, cfg)  # some draws were pruned
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_seeded_decodes_are_the_same_with_screened_draws(family, monkeypatch):
+    """Sampled decodes with a seed decode the same sequences, with the same forwards, when every draw the logit
+    bound cannot prune goes through the noise screen (the bound made to keep every id) as when each draw scores the
+    whole vocabulary; and the screen decided draws."""
+    model = peaked(family)
+    prompts = [[i, i + 1, i + 2] for i in range(5, 13)]
+    decided, screened_draw = [], sampling._screened_draw
+
+    def screen(*args):
+        tokens = screened_draw(*args)
+        decided.append(tokens is not None)
+        return tokens
+
+    for t in (0.3, 1.0):
+        for cfg in (hb.FastDLLMConfig(max_new_tokens=16, block_length=8, temperature=t, seed=4, window_queries="sparse"),
+                    hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=16, block_length=8, temperature=t, seed=4)):
+            with monkeypatch.context() as mp:
+                mp.setattr(sampling, "PRUNED_DRAW_MAX_SHARE", 0.0)
+                full = run_padded(model, prompts, cfg)
+            with monkeypatch.context() as mp:
+                for name, value in (("PRUNED_DRAW_MIN_NUMEL", 0), ("SCREENED_DRAW_MIN_NUMEL", 0),
+                                    ("PRUNED_DRAW_MAX_SHARE", 0.5), ("_screened_draw", screen),
+                                    ("keyed_floor", lambda logits, _: torch.full(logits.shape[:1], float("-inf")))):
+                    mp.setattr(sampling, name, value)
+                before = sum(decided)
+                screened = run_padded(model, prompts, cfg)
+            assert torch.equal(screened.sequences, full.sequences) and torch.equal(screened.nfe, full.nfe), (t, cfg)
+            assert sum(decided) > before, (t, cfg)
 
 
 def test_the_keyed_draw_benchmark_replays_real_draws():

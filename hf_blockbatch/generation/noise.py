@@ -28,7 +28,8 @@ pure-Python copy in exact integers, so a platform that computed them otherwise w
 
 Since a token id's noise depends on nothing but its key, a draw can hash only the ids that can win it
 (:func:`uniform_at`; ``sampling.gumbel_tokens`` prunes the others by the noise's bounds, :data:`UNIFORM_MIN` and
-:data:`UNIFORM_MAX`), which a generator's stream, drawn in order, cannot.
+:data:`UNIFORM_MAX`), which a generator's stream, drawn in order, cannot; and where most ids stay in, it can compare
+the hashes themselves (:func:`uniform_codes`, in the uniforms' order) to find the few whose noise is large enough.
 
 A uniform is the 32-bit hash plus one half, over 2^32: in (0, 1), never 0 or 1, with 2^-32 resolution (a Gumbel
 score is cut off at about 23, which a 126k vocabulary exceeds with probability below 1e-4 per position). Keys are
@@ -42,8 +43,8 @@ import functools
 
 import torch
 
-__all__ = ["MASK32", "UNIFORM_MAX", "UNIFORM_MIN", "confidence_uniform", "draws_noise", "lane_keys", "mix32",
-           "request_keys", "slot_keys", "uniform", "uniform_at"]
+__all__ = ["MASK32", "UNIFORM_MAX", "UNIFORM_MIN", "code_uniforms", "confidence_uniform", "draws_noise", "lane_keys",
+           "mix32", "request_keys", "slot_keys", "uniform", "uniform_at", "uniform_codes"]
 
 MASK32 = 0xFFFFFFFF
 # distinct offsets per key part, so that the same small integer means different things in different parts
@@ -143,23 +144,37 @@ def _token_bits(vocab: int, device: torch.device) -> torch.Tensor:
     return _token_parts(vocab, device).to(torch.int32)
 
 
-def _bits_uniform(keys: torch.Tensor, token_bits: torch.Tensor) -> torch.Tensor:
-    """Float64 uniforms of each key (int64 values in [0, 2^32)) xored with its token id's part (int32 bits, broadcast
-    against ``keys``): the hash on int32 bits, read as unsigned (the sign bit flipped, then 2^31 added back)."""
+def _codes(keys: torch.Tensor, token_bits: torch.Tensor) -> torch.Tensor:
+    """int32 codes of each key (int64 values in [0, 2^32)) xored with its token id's part (int32 bits, broadcast
+    against ``keys``): the hash on int32 bits with its top bit flipped, so that the codes, read as signed, order the
+    hashes read as unsigned."""
     h = _mix32_bits(keys.to(torch.int32) ^ token_bits)  # (an int64 in [0, 2^32) casts to its low 32 bits)
-    return h.bitwise_xor_(-(1 << 31)).double().add_(2.0**31 + 0.5).mul_(2.0**-32)
+    return h.bitwise_xor_(-(1 << 31))
+
+
+def code_uniforms(codes: torch.Tensor) -> torch.Tensor:
+    """Float64 uniforms in (0, 1) of int32 ``codes`` (:func:`uniform_codes`): the hash, unsigned (the code plus 2^31),
+    plus one half, over 2^32. A larger code is a larger uniform."""
+    return codes.double().add_(2.0**31 + 0.5).mul_(2.0**-32)
+
+
+def uniform_codes(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[T, V]`` int32: the codes of :func:`uniform`'s numbers (:func:`code_uniforms` turns them into those
+    numbers), in their order. A draw can compare codes, four bytes and no conversion per id, to find the few ids
+    whose noise is large enough to matter (``sampling.gumbel_tokens``)."""
+    return _codes(keys[:, None], _token_bits(vocab, keys.device))
 
 
 def uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[T, V]`` float64 uniforms in (0, 1): the noise of each packed slot's ``V`` token ids."""
-    return _bits_uniform(keys[:, None], _token_bits(vocab, keys.device))
+    return code_uniforms(uniform_codes(keys, vocab))
 
 
 def uniform_at(keys: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[n]`` float64: the uniforms of ``n`` chosen (slot, token id) pairs, given as the slot's key ``keys[i]`` and
     the id ``ids[i]``: the entries :func:`uniform` holds there (the same integers hashed, so the same numbers),
     without the rest of the vocabulary. What a sampled step needs where only a few ids can win its draw."""
-    return _bits_uniform(keys, _token_bits(vocab, keys.device)[ids])
+    return code_uniforms(_codes(keys, _token_bits(vocab, keys.device)[ids]))
 
 
 #: the smallest and largest uniforms :func:`uniform` returns (32-bit hashes of all zeros and all ones): the noise
