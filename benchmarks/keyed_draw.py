@@ -1,12 +1,14 @@
-"""What a keyed sampled draw costs, over the whole vocabulary and pruned to the ids that can win (RESULTS §42).
+"""What a keyed sampled draw costs, over the whole vocabulary and pruned to the ids that can win (RESULTS §42, §43).
 
 Why: with a seed, each token id's Gumbel noise is a hash of its key (``generation/noise.py``), so a draw need not
 hash and score every id: the noise lifts a logit by at least -3.1 T and at most 22.9 T, and an id more than 26.0 T
-below its row's top logit can neither win nor tie (``sampling.gumbel_tokens``). This replays the draws of real
-sampled decodes: it decodes training items (never a test question) with sparse Fast-dLLM and a seed, records every
-draw's logits and keys, then times each draw both ways (the full draw, ``max_share=0``, and the default, which
-prunes where at most ``PRUNED_DRAW_MAX_SHARE`` of the ids stay in) and checks that they pick the same tokens. A last
-row times synthetic draws at LLaDA's vocabulary (a peaked head over a normal bulk: no weights of that size here).
+below its row's top logit can neither win nor tie (``sampling.gumbel_tokens``); where that bound keeps most ids,
+every id is hashed and a screen on the hashes keeps the few whose noise can still win (``sampling.noise_screen``).
+This replays the draws of real sampled decodes: it decodes training items (never a test question) with sparse
+Fast-dLLM and a seed, records every draw's logits and keys, then times each draw both ways (the full draw,
+``max_share=0``, and the default) and checks that they pick the same tokens. The last rows time synthetic draws at
+LLaDA's vocabulary (a peaked head over a normal bulk: no weights of that size here) and flat rows, an untrained
+model's, at 8,192 and 126,464 ids.
 
     PYTHONPATH=$PWD python benchmarks/keyed_draw.py --items 16 --repeats 10
 
@@ -26,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 import hf_blockbatch as hb
-from hf_blockbatch.generation import sampling
+from hf_blockbatch.generation import noise, sampling
 from hf_blockbatch.tasks import get_suite
 
 logger = logging.getLogger("keyed_draw")
@@ -54,16 +56,42 @@ def capture(model, tokenizer, suite_name: str, items: int, temperature: float, b
     return draws
 
 
+def _decided(draws: list[tuple], temperature: float) -> dict[str, int]:
+    """How many of ``draws`` the default draw decided by the logit bound, by the noise screen, or over every id."""
+    calls: dict[str, int] = {"screened": 0, "full": 0}
+    screened, full = sampling._screened_draw, sampling._full_draw
+
+    def screen(*args):
+        tokens = screened(*args)
+        calls["screened"] += tokens is not None
+        return tokens
+
+    def whole(*args):
+        calls["full"] += 1
+        return full(*args)
+
+    sampling._screened_draw, sampling._full_draw = screen, whole
+    try:
+        for logits, keys, mask_id in draws:
+            sampling.gumbel_tokens(logits, temperature, None, keys, mask_id)
+    finally:
+        sampling._screened_draw, sampling._full_draw = screened, full
+    return {"by_bound": len(draws) - calls["screened"] - calls["full"], **calls}
+
+
 def timed(draws: list[tuple], temperature: float, repeats: int) -> dict:
-    """Milliseconds of all ``draws`` (the median of ``repeats`` passes), full and pruned, the share of ids a pruning
-    bound keeps, and whether both ways picked the same tokens."""
+    """Milliseconds of all ``draws`` (the median of ``repeats`` passes), full and by default, the share of ids the
+    logit bound keeps and the share the noise screen keeps, how many draws each way decided, and whether the full
+    and the default draw picked the same tokens."""
     passes = {"full": [], "default": []}
-    same, kept, numel = True, 0, 0
+    same, kept, screened, numel = True, 0, 0, 0
     for logits, keys, mask_id in draws:
         a = sampling.gumbel_tokens(logits, temperature, None, keys, mask_id, max_share=0.0)
         b = sampling.gumbel_tokens(logits, temperature, None, keys, mask_id)
         same &= torch.equal(a, b)
         kept += int((logits >= sampling.keyed_floor(logits, temperature)[:, None]).count_nonzero())
+        screen = sampling.noise_screen(logits, temperature, noise.uniform_codes(keys, logits.shape[1]), mask_id)
+        screened += logits.numel() if screen is None else int(screen.count_nonzero())
         numel += logits.numel()
     for _ in range(repeats):
         for name, share in (("full", 0.0), ("default", None)):
@@ -73,7 +101,8 @@ def timed(draws: list[tuple], temperature: float, repeats: int) -> dict:
             passes[name].append(1e3 * (time.perf_counter() - t0))
     full, default = statistics.median(passes["full"]), statistics.median(passes["default"])
     return {"draws": len(draws), "rows": sum(d[0].shape[0] for d in draws), "kept_share": kept / numel,
-            "full_ms": full, "default_ms": default, "speedup": full / default, "same_tokens": same}  # fmt: skip
+            "screened_share": screened / numel, "decided": _decided(draws, temperature), "full_ms": full,
+            "default_ms": default, "speedup": full / default, "same_tokens": same}  # fmt: skip
 
 
 def synthetic(rows: int, vocab: int, seed: int = 0) -> list[tuple]:
@@ -83,6 +112,13 @@ def synthetic(rows: int, vocab: int, seed: int = 0) -> list[tuple]:
     logits = torch.randn(rows, vocab, generator=g) * 3.0
     logits[:, :5] += torch.tensor([22.0, 20.0, 18.0, 15.0, 12.0])
     return [(logits, torch.randint(0, 2**32, (rows,), generator=g), None)]
+
+
+def flat(rows: int, vocab: int, seed: int = 0) -> list[tuple]:
+    """Draws of an untrained model: normal logits of sd 0.45, as the random d 512 model of ``policy_overhead.py
+    --random`` gives (the realistic width's rows, where no logit bound prunes); random keys."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rows, vocab, generator=g) * 0.45, torch.randint(0, 2**32, (rows,), generator=g), None)]
 
 
 def main() -> None:
@@ -96,6 +132,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--synthetic-vocab", type=int, default=126464, help="0: no synthetic row")
     p.add_argument("--synthetic-rows", type=int, default=32)
+    p.add_argument("--flat-vocabs", nargs="*", type=int, default=[8192, 126464],
+                   help="also flat rows (an untrained model's) at these vocabularies, --synthetic-rows each")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "keyed_draw"))
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -115,6 +153,10 @@ def main() -> None:
             rows.append({"model": f"synthetic V {args.synthetic_vocab}", "suite": f"{args.synthetic_rows} rows",
                          "temperature": temperature,
                          **timed(synthetic(args.synthetic_rows, args.synthetic_vocab), temperature, args.repeats)})  # fmt: skip
+    for vocab in args.flat_vocabs:
+        for temperature in args.temperatures:
+            rows.append({"model": f"flat V {vocab}", "suite": f"{args.synthetic_rows} rows", "temperature": temperature,
+                         **timed(flat(args.synthetic_rows, vocab), temperature, args.repeats)})  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(args, k) for k in ("items", "batch_size", "repeats", "threads")}
@@ -123,13 +165,18 @@ def main() -> None:
              f"`benchmarks/keyed_draw.py`; the draws of seeded sparse Fast-dLLM decodes of {args.items} training items per "
              f"suite (block 32, batch {args.batch_size}), each timed over all of them, the median of {args.repeats} passes; "
              f"{args.threads} thread(s). *Kept*: the share of (row, id) pairs within the noise's spread of their row's top "
-             "logit, which the pruned draw scores when it is at most `PRUNED_DRAW_MAX_SHARE`.", "",
-             "| model | suite | T | draws | rows | kept | full ms | default ms | × faster | same tokens |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+             "logit, which the default draw scores when it is at most `PRUNED_DRAW_MAX_SHARE`; else every id is hashed "
+             "and the noise screen keeps *screened* (`sampling.noise_screen`); *decided*: how many draws the logit "
+             "bound, the screen and the full draw decided.", "",
+             "| model | suite | T | draws | rows | kept | screened | decided (bound · screen · full) | full ms | "
+             "default ms | × faster | same tokens |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]  # fmt: skip
     for r in rows:
+        d = r["decided"]
         lines.append(f"| {r['model']} | {r['suite']} | {r['temperature']:g} | {r['draws']} | {r['rows']} | "
-                     f"{100 * r['kept_share']:.1f} % | {r['full_ms']:.1f} | {r['default_ms']:.1f} | {r['speedup']:.2f} | "
-                     f"{'yes' if r['same_tokens'] else '**no**'} |")  # fmt: skip
+                     f"{100 * r['kept_share']:.1f} % | {100 * r['screened_share']:.1f} % | "
+                     f"{d['by_bound']} · {d['screened']} · {d['full']} | {r['full_ms']:.1f} | {r['default_ms']:.1f} | "
+                     f"{r['speedup']:.2f} | {'yes' if r['same_tokens'] else '**no**'} |")  # fmt: skip
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     logger.info("\n".join(lines))
     if not all(r["same_tokens"] for r in rows):

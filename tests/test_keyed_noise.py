@@ -453,14 +453,18 @@ def test_seeded_decodes_are_the_same_with_screened_draws(family, monkeypatch):
 
 def test_the_keyed_draw_benchmark_replays_real_draws():
     """``benchmarks/keyed_draw.py`` records the keyed draws of a seeded decode of training items (logits, keys, the
-    mask id) and times them both ways; on a peaked synthetic vocabulary the pruned draw keeps a few percent of the
-    ids and picks the full draw's tokens."""
+    mask id), times them both ways and counts which way decided each; on flat rows the noise screen decides, keeping
+    a few percent of the ids, and picks the full draw's tokens."""
     bench = load_benchmark("keyed_draw")
     model, tokenizer = hb.load_model("tiny-llada", device="cpu")
     draws = bench.capture(model, tokenizer, "lists", 2, 0.5, 2)
     assert draws and all(k.shape == (lg.shape[0],) and m == model.config.mask_token_id for lg, k, m in draws)
     assert sampling.gumbel_tokens is not None and sampling.gumbel_tokens.__name__ == "gumbel_tokens"  # put back
     row = bench.timed(draws, 0.5, 1)
-    assert row["same_tokens"] and row["draws"] == len(draws)
+    assert row["same_tokens"] and row["draws"] == len(draws) and sum(row["decided"].values()) == len(draws)
+    assert sampling._screened_draw.__name__ == "_screened_draw" and sampling._full_draw.__name__ == "_full_draw"
+    flat = bench.timed(bench.flat(32, 8192), 1.0, 1)  # an untrained model's rows: the logit bound keeps every id
+    assert flat["same_tokens"] and flat["kept_share"] > 0.99 and flat["screened_share"] < 0.03
+    assert flat["decided"] == {"by_bound": 0, "screened": 1, "full": 0}
     row = bench.timed(bench.synthetic(8, 4096), 0.5, 1)
     assert row["same_tokens"] and row["kept_share"] < 0.05

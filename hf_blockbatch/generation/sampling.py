@@ -22,7 +22,7 @@ from hf_blockbatch.generation.noise import (
     uniform_codes,
 )
 
-__all__ = ["Sampled", "eos_probability", "gumbel_tokens", "keyed_floor", "row_max", "sample_tokens"]
+__all__ = ["Sampled", "eos_probability", "gumbel_tokens", "keyed_floor", "noise_screen", "row_max", "sample_tokens"]
 
 # Below this many entries a plain max(dim) is cheaper than the blocked one (measured on CPU).
 _BLOCKED_MAX_MIN_NUMEL = 32768
@@ -167,7 +167,7 @@ def _propose_rows(logits: torch.Tensor, temperature: float, top_k: int, generato
 PRUNED_DRAW_MAX_SHARE = 0.1
 #: below this many logits (rows x vocabulary) the full draw is cheaper than the pruning's own operations
 PRUNED_DRAW_MIN_NUMEL = 2**15
-#: below this many logits the full draw is about as cheap as the noise screen (:func:`_screened_draw`), which hashes
+#: below this many logits the full draw is about as cheap as the noise screen (:func:`noise_screen`), which hashes
 #: every id too (replayed draws of the tiny models at T 1: at 2^15 the small draws of batch 4 ran 10-15 % slower
 #: than the full draw; at 2^17 every suite ran as fast or faster, 1.2-1.5x where the batch is 16)
 SCREENED_DRAW_MIN_NUMEL = 2**17
@@ -226,17 +226,17 @@ def _lift_below(code: int) -> float:
     return -math.log(-math.log1p(-(2**31 - code - 0.5) * 2.0**-32)) + 1e-9
 
 
-#: the noise screen's levels (:func:`_screened_draw`), descending: the codes of the largest 2^-8 and 2^-4 of the
+#: the noise screen's levels (:func:`noise_screen`), descending: the codes of the largest 2^-8 and 2^-4 of the
 #: uniforms (:func:`~.noise.uniform_codes`), and the lifts (in T) that no code below each reaches (5.5 and 2.7)
 _SCREEN_CODES = (2**31 - 2**24, 2**31 - 2**28)
 _SCREEN_LIFTS = tuple(_lift_below(c) for c in _SCREEN_CODES)
 
 
-def _screened_draw(logits: torch.Tensor, temperature: float, codes: torch.Tensor, mask_id: int | None,
-                   share: float) -> torch.Tensor | None:  # fmt: skip
-    """:func:`gumbel_tokens`' keyed draw from the codes of every id's uniform (``codes`` ``[T, V]``), scoring only
-    the ids whose noise can still lift them to a score their row reaches; ``None`` where more than ``share`` of the
-    ids stay in, or a row's logits are not finite (then the full draw decides).
+def noise_screen(logits: torch.Tensor, temperature: float, codes: torch.Tensor,
+                 mask_id: int | None) -> torch.Tensor | None:  # fmt: skip
+    """``[T, V]`` bool: the ids of a keyed draw whose noise can still lift them to a score their row reaches, from the
+    codes of every id's uniform (``codes`` ``[T, V]``, :func:`~.noise.uniform_codes`); ``None`` where a row's logits
+    are not finite (the full draw's row max decides those).
 
     Why: where the logits are flat or the temperature hot, most ids lie within the noise's spread of their row's top
     logit, and :func:`gumbel_tokens`' logit bound keeps them all; yet a draw is won by an id whose logit *and* noise
@@ -246,12 +246,9 @@ def _screened_draw(logits: torch.Tensor, temperature: float, codes: torch.Tensor
     largest 2^-4), so it can reach ``S`` only if its logit is at least ``S`` less that lift. What stays in: the ids
     above the first level, those between the levels with a logit within 5.5 T of ``S``, the rest within 2.7 T; 0.4
     to 2.6 % of the ids on normal rows of 1,024 and 8,192 ids (sd 0.5 to 4, T 0.5 to 1), where the logit bound kept
-    29 to 100 %. Their scores are the full draw's float64 operations on the same numbers, so the tokens are the full
-    draw's; the screen compares int32 codes and logits, where the full draw takes two float64 logarithms of every
-    id."""
-    T, V = logits.shape
+    29 to 100 %. It compares int32 codes and logits, where the full draw takes two float64 logarithms of every id."""
     top, top_id = row_max(logits)
-    if not bool(torch.isfinite(top).all()):  # a NaN or an infinite logit: the full draw's row max decides
+    if not bool(torch.isfinite(top).all()):  # a NaN or an infinite logit
         return None
     ids = torch.stack((row_max(codes)[1], top_id), 1)  # each row's largest uniform, and its top logit
     lower = _scores(code_uniforms(codes.gather(1, ids)), temperature, logits.gather(1, ids))
@@ -268,7 +265,17 @@ def _screened_draw(logits: torch.Tensor, temperature: float, codes: torch.Tensor
         keep |= within if k + 1 == len(_SCREEN_CODES) else within.logical_and_(codes >= _SCREEN_CODES[k + 1])
     if mask_id is not None:
         keep[:, mask_id] = False
-    if int(keep.count_nonzero()) > share * T * V:
+    return keep
+
+
+def _screened_draw(logits: torch.Tensor, temperature: float, codes: torch.Tensor, mask_id: int | None,
+                   share: float) -> torch.Tensor | None:  # fmt: skip
+    """:func:`gumbel_tokens`' keyed draw from the codes of every id's uniform, scoring only the ids
+    :func:`noise_screen` keeps, with the full draw's float64 operations on the same numbers (so the tokens are the
+    full draw's); ``None`` where more than ``share`` of the ids stay in, or the screen declines."""
+    T, V = logits.shape
+    keep = noise_screen(logits, temperature, codes, mask_id)
+    if keep is None or int(keep.count_nonzero()) > share * T * V:
         return None
     r, j = keep.nonzero(as_tuple=True)
     return _first_best(r, j, _scores(code_uniforms(codes[r, j]), temperature, logits[r, j]), T, V)
@@ -302,7 +309,7 @@ def gumbel_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gen
     Where more than ``max_share`` (default :data:`PRUNED_DRAW_MAX_SHARE`) of the logits stay in (a flat
     distribution, a hot temperature: the first :data:`_PROBE_ROWS` rows say so before the rest are looked at), or a
     row's top logit is not finite or is the mask id's (no id of the row is kept, a case of untrained models), every
-    id is hashed, and a screen on the noise keeps the ids that can still win (:func:`_screened_draw`). The whole
+    id is hashed, and a screen on the noise keeps the ids that can still win (:func:`noise_screen`). The whole
     vocabulary is scored where that keeps more than ``max_share`` too, for fewer than
     :data:`PRUNED_DRAW_MIN_NUMEL` logits (:data:`SCREENED_DRAW_MIN_NUMEL` for the screen), at ``max_share`` 0, off
     the CPU (both read counts back to the host), and with a generator, whose stream must be drawn for every id
