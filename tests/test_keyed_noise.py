@@ -248,6 +248,23 @@ def _draws(logits: torch.Tensor, temperature: float, keys: torch.Tensor, mask_id
     return pruned, sampling.gumbel_tokens(logits, temperature, None, keys, mask_id, max_share=0.0), bool(full_draws)
 
 
+def _draw_settings(scales: tuple[float, ...], mask_on_top: bool = False):
+    """150 keyed draws of 400 rows to check against the full draw, as ``((V, scale, T, dtype), logits, keys)``:
+    vocabularies 96 and 1,024, the logit ``scales``, temperatures 0.05-2, float32, bfloat16 and float64 logits, -inf
+    logits, mask id 7 just below each row's top logit (within any spread: never drawn all the same), and with
+    ``mask_on_top`` above it in 37 rows. Drawn from torch's global generator (the caller seeds it)."""
+    for V in (96, 1024):
+        for scale in scales:
+            for t in (0.05, 0.2, 0.5, 1.0, 2.0):
+                for dtype in (torch.float32, torch.bfloat16, torch.float64):
+                    logits = torch.randn(400, V) * scale
+                    logits[:3, 5] = float("-inf")
+                    logits[:, 7] = logits.index_fill(1, torch.tensor([7]), float("-inf")).amax(-1) - 0.01 * scale
+                    if mask_on_top:
+                        logits[3:40, 7] += 0.5 * scale
+                    yield (V, scale, t, dtype), logits.to(dtype), torch.randint(0, 2**32, (400,))
+
+
 def test_a_pruned_keyed_draw_is_the_full_draw(monkeypatch):
     """Only ids within the noise's spread of a row's top logit can win a keyed draw, so scoring those alone picks
     the full draw's tokens: 150 settings of 400 rows (vocabularies 96 and 1,024, logit scales 1-1,000, temperatures
@@ -256,22 +273,13 @@ def test_a_pruned_keyed_draw_is_the_full_draw(monkeypatch):
     full draw anyway)."""
     torch.manual_seed(0)
     pruned_runs = 0
-    for V in (96, 1024):
-        for scale in (1.0, 5.0, 20.0, 100.0, 1000.0):
-            for t in (0.05, 0.2, 0.5, 1.0, 2.0):
-                for dtype in (torch.float32, torch.bfloat16, torch.float64):
-                    logits = torch.randn(400, V) * scale
-                    logits[:3, 5] = float("-inf")
-                    # the mask id just below each row's top logit, within any spread: never drawn all the same
-                    logits[:, 7] = logits.index_fill(1, torch.tensor([7]), float("-inf")).amax(-1) - 0.01 * scale
-                    logits = logits.to(dtype)
-                    keys = torch.randint(0, 2**32, (400,))
-                    pruned, full, whole = _draws(logits, t, keys, 7, monkeypatch)
-                    assert torch.equal(pruned, full), (V, scale, t, dtype)
-                    assert not bool((pruned == 7).any())
-                    pruned_runs += not whole
-                    if scale / t >= 100:  # a peaked draw: pruned
-                        assert not whole, (V, scale, t, dtype)
+    for (V, scale, t, dtype), logits, keys in _draw_settings((1.0, 5.0, 20.0, 100.0, 1000.0)):
+        pruned, full, whole = _draws(logits, t, keys, 7, monkeypatch)
+        assert torch.equal(pruned, full), (V, scale, t, dtype)
+        assert not bool((pruned == 7).any())
+        pruned_runs += not whole
+        if scale / t >= 100:  # a peaked draw: pruned
+            assert not whole, (V, scale, t, dtype)
     assert pruned_runs >= 60
 
 
@@ -319,22 +327,13 @@ def test_a_screened_keyed_draw_is_the_full_draw():
     allowed), and rows whose top logit is the mask id's. On flat rows, where the logit bound keeps most ids, it keeps
     a few percent."""
     torch.manual_seed(1)
-    for V in (96, 1024):
-        for scale in (0.3, 1.0, 5.0, 20.0, 1000.0):
-            for t in (0.05, 0.2, 0.5, 1.0, 2.0):
-                for dtype in (torch.float32, torch.bfloat16, torch.float64):
-                    logits = torch.randn(400, V) * scale
-                    logits[:3, 5] = float("-inf")
-                    logits[:, 7] = logits.index_fill(1, torch.tensor([7]), float("-inf")).amax(-1) - 0.01 * scale
-                    logits[3:40, 7] += 0.5 * scale  # the mask id on top: never drawn, nor a bound
-                    logits = logits.to(dtype)
-                    keys = torch.randint(0, 2**32, (400,))
-                    screened = sampling._screened_draw(logits, t, noise.uniform_codes(keys, V), 7, 1.0)
-                    full = sampling.gumbel_tokens(logits, t, None, keys, 7, max_share=0.0)
-                    assert screened is not None and torch.equal(screened, full), (V, scale, t, dtype)
-                    assert not bool((screened == 7).any())
-                    if V == 1024 and scale <= 1.0 and t >= 0.5:  # flat: the screen keeps few ids
-                        assert sampling._screened_draw(logits, t, noise.uniform_codes(keys, V), 7, 0.05) is not None
+    for (V, scale, t, dtype), logits, keys in _draw_settings((0.3, 1.0, 5.0, 20.0, 1000.0), mask_on_top=True):
+        screened = sampling._screened_draw(logits, t, noise.uniform_codes(keys, V), 7, 1.0)
+        full = sampling.gumbel_tokens(logits, t, None, keys, 7, max_share=0.0)
+        assert screened is not None and torch.equal(screened, full), (V, scale, t, dtype)
+        assert not bool((screened == 7).any())
+        if V == 1024 and scale <= 1.0 and t >= 0.5:  # flat: the screen keeps few ids
+            assert sampling._screened_draw(logits, t, noise.uniform_codes(keys, V), 7, 0.05) is not None
 
 
 @pytest.mark.parametrize("level", [0, 1])
@@ -396,44 +395,28 @@ def test_hot_seeded_draws_go_through_the_screen(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
-def test_seeded_decodes_are_the_same_with_pruned_draws(family, monkeypatch):
+@pytest.mark.parametrize("way", ["pruned", "screened"])
+def test_seeded_decodes_are_the_same_with_pruned_or_screened_draws(family, way, monkeypatch):
     """Sampled decodes with a seed (sparse Fast-dLLM and the contained drafts, T 0.3 and 1.0, a peaked model)
-    decode the same sequences, with the same forwards, whether each draw is pruned or scores the whole vocabulary;
-    and some draws were pruned."""
+    decode the same sequences, with the same forwards, with each draw over the whole vocabulary as with each draw
+    pruned by the logit bound (some draws were), or as with each draw through the noise screen (the bound made to
+    keep every id; the screen decided draws)."""
     model = peaked(family)
     prompts = [[i, i + 1, i + 2] for i in range(5, 13)]
-    full_draws, draws = [], []
-    counted, counted_draw = _counting(sampling._full_draw, full_draws), _counting(sampling.gumbel_tokens, draws)
-    for t in (0.3, 1.0):
-        for cfg in (hb.FastDLLMConfig(max_new_tokens=16, block_length=8, temperature=t, seed=4, window_queries="sparse"),
-                    hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=16, block_length=8, temperature=t, seed=4)):
-            with monkeypatch.context() as mp:
-                mp.setattr(sampling, "PRUNED_DRAW_MAX_SHARE", 0.0)
-                full = run_padded(model, prompts, cfg)
-            with monkeypatch.context() as mp:
-                for name, value in (("PRUNED_DRAW_MIN_NUMEL", 0), ("PRUNED_DRAW_MAX_SHARE", 1.0), ("_full_draw", counted),
-                                    ("gumbel_tokens", counted_draw)):
-                    mp.setattr(sampling, name, value)
-                before = len(full_draws), len(draws)
-                pruned = run_padded(model, prompts, cfg)
-            assert torch.equal(pruned.sequences, full.sequences) and torch.equal(pruned.nfe, full.nfe), (t, cfg)
-            assert len(full_draws) - before[0] < len(draws) - before[1], (t, cfg)  # some draws were pruned
-
-
-@pytest.mark.parametrize("family", ["llada", "dream"])
-def test_seeded_decodes_are_the_same_with_screened_draws(family, monkeypatch):
-    """Sampled decodes with a seed decode the same sequences, with the same forwards, when every draw the logit
-    bound cannot prune goes through the noise screen (the bound made to keep every id) as when each draw scores the
-    whole vocabulary; and the screen decided draws."""
-    model = peaked(family)
-    prompts = [[i, i + 1, i + 2] for i in range(5, 13)]
-    decided, screened_draw = [], sampling._screened_draw
+    full_draws, draws, decided, screened_draw = [], [], [], sampling._screened_draw
 
     def screen(*args):
         tokens = screened_draw(*args)
         decided.append(tokens is not None)
         return tokens
 
+    patches = {"PRUNED_DRAW_MIN_NUMEL": 0, "_full_draw": _counting(sampling._full_draw, full_draws),
+               "gumbel_tokens": _counting(sampling.gumbel_tokens, draws)}  # fmt: skip
+    if way == "pruned":
+        patches["PRUNED_DRAW_MAX_SHARE"] = 1.0
+    else:
+        patches.update(SCREENED_DRAW_MIN_NUMEL=0, PRUNED_DRAW_MAX_SHARE=0.5, _screened_draw=screen,
+                       keyed_floor=lambda logits, _: torch.full(logits.shape[:1], float("-inf")))  # fmt: skip
     for t in (0.3, 1.0):
         for cfg in (hb.FastDLLMConfig(max_new_tokens=16, block_length=8, temperature=t, seed=4, window_queries="sparse"),
                     hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=16, block_length=8, temperature=t, seed=4)):
@@ -441,14 +424,15 @@ def test_seeded_decodes_are_the_same_with_screened_draws(family, monkeypatch):
                 mp.setattr(sampling, "PRUNED_DRAW_MAX_SHARE", 0.0)
                 full = run_padded(model, prompts, cfg)
             with monkeypatch.context() as mp:
-                for name, value in (("PRUNED_DRAW_MIN_NUMEL", 0), ("SCREENED_DRAW_MIN_NUMEL", 0),
-                                    ("PRUNED_DRAW_MAX_SHARE", 0.5), ("_screened_draw", screen),
-                                    ("keyed_floor", lambda logits, _: torch.full(logits.shape[:1], float("-inf")))):
+                for name, value in patches.items():
                     mp.setattr(sampling, name, value)
-                before = sum(decided)
-                screened = run_padded(model, prompts, cfg)
-            assert torch.equal(screened.sequences, full.sequences) and torch.equal(screened.nfe, full.nfe), (t, cfg)
-            assert sum(decided) > before, (t, cfg)
+                before = len(full_draws), len(draws), sum(decided)
+                got = run_padded(model, prompts, cfg)
+            assert torch.equal(got.sequences, full.sequences) and torch.equal(got.nfe, full.nfe), (t, cfg)
+            if way == "pruned":  # some draws were pruned
+                assert len(full_draws) - before[0] < len(draws) - before[1], (t, cfg)
+            else:
+                assert sum(decided) > before[2], (t, cfg)
 
 
 def test_the_keyed_draw_benchmark_replays_real_draws():
