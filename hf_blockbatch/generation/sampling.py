@@ -184,12 +184,17 @@ def _scores(u: torch.Tensor, temperature: float, logits: torch.Tensor) -> torch.
     return u.log_().neg_().log_().mul_(-temperature).add_(logits)
 
 
+def _lift(u: float) -> float:
+    """The Gumbel noise ``-log(-log u)`` that a uniform ``u`` adds to a score, in T (:func:`_scores`)."""
+    return -math.log(-math.log(u))
+
+
 @functools.cache
 def _spread(temperature: float, dtype: torch.dtype) -> float:
     """How far apart the keyed noise can put two ids' scores beyond their logits at ``temperature`` (the lift of
     :data:`~.noise.UNIFORM_MAX` less that of :data:`~.noise.UNIFORM_MIN`, about 26.0 T), with a slack, as the least
     value of ``dtype`` (float32 or float64) not below it."""
-    x = temperature * (math.log(-math.log(UNIFORM_MIN)) - math.log(-math.log(UNIFORM_MAX))) + _BOUND_SLACK
+    x = temperature * (_lift(UNIFORM_MAX) - _lift(UNIFORM_MIN)) + _BOUND_SLACK
     y = torch.tensor(x, dtype=dtype)
     return float(y if float(y) >= x else torch.nextafter(y, y.new_tensor(math.inf)))
 
@@ -220,16 +225,12 @@ def _first_best(rows: torch.Tensor, ids: torch.Tensor, scores: torch.Tensor, n: 
     return first.scatter_reduce_(0, rows, torch.where(scores == best[rows], ids, vocab), "amin")
 
 
-def _lift_below(code: int) -> float:
-    """The Gumbel lift ``-log(-log u)`` at the uniform of ``code`` (:func:`~.noise.code_uniforms`), rounded up: more
-    than any code below it draws (the lift grows with the uniform)."""
-    return -math.log(-math.log1p(-(2**31 - code - 0.5) * 2.0**-32)) + 1e-9
-
-
 #: the noise screen's levels (:func:`noise_screen`), descending: the codes of the largest 2^-8 and 2^-4 of the
-#: uniforms (:func:`~.noise.uniform_codes`), and the lifts (in T) that no code below each reaches (5.5 and 2.7)
+#: uniforms (:func:`~.noise.uniform_codes`), and the lifts (in T) that no code below each reaches (5.5 and 2.7): each
+#: level's own, rounded up (the lift grows with the uniform; these uniforms are exact in float64, 1e-9 is far above
+#: the logarithms' rounding)
 _SCREEN_CODES = (2**31 - 2**24, 2**31 - 2**28)
-_SCREEN_LIFTS = tuple(_lift_below(c) for c in _SCREEN_CODES)
+_SCREEN_LIFTS = tuple(_lift(u) + 1e-9 for u in code_uniforms(torch.tensor(_SCREEN_CODES, dtype=torch.int32)).tolist())
 
 
 def noise_screen(logits: torch.Tensor, temperature: float, codes: torch.Tensor,
