@@ -452,3 +452,29 @@ def test_the_keyed_draw_benchmark_replays_real_draws():
     assert flat["decided"] == {"by_bound": 0, "screened": 1, "full": 0}
     row = bench.timed(bench.synthetic(8, 4096), 0.5, 1)
     assert row["same_tokens"] and row["kept_share"] < 0.05
+
+
+def test_the_noise_designs_benchmark_measures_what_it_says():
+    """``benchmarks/noise_designs.py``'s two designs: the block-maxima uniforms are independent uniforms in law (their
+    mean, their lower tail, each block's maximum and where it sits), its pruned draw picks its full draw's tokens and
+    prunes flat and peaked rows; the inverse-CDF draw never picks the mask id and follows the softmax at T."""
+    bench = load_benchmark("noise_designs")
+    keys = torch.randint(0, 2**32, (2000,), generator=torch.Generator().manual_seed(0))
+    top, at = bench._block_noise(keys, 16)
+    u = bench._block_uniforms(noise.uniform(keys, 1024).view(-1, bench.BLOCK), top.view(-1), at.view(-1))
+    assert abs(float(u.mean()) - 0.5) < 2e-3 and abs(float((u < 0.1).double().mean()) - 0.1) < 2e-3
+    # the maximum of 64 uniforms: P(max <= x) = x^64
+    assert abs(float((top <= 0.99).double().mean()) - 0.99**64) < 0.01
+    assert torch.equal(u.argmax(-1), at.view(-1)) and abs(float(at.double().mean()) - 31.5) < 0.5
+    for draws in (bench.flat(8, 8192), bench.synthetic(4, 126464)):
+        for t in (0.5, 1.0):
+            logits, k, _ = draws[0]
+            tokens, pruned = bench.block_draw(logits, t, k, 3)
+            assert pruned and torch.equal(tokens, bench.block_full_draw(logits, t, k, 3)) and not bool((tokens == 3).any())
+    # the inverse CDF at T 0.5: 20,000 draws of one row of 8 ids, the mask id (the likeliest) never drawn
+    logits = torch.tensor([[1.0, 0.5, 0.0, 3.0, -0.5, 0.2, 0.8, -1.0]]).expand(20000, -1)
+    keys = torch.randint(0, 2**32, (20000,), generator=torch.Generator().manual_seed(1))
+    tokens = bench.cdf_draw(logits, 0.5, keys, mask_id=3)
+    p = (logits[0] / 0.5).softmax(-1).index_fill(0, torch.tensor([3]), 0.0)
+    freq = torch.bincount(tokens, minlength=8).double() / 20000
+    assert freq[3] == 0 and torch.allclose(freq, (p / p.sum()).double(), atol=0.01)
