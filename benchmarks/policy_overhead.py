@@ -15,8 +15,11 @@ Usage: ``python benchmarks/policy_overhead.py [--model tiny-llada] [--random] [-
 ``generation/noise.py``, RESULTS §39). ``--random`` uses a random model at the tiny checkpoints' geometry (no
 weights needed); a random
 model commits about one token per step, the worst case for per-step policy cost.
-Each strategy runs ``--repeats`` times over the same prompts; the run with the median policy share
-is reported, with every run's share. Timings move between machines and sessions, so one more,
+Each strategy first runs ``--warmup`` untimed passes over the prompts (a process's first ``generate`` calls pay
+one-off costs: PyTorch's first calls of its kernels, tables built once, the first allocation of each cache size in the
+storage pool and its page faults; 1-3 points of the share in the first timed run at batch 16 on the tiny model,
+RESULTS §44), then ``--repeats`` timed
+ones; the run with the median policy share is reported, with every run's share. Timings move between machines and sessions, so one more,
 untimed pass counts the policy's tensor operations per model forward call (exact, and the same on
 any machine for the same code and inputs: what a change to the policy should be compared by), and
 with ``--callers N`` the N functions that run most of them.
@@ -87,6 +90,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="runs per strategy; the median run is reported")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed passes over the prompts per strategy before its timed runs (0: none, as before §44)")
     parser.add_argument("--sparse", action="store_true", help="the strategies with window_queries='sparse'")
     parser.add_argument("--lookahead", type=int, default=0,
                         help="also Fast-dLLM dual b32 with this many lookahead draft rows (issue 16)")
@@ -141,10 +146,14 @@ def main() -> None:
         strategies["fast_dllm_drafted_contained_no_budget_b32"] = hb.FastDLLMConfig.drafted(
             exact=False, lookahead_query_budget=None, **common)
     model_name = f"random d{args.d_model} L{args.layers} V{args.vocab}" if args.random else args.model
-    report = {"model": model_name, "threads": args.threads, "prompts": args.prompts,
+    report = {"model": model_name, "threads": args.threads, "prompts": args.prompts, "warmup": args.warmup,
               "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
               "seed": args.seed, "strategies": {}}  # fmt: skip
     for name, cfg in strategies.items():
+        for _ in range(args.warmup):
+            for i in range(0, args.prompts, args.batch_size):
+                model.generate(prompts[i : i + args.batch_size], attention_mask=masks[i : i + args.batch_size],
+                               generation_config=cfg)  # fmt: skip
         runs = []
         for _ in range(args.repeats):  # the same work each time: a quiet machine still moves timings by ~1 point
             total = loop = forward = sample = 0.0
