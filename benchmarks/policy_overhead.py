@@ -15,12 +15,11 @@ Usage: ``python benchmarks/policy_overhead.py [--model tiny-llada] [--random] [-
 ``generation/noise.py``, RESULTS §39). ``--random`` uses a random model at the tiny checkpoints' geometry (no
 weights needed); a random
 model commits about one token per step, the worst case for per-step policy cost.
-Each strategy first runs ``--warmup`` untimed passes over the prompts (a process's first ``generate`` calls pay
-one-off costs: PyTorch's first calls of its kernels, tables built once, the first allocation of each cache size in the
-storage pool and its page faults; 1-3 points of the share in the first timed run at batch 16 on the tiny model,
-RESULTS §44), then ``--repeats`` timed
-ones; the run with the median policy share is reported, with every run's share. Timings move between machines and sessions, so one more,
-untimed pass counts the policy's tensor operations per model forward call (exact, and the same on
+Each strategy first makes ``--warmup`` untimed passes over the prompts (a process's first ``generate`` calls pay
+one-off costs: PyTorch's first calls of its kernels, tables built once, the first allocation of each cache size in
+the storage pool and its page faults; 1-3 points of the share in the first timed run at batch 16 on the tiny model,
+RESULTS §44), then ``--repeats`` timed ones; the run with the median policy share is reported, with every run's
+share. Timings move between machines and sessions, so one more, untimed pass counts the policy's tensor operations per model forward call (exact, and the same on
 any machine for the same code and inputs: what a change to the policy should be compared by), and
 with ``--callers N`` the N functions that run most of them.
 Writes ``benchmarks/results/policy_overhead.json``.
@@ -74,6 +73,36 @@ def count_policy_ops(model, prompts, masks, cfg, batch_size: int, callers: int =
         out["policy_callers_by_time"] = [{"caller": name, "op_ms_per_forward": 1e3 * t / forwards, "share": t / total}
                                          for name, t in log.policy_caller_seconds[:callers]]  # fmt: skip
     return out
+
+
+def timed_pass(model, prompts, masks, cfg, batch_size: int) -> dict[str, float]:
+    """One pass of ``generate`` over every batch of the prompts: its wall time split into model forwards (timed
+    inside the engine) and the rest, the policy."""
+    total = loop = forward = sample = 0.0
+    nfe = 0
+    t0 = time.perf_counter()
+    for i in range(0, prompts.shape[0], batch_size):
+        sl = slice(i, i + batch_size)
+        t = time.perf_counter()
+        out = model.generate(prompts[sl], attention_mask=masks[sl], generation_config=cfg, return_dict_in_generate=True)
+        total += time.perf_counter() - t
+        loop += out.stats[0]["seconds"]
+        forward += out.stats[0]["forward_seconds"]
+        sample += out.stats[0]["sample_seconds"]
+        nfe += int(out.nfe.sum())
+    n = prompts.shape[0]
+    return {
+        "wall_seconds": time.perf_counter() - t0,
+        "decode_seconds": total,
+        "forward_seconds": forward,
+        "policy_fraction": 1 - forward / total,
+        "policy_fraction_decode_loop": 1 - forward / loop,
+        # proposals: the softmax over the vocabulary at every queried position (part of the policy)
+        "sampling_fraction": sample / total,
+        "policy_fraction_without_sampling": 1 - (forward + sample) / total,
+        "policy_ms_per_request": 1e3 * (total - forward) / n,
+        "mean_nfe": nfe / n,
+    }
 
 
 def main() -> None:
@@ -150,37 +179,10 @@ def main() -> None:
               "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
               "seed": args.seed, "strategies": {}}  # fmt: skip
     for name, cfg in strategies.items():
-        for _ in range(args.warmup):
-            for i in range(0, args.prompts, args.batch_size):
-                model.generate(prompts[i : i + args.batch_size], attention_mask=masks[i : i + args.batch_size],
-                               generation_config=cfg)  # fmt: skip
-        runs = []
-        for _ in range(args.repeats):  # the same work each time: a quiet machine still moves timings by ~1 point
-            total = loop = forward = sample = 0.0
-            nfe = 0
-            t0 = time.perf_counter()
-            for i in range(0, args.prompts, args.batch_size):
-                sl = slice(i, i + args.batch_size)
-                t = time.perf_counter()
-                out = model.generate(prompts[sl], attention_mask=masks[sl], generation_config=cfg,
-                                     return_dict_in_generate=True)  # fmt: skip
-                total += time.perf_counter() - t
-                loop += out.stats[0]["seconds"]
-                forward += out.stats[0]["forward_seconds"]
-                sample += out.stats[0]["sample_seconds"]
-                nfe += int(out.nfe.sum())
-            runs.append({
-                "wall_seconds": time.perf_counter() - t0,
-                "decode_seconds": total,
-                "forward_seconds": forward,
-                "policy_fraction": 1 - forward / total,
-                "policy_fraction_decode_loop": 1 - forward / loop,
-                # proposals: the softmax over the vocabulary at every queried position (part of the policy)
-                "sampling_fraction": sample / total,
-                "policy_fraction_without_sampling": 1 - (forward + sample) / total,
-                "policy_ms_per_request": 1e3 * (total - forward) / args.prompts,
-                "mean_nfe": nfe / args.prompts,
-            })  # fmt: skip
+        for _ in range(args.warmup):  # untimed: a process's first calls pay one-off costs (see the docstring)
+            timed_pass(model, prompts, masks, cfg, args.batch_size)
+        # the same work each time: a quiet machine still moves timings by ~1 point
+        runs = [timed_pass(model, prompts, masks, cfg, args.batch_size) for _ in range(args.repeats)]
         median = sorted(runs, key=lambda r: r["policy_fraction"])[len(runs) // 2]
         ops = count_policy_ops(model, prompts, masks, cfg, args.batch_size, args.callers)
         report["strategies"][name] = {**median, "policy_fraction_runs": [r["policy_fraction"] for r in runs], **ops}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EOS_ID, MASK_ID, make_tiny_llada
+from conftest import EOS_ID, MASK_ID, load_benchmark, make_tiny_llada
 
 import hf_blockbatch as hb
 from hf_blockbatch.eval.forward_log import ForwardLog, is_sync
@@ -145,3 +145,18 @@ def test_the_policy_s_operations_are_counted_per_calling_function():
         _ = log.policy_callers
     with pytest.raises(ValueError, match="by_caller=True"):
         _ = log.policy_caller_seconds
+
+
+def test_the_policy_benchmark_times_a_pass_as_the_decodes_count_it():
+    """``benchmarks/policy_overhead.py``'s timed pass (its warm-up passes are the same, untimed): every batch decoded
+    once, the forwards' time inside the decode's, and the NFE the decodes report."""
+    bench = load_benchmark("policy_overhead")
+    model = make_tiny_llada()
+    ids, mask = _prompts()
+    cfg = hb.FastDLLMConfig(max_new_tokens=16, block_length=8, threshold=0.05, mask_token_id=MASK_ID)
+    nfe = sum(int(model.generate(ids[i : i + 1], attention_mask=mask[i : i + 1], generation_config=cfg,
+                                 return_dict_in_generate=True).nfe.sum()) for i in range(ids.shape[0]))  # fmt: skip
+    run = bench.timed_pass(model, ids, mask, cfg, 1)
+    assert run["mean_nfe"] == nfe / ids.shape[0]
+    assert 0 < run["forward_seconds"] < run["decode_seconds"] <= run["wall_seconds"]
+    assert 0 < run["policy_fraction"] < 1 and run["policy_fraction_without_sampling"] < run["policy_fraction"]
