@@ -121,64 +121,81 @@ def flat(rows: int, vocab: int, seed: int = 0) -> list[tuple]:
     return [(torch.randn(rows, vocab, generator=g) * 0.45, torch.randint(0, 2**32, (rows,), generator=g), None)]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def replay_parser(description: str, repeats: int, out: str) -> argparse.ArgumentParser:
+    """The arguments of a replay of keyed draws (this script's, and ``noise_designs.py``'s): which decodes' draws,
+    which synthetic rows, how many timed passes, where the results go."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--models", nargs="+", default=["tiny-llada", "tiny-dream"])
     p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
     p.add_argument("--items", type=int, default=16, help="training items per suite")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.5, 1.0])
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=repeats)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--synthetic-vocab", type=int, default=126464, help="0: no synthetic row")
     p.add_argument("--synthetic-rows", type=int, default=32)
     p.add_argument("--flat-vocabs", nargs="*", type=int, default=[8192, 126464],
                    help="also flat rows (an untrained model's) at these vocabularies, --synthetic-rows each")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "keyed_draw"))
-    args = p.parse_args()
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / out))
+    return p
+
+
+def replay(args: argparse.Namespace, timed_draws) -> list[dict]:
+    """One row per cell: ``timed_draws(draws, temperature, repeats)`` on the draws of each model, suite and
+    temperature (:func:`capture`), then on the synthetic and the flat rows the arguments ask for."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
-    rows = []
+    rows, loaded = [], {}
     cells = [(m, s, t) for m in args.models for s in args.suites for t in args.temperatures]
-    loaded = {}
     for model_name, suite_name, temperature in tqdm(cells, desc="cells"):
         if model_name not in loaded:
             loaded[model_name] = hb.load_model(model_name, device="cpu")
-        model, tokenizer = loaded[model_name]
-        draws = capture(model, tokenizer, suite_name, args.items, temperature, args.batch_size)
+        draws = capture(*loaded[model_name], suite_name, args.items, temperature, args.batch_size)
         rows.append({"model": model_name, "suite": suite_name, "temperature": temperature,
-                     **timed(draws, temperature, args.repeats)})  # fmt: skip
-    if args.synthetic_vocab:
+                     **timed_draws(draws, temperature, args.repeats)})  # fmt: skip
+    n = args.synthetic_rows
+    extra = [(f"synthetic V {args.synthetic_vocab}", synthetic(n, args.synthetic_vocab))] if args.synthetic_vocab else []
+    extra += [(f"flat V {vocab}", flat(n, vocab)) for vocab in args.flat_vocabs]
+    for name, draws in extra:
         for temperature in args.temperatures:
-            rows.append({"model": f"synthetic V {args.synthetic_vocab}", "suite": f"{args.synthetic_rows} rows",
-                         "temperature": temperature,
-                         **timed(synthetic(args.synthetic_rows, args.synthetic_vocab), temperature, args.repeats)})  # fmt: skip
-    for vocab in args.flat_vocabs:
-        for temperature in args.temperatures:
-            rows.append({"model": f"flat V {vocab}", "suite": f"{args.synthetic_rows} rows", "temperature": temperature,
-                         **timed(flat(args.synthetic_rows, vocab), temperature, args.repeats)})  # fmt: skip
+            rows.append({"model": name, "suite": f"{n} rows", "temperature": temperature,
+                         **timed_draws(draws, temperature, args.repeats)})  # fmt: skip
+    return rows
+
+
+def write(args: argparse.Namespace, rows: list[dict], head: list[str], line) -> None:
+    """``<out>.json`` (the settings and the rows) and ``<out>.md`` (``head``, then ``line(row)`` per row), logged."""
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(args, k) for k in ("items", "batch_size", "repeats", "threads")}
     out.with_suffix(".json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
-    lines = ["# Keyed sampled draws: the whole vocabulary against the pruned draw", "",
-             f"`benchmarks/keyed_draw.py`; the draws of seeded sparse Fast-dLLM decodes of {args.items} training items per "
-             f"suite (block 32, batch {args.batch_size}), each timed over all of them, the median of {args.repeats} passes; "
-             f"{args.threads} thread(s). *Kept*: the share of (row, id) pairs within the noise's spread of their row's top "
-             "logit, which the default draw scores when it is at most `PRUNED_DRAW_MAX_SHARE`; else every id is hashed "
-             "and the noise screen keeps *screened* (`sampling.noise_screen`); *decided*: how many draws the logit "
-             "bound, the screen and the full draw decided.", "",
-             "| model | suite | T | draws | rows | kept | screened | decided (bound · screen · full) | full ms | "
-             "default ms | × faster | same tokens |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]  # fmt: skip
-    for r in rows:
-        d = r["decided"]
-        lines.append(f"| {r['model']} | {r['suite']} | {r['temperature']:g} | {r['draws']} | {r['rows']} | "
-                     f"{100 * r['kept_share']:.1f} % | {100 * r['screened_share']:.1f} % | "
-                     f"{d['by_bound']} · {d['screened']} · {d['full']} | {r['full_ms']:.1f} | {r['default_ms']:.1f} | "
-                     f"{r['speedup']:.2f} | {'yes' if r['same_tokens'] else '**no**'} |")  # fmt: skip
+    lines = head + [line(r) for r in rows]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     logger.info("\n".join(lines))
+
+
+def main() -> None:
+    args = replay_parser(__doc__.split("\n\n")[0], repeats=10, out="keyed_draw").parse_args()
+    rows = replay(args, timed)
+    head = ["# Keyed sampled draws: the whole vocabulary against the pruned draw", "",
+            f"`benchmarks/keyed_draw.py`; the draws of seeded sparse Fast-dLLM decodes of {args.items} training items per "
+            f"suite (block 32, batch {args.batch_size}), each timed over all of them, the median of {args.repeats} passes; "
+            f"{args.threads} thread(s). *Kept*: the share of (row, id) pairs within the noise's spread of their row's top "
+            "logit, which the default draw scores when it is at most `PRUNED_DRAW_MAX_SHARE`; else every id is hashed "
+            "and the noise screen keeps *screened* (`sampling.noise_screen`); *decided*: how many draws the logit "
+            "bound, the screen and the full draw decided.", "",
+            "| model | suite | T | draws | rows | kept | screened | decided (bound · screen · full) | full ms | "
+            "default ms | × faster | same tokens |",
+            "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]  # fmt: skip
+
+    def line(r: dict) -> str:
+        d = r["decided"]
+        return (f"| {r['model']} | {r['suite']} | {r['temperature']:g} | {r['draws']} | {r['rows']} | "
+                f"{100 * r['kept_share']:.1f} % | {100 * r['screened_share']:.1f} % | "
+                f"{d['by_bound']} · {d['screened']} · {d['full']} | {r['full_ms']:.1f} | {r['default_ms']:.1f} | "
+                f"{r['speedup']:.2f} | {'yes' if r['same_tokens'] else '**no**'} |")  # fmt: skip
+
+    write(args, rows, head, line)
     if not all(r["same_tokens"] for r in rows):
         raise SystemExit("a pruned draw picked other tokens than the full draw: see the table")
 

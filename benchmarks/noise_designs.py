@@ -24,22 +24,14 @@ Writes ``benchmarks/results/noise_designs.json`` and ``.md``.
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
 import math
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from keyed_draw import capture, flat, synthetic
-from tqdm import tqdm
+from keyed_draw import replay, replay_parser, write
 
-import hf_blockbatch as hb
 from hf_blockbatch.generation import noise, sampling
-
-logger = logging.getLogger("noise_designs")
 
 #: ids per block of the block-maxima design
 BLOCK = 64
@@ -139,53 +131,25 @@ def timed(draws: list[tuple], temperature: float, repeats: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=["tiny-llada", "tiny-dream"])
-    p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
-    p.add_argument("--items", type=int, default=16, help="training items per suite")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--temperatures", nargs="+", type=float, default=[0.5, 1.0])
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--synthetic-rows", type=int, default=32)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "noise_designs"))
-    args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_num_threads(args.threads)
-    rows, loaded = [], {}
-    cells = [(m, s, t) for m in args.models for s in args.suites for t in args.temperatures]
-    for model_name, suite_name, temperature in tqdm(cells, desc="cells"):
-        if model_name not in loaded:
-            loaded[model_name] = hb.load_model(model_name, device="cpu")
-        draws = capture(*loaded[model_name], suite_name, args.items, temperature, args.batch_size)
-        rows.append({"model": model_name, "suite": suite_name, "temperature": temperature,
-                     **timed(draws, temperature, args.repeats)})  # fmt: skip
-    n = args.synthetic_rows
-    extra = [("synthetic V 126464", synthetic(n, 126464))] + [(f"flat V {v}", flat(n, v)) for v in (8192, 126464)]
-    for name, draws in extra:
-        for temperature in args.temperatures:
-            rows.append({"model": name, "suite": f"{n} rows", "temperature": temperature,
-                         **timed(draws, temperature, args.repeats)})  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: getattr(args, k) for k in ("items", "batch_size", "repeats", "threads")}
-    out.with_suffix(".json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
-    lines = ["# Keyed noise: the shipped draw against two other designs", "",
-             f"`benchmarks/noise_designs.py`; the draws of seeded sparse Fast-dLLM decodes of {args.items} training items "
-             f"per suite (block 32, batch {args.batch_size}), each design timed over all of them, the median of "
-             f"{args.repeats} passes; {args.threads} thread(s). *Shipped*: `sampling.gumbel_tokens`; *CDF*: one uniform per "
-             "slot, inverse CDF; *block*: block maxima, pruned where at most 10 % of the blocks can win (*pruned*: how "
-             "many draws), else its full draw. × is the shipped time over the design's.", "",
-             "| model | suite | T | draws | rows | shipped ms | CDF ms (×) | block ms (×) | block full ms | pruned | "
-             "block same tokens |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['suite']} | {r['temperature']:g} | {r['draws']} | {r['rows']} | "
-                     f"{r['shipped_ms']:.1f} | {r['cdf_ms']:.1f} ({r['shipped_ms'] / r['cdf_ms']:.2f}) | "
-                     f"{r['block_ms']:.1f} ({r['shipped_ms'] / r['block_ms']:.2f}) | {r['block_full_ms']:.1f} | "
-                     f"{r['block_pruned']} | {'yes' if r['block_same_tokens'] else '**no**'} |")  # fmt: skip
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    logger.info("\n".join(lines))
+    args = replay_parser(__doc__.split("\n\n")[0], repeats=5, out="noise_designs").parse_args()
+    rows = replay(args, timed)
+    head = ["# Keyed noise: the shipped draw against two other designs", "",
+            f"`benchmarks/noise_designs.py`; the draws of seeded sparse Fast-dLLM decodes of {args.items} training items "
+            f"per suite (block 32, batch {args.batch_size}), each design timed over all of them, the median of "
+            f"{args.repeats} passes; {args.threads} thread(s). *Shipped*: `sampling.gumbel_tokens`; *CDF*: one uniform per "
+            "slot, inverse CDF; *block*: block maxima, pruned where at most 10 % of the blocks can win (*pruned*: how "
+            "many draws), else its full draw. × is the shipped time over the design's.", "",
+            "| model | suite | T | draws | rows | shipped ms | CDF ms (×) | block ms (×) | block full ms | pruned | "
+            "block same tokens |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+
+    def line(r: dict) -> str:
+        return (f"| {r['model']} | {r['suite']} | {r['temperature']:g} | {r['draws']} | {r['rows']} | "
+                f"{r['shipped_ms']:.1f} | {r['cdf_ms']:.1f} ({r['shipped_ms'] / r['cdf_ms']:.2f}) | "
+                f"{r['block_ms']:.1f} ({r['shipped_ms'] / r['block_ms']:.2f}) | {r['block_full_ms']:.1f} | "
+                f"{r['block_pruned']} | {'yes' if r['block_same_tokens'] else '**no**'} |")  # fmt: skip
+
+    write(args, rows, head, line)
     if not all(r["block_same_tokens"] for r in rows):
         raise SystemExit("a pruned block draw picked other tokens than its full draw: see the table")
 

@@ -458,7 +458,7 @@ def test_the_noise_designs_benchmark_measures_what_it_says():
     """``benchmarks/noise_designs.py``'s two designs: the block-maxima uniforms are independent uniforms in law (their
     mean, their lower tail, each block's maximum and where it sits), its pruned draw picks its full draw's tokens and
     prunes flat and peaked rows; the inverse-CDF draw never picks the mask id and follows the softmax at T."""
-    bench = load_benchmark("noise_designs")
+    bench, replayed = load_benchmark("noise_designs"), load_benchmark("keyed_draw")
     keys = torch.randint(0, 2**32, (2000,), generator=torch.Generator().manual_seed(0))
     top, at = bench._block_noise(keys, 16)
     u = bench._block_uniforms(noise.uniform(keys, 1024).view(-1, bench.BLOCK), top.view(-1), at.view(-1))
@@ -466,7 +466,7 @@ def test_the_noise_designs_benchmark_measures_what_it_says():
     # the maximum of 64 uniforms: P(max <= x) = x^64
     assert abs(float((top <= 0.99).double().mean()) - 0.99**64) < 0.01
     assert torch.equal(u.argmax(-1), at.view(-1)) and abs(float(at.double().mean()) - 31.5) < 0.5
-    for draws in (bench.flat(8, 8192), bench.synthetic(4, 126464)):
+    for draws in (replayed.flat(8, 8192), replayed.synthetic(4, 126464)):
         for t in (0.5, 1.0):
             logits, k, _ = draws[0]
             tokens, pruned = bench.block_draw(logits, t, k, 3)
