@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import ClassVar
 
@@ -131,11 +131,13 @@ class BranchCacheLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor,
+                 rewritten: Callable[[torch.Tensor | None], None] | None = None) -> None:  # fmt: skip
         super().__init__()
         self.point_at(keys, values)
         self.is_initialized = True
         self.dtype, self.device = keys.dtype, keys.device
+        self._rewritten = rewritten  # told which rows a write changed (the cache's row versions)
 
     def point_at(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Hold ``keys``/``values`` ``[R, L, H_kv, D]`` and their ``[R * L, H_kv, D]`` views, which window
@@ -150,6 +152,8 @@ class BranchCacheLayer(CacheLayerMixin):
         """Replace the whole layer (full-canvas forward over every row)."""
         self.keys.copy_(key_states.detach())
         self.values.copy_(value_states.detach())
+        if self._rewritten is not None:
+            self._rewritten(None)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -201,8 +205,12 @@ class BranchCache(Cache):
             storage = _POOL.take(math.prod(shape), dtype).view(shape)
         else:
             storage = torch.empty(shape, dtype=dtype, device=device)
-        super().__init__(layers=[BranchCacheLayer(storage[i, 0], storage[i, 1]) for i in range(num_layers)])
+        super().__init__(layers=[BranchCacheLayer(storage[i, 0], storage[i, 1], self.rewritten)
+                                 for i in range(num_layers)])  # fmt: skip
         self._set_storage(storage, point=False)  # the layers were just built on it
+        # uninitialized rows: every one its own version (see the class docstring); the next fresh versions from here
+        self.row_version = torch.arange(num_rows, device=device)
+        self._next_version = num_rows
         self.model_type = model_type
         if attention_mask is None:
             attention_mask = torch.ones(num_rows, length, dtype=torch.bool, device=device)
@@ -294,8 +302,21 @@ class BranchCache(Cache):
         return self.storage.nbytes
 
     # ------------------------------------------------------------------ writes
+    def rewritten(self, rows: torch.Tensor | None) -> None:
+        """Rows whose K/V a write changed (``None``: all): versions that no row holds, one per row, so that a
+        later :meth:`copy_rows` copies them. (Each call's versions lie above every earlier call's.)"""
+        base = self._next_version
+        if rows is None:
+            self.row_version = torch.arange(base, base + self.num_rows, device=self.row_version.device)
+        else:
+            self.row_version.index_copy_(0, rows, rows + base)
+        self._next_version = base + self._base.shape[2]  # a row index is below the allocation's row count
+
     def write_rows(self, layer_idx: int, rows: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor):
-        """Overwrite whole rows of one layer (a full-canvas forward over ``rows``)."""
+        """Overwrite whole rows of one layer (a full-canvas forward over ``rows``). A forward writes
+        every layer, the first one first: the rows' versions change there."""
+        if layer_idx == 0:
+            self.rewritten(rows)
         layer = self.layers[layer_idx]
         keys, values = _stored(keys, layer.dtype), _stored(values, layer.dtype)
         if rows is None:
@@ -309,7 +330,10 @@ class BranchCache(Cache):
         self, layer_idx: int, flat_slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
         """Write packed K/V ``[T, H_kv, D]`` at flat slots ``row * L + position`` (a window forward):
-        two calls per layer, on flat views made once per storage."""
+        two calls per layer, on flat views made once per storage. The rows' versions change at the
+        first layer (a forward writes every layer, the first one first)."""
+        if layer_idx == 0:
+            self.rewritten(flat_slots // self.length)
         layer = self.layers[layer_idx]
         layer.flat_keys.index_copy_(0, flat_slots, _stored(keys, layer.dtype))
         layer.flat_values.index_copy_(0, flat_slots, _stored(values, layer.dtype))
@@ -338,14 +362,19 @@ class BranchCache(Cache):
 
         ``dst`` must not repeat; ``src`` may (one leader copied into several rows). With
         ``same_mask`` the caller promises that ``src`` and ``dst`` rows already share their padding
-        mask (branches of one request), and only K/V are copied.
+        mask (branches of one request), and only K/V are copied. A destination that holds its
+        source's version already holds its K/V (see the class docstring): only the others are copied.
         """
         src = torch.as_tensor(src, device=self.device, dtype=torch.long)
         dst = torch.as_tensor(dst, device=self.device, dtype=torch.long)
         if src.shape != dst.shape:
             raise ValueError(f"copy_rows: src has {src.numel()} rows but dst has {dst.numel()}.")
-        pairs = list(zip(src.tolist(), dst.tolist()))
-        if not {s for s, _ in pairs} & {d for _, d in pairs}:
+        version = self.row_version.index_select(0, src)
+        stale = version != self.row_version.index_select(0, dst)
+        # one read back to the host for the pairs and which of them differ
+        triples = torch.stack((src, dst, stale.long())).T.tolist()
+        pairs = [(s, d) for s, d, differ in triples if differ]
+        if pairs and not {s for s, _ in pairs} & {d for _, d in pairs}:
             # One strided copy per row, on every device: a single pass over memory where index_select
             # followed by index_copy_ makes two, and no temporary of the copied rows (on a GPU, a
             # draft's rows copied after refreshes of many requests at once would need as many cache
@@ -354,9 +383,10 @@ class BranchCache(Cache):
             row = self._rows()
             for s_row, d_row in pairs:
                 row[d_row].copy_(row[s_row])
-        else:
+        elif pairs:
             base = self._base_slabs()
             base.index_copy_(1, dst, base.index_select(1, src))
+        self.row_version.index_copy_(0, dst, version)
         if not same_mask:
             self.key_mask.index_copy_(0, dst, self.key_mask.index_select(0, src))
             self.position_ids.index_copy_(0, dst, self.position_ids.index_select(0, src))
@@ -372,6 +402,7 @@ class BranchCache(Cache):
         taken = flat.index_select(1, src[i] * self.length + p)
         # along dim 0 of the transposed view: 1.6x faster on CPUs than along dim 1
         flat.transpose(0, 1).index_copy_(0, dst[i] * self.length + p, taken.transpose(0, 1))
+        self.rewritten(dst)
 
     def broadcast_rows(self, group: int) -> None:
         """Copy the first row of every run of ``group`` consecutive rows into the other rows of the
@@ -380,6 +411,8 @@ class BranchCache(Cache):
         slabs = self._slabs()
         runs = slabs.view(slabs.shape[0], self.num_rows // group, group, -1)
         runs[:, :, 1:].copy_(runs[:, :, :1].expand(-1, -1, group - 1, -1))
+        version = self.row_version.view(-1, group)
+        version[:, 1:] = version[:, :1]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (in that order), e.g. drop the rows of finished requests.
@@ -405,7 +438,8 @@ class BranchCache(Cache):
             for i in range(slabs.shape[0]):  # dim-0 index_select per slab: ~3x faster on CPUs than one on dim 1
                 torch.index_select(slabs[i], 0, rows, out=kept[i])
             self._set_storage(kept.view(*self.storage.shape[:2], rows.shape[0], *self.storage.shape[3:]))
-        # kept rows keep their (validated) masks and positions
+        # kept rows keep their (validated) masks and positions, and their versions
+        self.row_version = self.row_version.index_select(0, rows)
         self.key_mask = self.key_mask.index_select(0, rows)
         self.position_ids = self.position_ids.index_select(0, rows)
         self.has_padding = bool((~self.key_mask).any())

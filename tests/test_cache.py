@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _generation_helpers import spy_caches
+from _generation_helpers import peaked, spy_caches
 from conftest import VOCAB, make_tiny_dream, make_tiny_llada
 
 import hf_blockbatch as hb
@@ -199,10 +199,10 @@ def test_copying_disjoint_rows_makes_no_temporary(monkeypatch) -> None:
     once would need as many cache rows again. Only a copy whose rows overlap gathers first."""
     cache = random_cache(rows=6)
     before = state(cache)
-    gathered = []
+    gathered = []  # gathers of K/V (the rows' versions, one number a row, are gathered too)
     index_select = torch.Tensor.index_select
-    monkeypatch.setattr(torch.Tensor, "index_select", lambda self, *a, **k: gathered.append(self.shape) or
-                        index_select(self, *a, **k))  # fmt: skip
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda self, *a, **k: (self.dim() > 1 and gathered.append(self.shape))
+                        or index_select(self, *a, **k))  # fmt: skip
     cache.copy_rows([0, 0, 3], [1, 2, 5], same_mask=True)
     assert gathered == []
     for name, old in before.items():
@@ -378,3 +378,89 @@ def test_pooled_storage_serves_decodes_in_and_out_of_inference_mode() -> None:
     with torch.inference_mode():
         inside = model.generate(prompt, generation_config=cfg)
     assert torch.equal(model.generate(prompt, generation_config=cfg), inside)
+
+
+def _row_copies(monkeypatch) -> list:
+    """The single-row K/V copies ``copy_rows`` makes from now on (``(source, destination)`` row views' pointers)."""
+    made = []
+    rows = hb.BranchCache._rows
+
+    def spy(self):
+        views = rows(self)
+        return [_Counted(v, made) for v in views]
+
+    monkeypatch.setattr(hb.BranchCache, "_rows", spy)
+    return made
+
+
+class _Counted:
+    """A row view whose ``copy_`` is recorded."""
+
+    def __init__(self, view: torch.Tensor, made: list) -> None:
+        self.view, self.made = view, made
+
+    def copy_(self, other: _Counted) -> None:
+        self.made.append((other.view.data_ptr(), self.view.data_ptr()))
+        self.view.copy_(other.view)
+
+
+def test_rows_of_one_version_are_not_copied(monkeypatch) -> None:
+    """Rows a broadcast or a copy made equal share a version, and ``copy_rows`` between them moves nothing; a write
+    through any of the cache's methods (a window forward's tokens, whole rows, positions, a layer's ``update``) gives
+    the written rows their own versions again, and the next copy moves them. The K/V are the copies' in every case."""
+    made = _row_copies(monkeypatch)
+    cache = random_cache(rows=6)
+    cache.broadcast_rows(3)  # rows 0-2 hold row 0's K/V, rows 3-5 row 3's
+    cache.copy_rows([0, 3], [1, 4], same_mask=True)
+    assert made == []
+    cache.copy_rows([0], [3], same_mask=True)  # another version: copied, and row 3 is row 0's now
+    assert len(made) == 1
+    cache.copy_rows([3], [2], same_mask=True)
+    assert len(made) == 1
+    k = torch.ones(2, H, D)
+    writes = [
+        lambda: cache.write_tokens(0, torch.tensor([2 * L + 1, 2 * L + 4]), k, k),  # two tokens of row 2
+        lambda: cache.write_rows(0, torch.tensor([2]), torch.ones(1, L, H, D), torch.ones(1, L, H, D)),
+        lambda: cache.copy_positions(torch.tensor([5]), torch.tensor([2]), torch.ones(1, L, dtype=torch.bool)),
+        lambda: cache.layers[0].update(torch.zeros(6, L, H, D), torch.zeros(6, L, H, D)),
+    ]
+    for write in writes:
+        for layer in cache.layers[1:]:  # (a forward writes every layer; the versions change at the first)
+            layer.keys[2] += 1.0
+        write()
+        before = len(made)
+        cache.copy_rows([0], [2], same_mask=True)
+        assert len(made) == before + 1
+        assert all(torch.equal(layer.keys[2], layer.keys[0]) for layer in cache.layers)
+        cache.copy_rows([0], [2], same_mask=True)
+        assert len(made) == before + 1  # now one version again
+    assert len(made) == 5
+    cache.keep_rows(torch.tensor([2, 0, 5]))  # versions follow their rows (the old rows 2 and 0 are one)
+    cache.copy_rows([0], [1], same_mask=True)
+    assert len(made) == 5
+    cache.copy_rows([0], [2], same_mask=True)
+    assert len(made) == 6 and torch.equal(cache.layers[1].values[2], cache.layers[1].values[0])
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_skipped_row_copies_decode_the_same(family: str, monkeypatch) -> None:
+    """BlockBatch's first leader syncs follow the broadcast of each request's first forward: their rows share a
+    version and are not copied. A decode that copies every row (each destination made stale first) decodes the
+    same tokens and forwards, in more copies."""
+    model = peaked(family)
+    prompts = torch.tensor([[5, 3, 8, 1, 9, 2], [7, 7, 1, 4, 2, 6]])
+    cfg = hb.BlockBatchConfig(max_new_tokens=32, block_sizes=[2, 4, 8, 16], threshold=0.3, sync_threshold=1,
+                              merge_threshold=0.3, refresh_interval=8, early_stop=False)  # fmt: skip
+    made = _row_copies(monkeypatch)
+    out = model.generate(prompts, generation_config=cfg, return_dict_in_generate=True)
+    skipping, made[:] = len(made), []
+    copy_rows = hb.BranchCache.copy_rows
+
+    def every_row(self, src, dst, same_mask=False):
+        self.rewritten(torch.as_tensor(dst, dtype=torch.long))
+        copy_rows(self, src, dst, same_mask)
+
+    monkeypatch.setattr(hb.BranchCache, "copy_rows", every_row)
+    full = model.generate(prompts, generation_config=cfg, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, full.sequences) and torch.equal(out.nfe, full.nfe)
+    assert int(out.stats[0]["syncs"]) > 0 and skipping < len(made)
