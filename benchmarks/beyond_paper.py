@@ -265,7 +265,25 @@ def summarise(res: dict[str, Any]) -> dict[str, float]:
             "merged": statistics.fmean(r["merged"] for r in it),
             # results cached before the split was recorded have no forward time
             "policy_ms_item": (1000.0 * (res["seconds"] - res["forward_seconds"]) / n
-                               if "forward_seconds" in res else None)}  # fmt: skip
+                               if "forward_seconds" in res else None),
+            "rounds": res.get("rounds")}  # fmt: skip
+
+
+def round_ratios(s: dict[str, Any], base: dict[str, Any]) -> list[float] | None:
+    """Each round's time over the baseline's in the same round (latency runs, ``--rounds`` > 1): the rounds run
+    round-robin, so a slow spell of the machine hits both sides of a pair; their spread says how far one sitting's
+    ratio can be read. ``None`` without rounds on both sides."""
+    a, b = s.get("rounds"), base.get("rounds")
+    if not a or not b or len(a) != len(b) or len(a) < 2:
+        return None
+    return [x / y for x, y in zip(a, b)]
+
+
+def _t_ratio(s: dict[str, Any], base: dict[str, Any]) -> str:
+    """The time ratio of the medians, and the range of the rounds' own ratios where there are rounds."""
+    r = round_ratios(s, base)
+    head = f"{s['ms_item'] / base['ms_item']:.2f}"
+    return head if r is None or s is base else f"{head} ({min(r):.2f}–{max(r):.2f})"
 
 
 def _ms(value: float | None) -> str:
@@ -277,7 +295,8 @@ def render(model: str, limit: int, table: dict[str, dict[str, dict[str, float]]]
              f"Ratios and Δacc against `{baseline}` (Fast-dLLM dual, τ 0.9, early stop) on the same items "
              "(Δacc in points, with Newcombe's paired 95 % interval: the two decoders scored on the same items). "
              "Latency is wall time per item at the run's batch size (noisy on shared CPUs; NFE and query "
-             "tokens are exact); policy is its part outside model forwards (each a median over the rounds).", ""]  # fmt: skip
+             "tokens are exact); policy is its part outside model forwards (each a median over the rounds). With several "
+             "rounds, t × is followed by the range of each round's ratio (round-robin rounds, paired by round).", ""]  # fmt: skip
     for suite, rows in table.items():
         base = rows.get(baseline)
         lines += [f"## {suite}", "", "| config | acc % | Δacc [paired 95 % CI] | NFE | NFE × | query tok | qt × | ms/item | t × "
@@ -288,7 +307,7 @@ def render(model: str, limit: int, table: dict[str, dict[str, dict[str, float]]]
 
             d = (paired_points(s["paired"]) if s.get("paired") else f"{s['acc'] - base['acc']:+.1f}") if base else "-"
             lines.append(f"| {name} | {s['acc']:.1f} | {d} | {s['nfe']:.2f} | {r('nfe')} | {s['qt']:.0f} | {r('qt')} | "
-                         f"{s['ms_item']:.0f} | {r('ms_item')} | {_ms(s.get('policy_ms_item'))} | {s['syncs']:.2f} | "
+                         f"{s['ms_item']:.0f} | {_t_ratio(s, base) if base else '-'} | {_ms(s.get('policy_ms_item'))} | {s['syncs']:.2f} | "
                          f"{s['merged']:.1f} |")  # fmt: skip
         lines.append("")
     return "\n".join(lines) + "\n"
@@ -369,6 +388,7 @@ def main(argv: list[str] | None = None) -> None:
             if name != args.baseline:
                 table[suite][name]["paired"] = full["suites"][suite][name]["paired"] = paired_difference(
                     right[name], right[args.baseline])
+                full["suites"][suite][name]["t_ratio_rounds"] = round_ratios(table[suite][name], table[suite][args.baseline])
     stem = out_dir / (f"{mname}_{args.limit}" + (f"_b{args.batch_size}" if args.batch_size != 16 else "") + args.tag)
     text = render(args.model, args.limit, table, args.baseline)
     write_report(stem, full, text)

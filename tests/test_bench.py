@@ -846,6 +846,16 @@ def test_beyond_paper_latency_runs_split_forward_and_policy_time(tmp_path):
     table = (tmp_path / "tiny-llada_3_b2.md").read_text()
     assert "| policy ms/item |" in table
     assert f"| {summary['fd_es_b64']['policy_ms_item']:.1f} |" in table
+    # each round's time over the baseline's in the same round, and their range beside the ratio of the medians
+    base, cand = (next(r for r in cached if r["config"] == beyond_paper.CONFIGS[n])["rounds"]
+                  for n in ("fd_es_b64", "fd_es_b64_sq_r6_la3_m16"))  # fmt: skip
+    ratios = [a / b for a, b in zip(cand, base)]
+    assert summary["fd_es_b64_sq_r6_la3_m16"]["t_ratio_rounds"] == pytest.approx(ratios)
+    row = next(line for line in table.splitlines() if line.startswith("| fd_es_b64_sq_r6_la3_m16 |"))
+    assert f" ({min(ratios):.2f}–{max(ratios):.2f}) |" in row
+    base_row = next(line for line in table.splitlines() if line.startswith("| fd_es_b64 |"))
+    assert "| 1.00 |" in base_row and "–" not in base_row
+    assert beyond_paper.round_ratios({"rounds": [1.0]}, {"rounds": [2.0]}) is None  # one round: no spread
     # results cached before the split have no forward time: their policy column is a dash, not a number
     old = {k: v for k, v in cached[0].items() if k != "forward_seconds"}
     assert beyond_paper.summarise(old)["policy_ms_item"] is None and beyond_paper._ms(None) == "-"
