@@ -20,6 +20,11 @@ The counts per class sum to the block steps the requests ran (``nfe_block``), an
 ``lookahead_adopted``: the script checks both, and that the instrumented decode (the probability map kept at its top
 two tokens instead of one) decodes what the plain one does. RESULTS §37 and §41 read the classes.
 
+It also counts the slots each block step proposes at (the positions whose logits it reads), in main rows and in
+draft rows, and among the latter those of drafts on an adopted chain (the adopted draft and the drafts it extends).
+A draft's proposals matter only when it is adopted: the rest is what proposing the main rows first, and then only
+the drafts still in question, would skip at most (RESULTS §45).
+
     PYTHONPATH=$PWD python benchmarks/draft_misses.py --model tiny-dream --limit 500
 
 Writes ``benchmarks/results/lookahead/misses_<model>_<limit>.json`` and ``.md``.
@@ -42,7 +47,9 @@ from tqdm import tqdm
 import hf_blockbatch.generation.mixin as mixin
 from hf_blockbatch.eval.runner import _encode, load_for_benchmark, load_task, write_report
 from hf_blockbatch.generation.configs import FastDLLMConfig
+from hf_blockbatch.generation.engine import Run
 from hf_blockbatch.generation.policies.lookahead import Lookahead
+from hf_blockbatch.generation.state import DecodeState
 
 logger = logging.getLogger("draft_misses")
 
@@ -79,11 +86,39 @@ def classify(before: torch.Tensor, after: torch.Tensor, mask_id: int, gen_start:
     return f"one_r{rank}_{kind}"
 
 
+def chain_rows(sources: list[int], parent: list[int], branches: int) -> set[int]:
+    """The state rows of the drafts on adopted chains: each adopted draft's row (``sources``) and, through
+    ``parent`` (each row's parent branch, ``-1`` or ``0``: none), the draft rows it extends."""
+    rows: set[int] = set()
+    for row in sources:
+        while row % branches:  # a draft row (branch 0 is the main row)
+            rows.add(row)
+            row = row - row % branches + parent[row] if parent[row] > 0 else row - row % branches
+    return rows
+
+
 @contextlib.contextmanager
-def instrumented(counts: Counter[str]) -> Iterator[None]:
-    """Count every request's block steps into ``counts`` while decoding; the map kept at two tokens per position."""
+def instrumented(counts: Counter[str], slots: Counter[str] | None = None) -> Iterator[None]:
+    """Count every request's block steps into ``counts`` while decoding; the map kept at two tokens per position.
+    ``slots``: also the block steps' proposed slots, in main rows (``main``), in draft rows (``draft``) and in draft
+    rows on an adopted chain (``draft_adopted``), and the rows that proposed (``main_rows``, ``draft_rows``: a main
+    row proposes in every block step of its request)."""
     plan_from_config, draft, apply = mixin.plan_from_config, Lookahead.draft, Lookahead.apply
+    commit, copy_rows = Run.commit, DecodeState.copy_rows
     seen: dict[str, torch.Tensor] = {}
+    step: dict[str, list] = {}
+
+    def commit_and_count(self: Run, span, packed, phase: str, *args, **kwargs) -> bool:
+        if phase == "block" and slots is not None:
+            read = span.read
+            n = torch.full_like(span.rows, span.positions.shape[1]) if read is None else read.sum(-1)
+            step.update(rows=span.rows.tolist(), n=n.tolist(), branch=self.state.branch[span.rows].tolist(), sources=[])
+        return commit(self, span, packed, phase, *args, **kwargs)
+
+    def copy_rows_and_see(self: DecodeState, src: torch.Tensor, dst: torch.Tensor, names: tuple[str, ...]) -> None:
+        if "sources" in step:  # inside Lookahead.apply: an adoption (the only caller there)
+            step["sources"] += src.tolist()
+        copy_rows(self, src, dst, names)
 
     def plan_top2(*args, **kwargs):
         plan = plan_from_config(*args, **kwargs)
@@ -103,7 +138,15 @@ def instrumented(counts: Counter[str]) -> Iterator[None]:
             return apply(self, ctx)
         s = ctx.state
         after = s.per_request(s.canvas)[:, 0].clone()
+        parent = s.draft_parent.tolist()
         moved = apply(self, ctx)
+        if step:
+            on_chain = chain_rows(step["sources"], parent, s.branches)
+            for row, n, branch in zip(step["rows"], step["n"], step["branch"]):
+                slots["draft" if branch else "main"] += n
+                slots["draft_rows" if branch else "main_rows"] += 1
+                slots["draft_adopted"] += n if row in on_chain else 0
+            step.clear()
         took = (s.per_request(s.adopted)[:, 0] - seen["adopted"]).tolist()
         for b in (~seen["done"]).nonzero().squeeze(1).tolist():
             counts[classify(seen["canvas"][b], after[b], s.mask_id, s.gen_start, (int(seen["ws"][b]), int(seen["we"][b])),
@@ -112,10 +155,12 @@ def instrumented(counts: Counter[str]) -> Iterator[None]:
         return moved
 
     mixin.plan_from_config, Lookahead.draft, Lookahead.apply = plan_top2, draft_and_look, apply_and_count
+    Run.commit, DecodeState.copy_rows = commit_and_count, copy_rows_and_see
     try:
         yield
     finally:
         mixin.plan_from_config, Lookahead.draft, Lookahead.apply = plan_from_config, draft, apply
+        Run.commit, DecodeState.copy_rows = commit, copy_rows
 
 
 def count(model, tokenizer, suite: str, limit: int, block: int, batch_size: int) -> dict:
@@ -126,12 +171,13 @@ def count(model, tokenizer, suite: str, limit: int, block: int, batch_size: int)
     prompts = [task.prompt(it, tokenizer, chat=chat) for it in items]
     cfg = FastDLLMConfig.drafted(exact=False, max_new_tokens=int(task.default_gen_length), block_length=block)
     counts: Counter[str] = Counter()
+    slots: Counter[str] = Counter()
     nfe = block_steps = adopted = refreshes = 0
     for b0 in tqdm(range(0, len(prompts), batch_size), desc=suite, leave=False):
         ids, mask = _encode(tokenizer, prompts[b0 : b0 + batch_size], torch.device("cpu"))
         with torch.inference_mode():
             plain = model.generate(ids, mask, generation_config=cfg, return_dict_in_generate=True)
-            with instrumented(counts):
+            with instrumented(counts, slots):
                 out = model.generate(ids, mask, generation_config=cfg, return_dict_in_generate=True)
         if not (torch.equal(plain.sequences, out.sequences) and torch.equal(plain.nfe, out.nfe)):
             raise RuntimeError(f"{suite}: the instrumented decode differs from the plain one; its counts would not be this decode's")
@@ -145,7 +191,9 @@ def count(model, tokenizer, suite: str, limit: int, block: int, batch_size: int)
     n = len(prompts)
     return {"items": n, "block": block, "nfe_mean": nfe / n, "block_steps_mean": block_steps / n,
             "nfe_without_drafts_mean": (nfe + adopted) / n, "refreshes_mean": refreshes / n,
-            "per_item": {c: counts[c] / n for c in CLASSES}}  # fmt: skip
+            "per_item": {c: counts[c] / n for c in CLASSES},
+            # the block steps' proposed slots, per item: in main rows, in draft rows, in drafts on an adopted chain
+            "slots_per_item": {k: slots[k] / n for k in ("main", "draft", "draft_adopted", "main_rows", "draft_rows")}}  # fmt: skip
 
 
 def heldout_block(model: str, suite: str) -> int:
@@ -185,6 +233,14 @@ def main(argv: list[str] | None = None) -> None:
     for suite, r in result["suites"].items():
         lines.append(f"| {suite} ({r['block']}) | {r['nfe_mean']:.2f} | {r['nfe_without_drafts_mean']:.2f} | "
                      + " | ".join(f"{r['per_item'][c]:.3f}" for c in shown) + " |")  # fmt: skip
+    lines += ["", "Slots the block steps propose at, per item, and the share of them in draft rows that no adoption used "
+              "(what proposing only the drafts still in question would skip at most):", "",
+              "| suite (block) | main rows | draft rows | on an adopted chain | draft rows on none, share of all |",
+              "|---|---:|---:|---:|---:|"]  # fmt: skip
+    for suite, r in result["suites"].items():
+        sl = r["slots_per_item"]
+        idle = (sl["draft"] - sl["draft_adopted"]) / max(sl["main"] + sl["draft"], 1e-9)
+        lines.append(f"| {suite} ({r['block']}) | {sl['main']:.1f} | {sl['draft']:.1f} | {sl['draft_adopted']:.1f} | {idle:.2f} |")
     write_report(Path(args.out) / f"misses_{Path(args.model).name}_{args.limit}", result, "\n".join(lines))
     print("\n".join(lines))
 

@@ -1011,15 +1011,33 @@ def test_draft_misses_sorts_every_block_step_into_one_class(tmp_path):
     assert cls([5, 5, 3, 3, M, M, 1, 0]) == "several"
     with pytest.raises(SystemExit, match="pass --block"):
         dm.heldout_block("my-llada", "code")
-    draft = Lookahead.draft
+    # the drafts on an adopted chain: the adopted draft's row and, through each row's parent branch, the drafts it
+    # extends (4 rows a request: request 1 holds rows 4-7; row 7's draft extends branch 1's, rows 5 and 6 the main row's)
+    parent = [-1, 0, 0, 1, -1, 0, 0, 1]
+    assert dm.chain_rows([7], parent, 4) == {5, 7} and dm.chain_rows([6, 1], parent, 4) == {1, 6}
+    assert dm.chain_rows([], parent, 4) == set()
+    from hf_blockbatch.generation.engine import Run
+    from hf_blockbatch.generation.state import DecodeState
+
+    draft, commit, copy_rows = Lookahead.draft, Run.commit, DecodeState.copy_rows
     dm.main(["--model", "tiny-llada", "--suites", "code", "--limit", "6", "--batch-size", "3", "--block", "32",
              "--out", str(tmp_path)])  # fmt: skip
-    assert Lookahead.draft is draft
+    assert Lookahead.draft is draft and Run.commit is commit and DecodeState.copy_rows is copy_rows
     res = json.loads((tmp_path / "misses_tiny-llada_6.json").read_text())["suites"]["code"]
     assert res["items"] == 6 and res["block_steps_mean"] > 0
     assert sum(res["per_item"].values()) == pytest.approx(res["block_steps_mean"])
     assert res["nfe_mean"] == pytest.approx(1 + res["block_steps_mean"] + res["refreshes_mean"])
-    assert f"| code (32) | {res['nfe_mean']:.2f} |" in (tmp_path / "misses_tiny-llada_6.md").read_text()
+    report = (tmp_path / "misses_tiny-llada_6.md").read_text()
+    assert f"| code (32) | {res['nfe_mean']:.2f} |" in report
+    # every block step proposes at its main rows' masks; an adoption used a draft that proposed at one slot at least
+    slots = res["slots_per_item"]
+    assert slots["main_rows"] == pytest.approx(res["block_steps_mean"]) and slots["draft_rows"] > 0
+    assert slots["main"] >= slots["main_rows"] and 0 < slots["draft_adopted"] <= slots["draft"]
+    # a draft reads its main row's masks less its drafted ones, and rides only where few masks are left
+    assert slots["draft"] / slots["draft_rows"] < slots["main"] / slots["main_rows"]
+    assert res["per_item"]["adopted_1"] + res["per_item"]["adopted_2"] > 0
+    idle = (slots["draft"] - slots["draft_adopted"]) / (slots["main"] + slots["draft"])
+    assert f"| {slots['draft_adopted']:.1f} | {idle:.2f} |" in report
 
 
 def test_write_report_writes_both_files_under_the_whole_stem(tmp_path):
