@@ -478,3 +478,97 @@ def test_the_noise_designs_benchmark_measures_what_it_says():
     p = (logits[0] / 0.5).softmax(-1).index_fill(0, torch.tensor([3]), 0.0)
     freq = torch.bincount(tokens, minlength=8).double() / 20000
     assert freq[3] == 0 and torch.allclose(freq, (p / p.sum()).double(), atol=0.01)
+
+
+def _counting_rows(fn, rows: list):
+    """``fn`` (a draw over ``[T, V]`` logits), noting the rows of each call in ``rows``."""
+
+    def counted(logits, *args, **kwargs):
+        rows.append(logits.shape[0])
+        return fn(logits, *args, **kwargs)
+
+    return counted
+
+
+@pytest.fixture(scope="module", params=["tiny-llada", "tiny-dream"])
+def checkpoint(request):
+    model, tok = hb.load_model(request.param, device="cpu")
+    tok.padding_side = "left"
+    return model, tok
+
+
+def test_seeded_steps_draw_only_where_a_commit_can_follow(checkpoint, monkeypatch):
+    """A keyed sampled step under the threshold rule draws at the candidates whose most probable token reaches τ,
+    and at a row's other candidates only where none of those commits (``sampling.DrawWhere``): the same sequences,
+    forwards and query tokens as steps that draw at every slot they read, in fewer draws. Sparse and dense Fast-dLLM,
+    both drafted presets, BlockBatch and lean BlockBatch, at T 0.5 and 1, on training items of the tiny
+    checkpoints."""
+    from hf_blockbatch.generation import engine
+    from hf_blockbatch.tasks import get_suite
+
+    model, tok = checkpoint
+    suite = get_suite("lists")
+    enc = tok([suite.prompt(item, tok) for item in suite.items("train", limit=6)], add_special_tokens=False,
+              return_tensors="pt", padding=True)  # fmt: skip
+    for t in (0.5, 1.0):
+        common = dict(max_new_tokens=32, temperature=t, seed=3)
+        for cfg in (hb.FastDLLMConfig(block_length=16, window_queries="sparse", **common),
+                    hb.FastDLLMConfig(block_length=16, threshold=0.7, **common),
+                    hb.FastDLLMConfig.drafted(block_length=16, **common),
+                    hb.FastDLLMConfig.drafted(exact=False, block_length=32, **common),
+                    hb.BlockBatchConfig(**common), hb.BlockBatchConfig.lean(**common)):  # fmt: skip
+            runs = {}
+            for lazy in (True, False):
+                rows: list[int] = []
+                with monkeypatch.context() as mp:
+                    mp.setattr(sampling, "gumbel_tokens", _counting_rows(sampling.gumbel_tokens, rows))
+                    if not lazy:  # every slot read is drawn
+                        mp.setattr(engine, "commit_floor", lambda rule: None)
+                    out = model.generate(**enc, generation_config=cfg, return_dict_in_generate=True)
+                runs[lazy] = (out, sum(rows))
+            (lazy_out, lazy_rows), (full_out, full_rows) = runs[True], runs[False]
+            assert torch.equal(lazy_out.sequences, full_out.sequences), (t, cfg)
+            assert torch.equal(lazy_out.nfe, full_out.nfe), (t, cfg)
+            assert [st["query_tokens"] for st in lazy_out.stats] == [st["query_tokens"] for st in full_out.stats]
+            assert lazy_rows < full_rows, (t, cfg, lazy_rows, full_rows)
+
+
+def test_draws_that_decide_skip_the_candidates_that_cannot_commit():
+    """``sampling._draws_that_decide`` on three rows of candidates: a row with a candidate sure to commit at the floor
+    draws there alone; a row whose candidates all fall below the floor draws them all (its forced commit is the best
+    of them); a row whose candidate above the floor draws a token below it draws the rest too; a low-confidence
+    id does not count as reaching the floor; a slot that is no candidate is never drawn. The tokens drawn are those
+    of a draw at every slot."""
+    V, mask_id = 16, 15
+    big = 30.0
+    logits = torch.zeros(7, V)
+    logits[0, 3] = big  # row 0: certain
+    logits[1, :] = torch.linspace(0, 1, V)  # row 0: flat (skipped)
+    logits[2, :] = torch.linspace(0, 1, V)  # row 1: flat
+    logits[3, :] = torch.linspace(1, 0, V)  # row 1: flat
+    logits[4, 5] = big  # row 2: certain, but its token is a low-confidence id
+    logits[5, :] = torch.linspace(0, 1, V)  # row 2: flat, drawn since row 2's candidate above the floor did not count
+    logits[6, 7] = big  # row 2: a slot that is no candidate
+    logp = torch.log_softmax(logits, -1)
+    logp[:, mask_id] = float("-inf")
+    keys = torch.arange(7, dtype=torch.long) * 1_000_003 + 11
+    where = sampling.DrawWhere(0.9, torch.tensor([0, 0, 1, 1, 2, 2, 2]),
+                               torch.tensor([True, True, True, True, True, True, False]))  # fmt: skip
+    got = sampling._draws_that_decide(logits, logp, 1.0, keys, mask_id, where, torch.tensor([5]))
+    full = sampling.gumbel_tokens(logits, 1.0, None, keys, mask_id)
+    drawn = torch.tensor([True, False, True, True, True, True, False])
+    assert torch.equal(got[drawn], full[drawn])
+    assert got[~drawn].tolist() == [mask_id, mask_id]
+    assert got[0] == 3 and got[4] == 5
+    # without the low-confidence id, row 2's certain candidate decides it alone
+    again = sampling._draws_that_decide(logits, logp, 1.0, keys, mask_id, where, None)
+    assert again[5] == mask_id and again[4] == 5
+
+
+def test_the_threshold_rule_says_its_commit_floor():
+    """Only the threshold rule has a commit floor (τ): the others may commit any candidate by its rank."""
+    from hf_blockbatch.generation.rules import commit_floor, make_rule
+
+    assert commit_floor(make_rule("threshold", threshold=0.8)) == 0.8
+    assert commit_floor(make_rule("factor", factor=1.0)) is None
+    assert commit_floor(make_rule("entropy", bound=0.3)) is None
