@@ -33,8 +33,8 @@ from hf_blockbatch.generation.noise import draws_noise, lane_keys, request_keys,
 from hf_blockbatch.generation.outputs import DecodeResult
 from hf_blockbatch.generation.plans import DecodePlan
 from hf_blockbatch.generation.policies import StepContext
-from hf_blockbatch.generation.rules import commit_floor, needs_entropy
-from hf_blockbatch.generation.sampling import DrawWhere, Sampled, sample_tokens
+from hf_blockbatch.generation.rules import needs_entropy
+from hf_blockbatch.generation.sampling import Sampled, sample_tokens
 from hf_blockbatch.generation.state import DecodeState, in_window
 from hf_blockbatch.generation.trace import Recorder, for_streamer
 
@@ -87,44 +87,26 @@ class Run:
         self.suppress, self.lowconf = _ids(plan.suppress_logit_ids, device), _ids(plan.low_confidence_ids, device)
         self.sample_seconds = 0.0
         self.rule_entropy = needs_entropy(plan.rule)
-        # a keyed sampled step draws only where a commit can follow (sampling.DrawWhere): low-confidence remasking,
-        # where a slot's confidence is its sampled token's probability, under a rule with a commit floor
-        self.commit_floor = commit_floor(plan.rule) if keyed and plan.remasking == "low_confidence" else None
         self._windows: tuple[torch.Tensor, torch.Tensor, tuple] | None = None
 
     # ------------------------------------------------------------------ commits
-    def _sample(self, packed_logits: torch.Tensor, noise_keys: torch.Tensor | None,
-                draw_where: DrawWhere | None = None) -> Sampled:  # fmt: skip
+    def _sample(self, packed_logits: torch.Tensor, noise_keys: torch.Tensor | None) -> Sampled:
         """Proposals for the packed positions; timed apart, since the softmax over the vocabulary
         is the one policy cost that grows with the model."""
         plan = self.plan
         t = time.perf_counter()
         out = sample_tokens(packed_logits, plan.temperature, plan.remasking, plan.map_k, self.generator, self.suppress,
-                            self.lowconf, self.state.mask_id, entropy=self.rule_entropy, noise_keys=noise_keys,
-                            draw_where=draw_where)  # fmt: skip
+                            self.lowconf, self.state.mask_id, entropy=self.rule_entropy, noise_keys=noise_keys)  # fmt: skip
         self.sample_seconds += time.perf_counter() - t
         return out
-
-    @staticmethod
-    def _at_read(span: Span, per_slot: torch.Tensor) -> torch.Tensor:
-        """``[T]`` the values of ``per_slot`` ``[A, W]`` at the slots the span reads, in the packed logits' order
-        (row-major)."""
-        read = span.read
-        return per_slot.reshape(-1) if read is None else per_slot[read]
 
     def noise_keys(self, span: Span) -> torch.Tensor:
         """``[T]`` the keyed noise's key of each slot the span reads, in the packed logits' order (row-major):
         its row's key and step, and its offset in the generated region (noise.py)."""
         s = self.state
-        rows = self._at_read(span, span.rows[:, None].expand_as(span.positions))
-        return slot_keys(s.noise_key[rows], s.steps[rows], self._at_read(span, span.positions) - s.gen_start)
-
-    def draw_where(self, span: Span) -> DrawWhere:
-        """The slots of a keyed sampled step whose draws can decide a commit (:class:`~.sampling.DrawWhere`): its
-        rows, and its candidates (the masks inside each row's window)."""
-        candidates = span.masked if span.in_win is None else span.masked & span.in_win
-        return DrawWhere(self.commit_floor, self._at_read(span, span.rows[:, None].expand_as(span.positions)),
-                         self._at_read(span, candidates))  # fmt: skip
+        rows, positions, read = span.rows[:, None].expand_as(span.positions), span.positions, span.read
+        rows, positions = (rows.reshape(-1), positions.reshape(-1)) if read is None else (rows[read], positions[read])
+        return slot_keys(s.noise_key[rows], s.steps[rows], positions - s.gen_start)
 
     def commit(self, span: Span, packed: torch.Tensor, phase: str, slot_index: torch.Tensor | None = None,
                key_span: Span | None = None) -> bool:  # fmt: skip
@@ -134,10 +116,7 @@ class Run:
         slots ``packed`` holds, when it is not ``span`` (the initial step's shared logits)."""
         s, plan = self.state, self.plan
         keys = None if s.steps is None else self.noise_keys(span if key_span is None else key_span)
-        # keyed draws only where a commit can follow, when the packed slots are this span's own (not a shared span's)
-        lazy = keys is not None and self.commit_floor is not None and slot_index is None and key_span is None
-        proposal = propose(s, span, self._sample(packed, keys, self.draw_where(span) if lazy else None), slot_index,
-                           self.fwd.slots, self.lowconf is not None)  # fmt: skip
+        proposal = propose(s, span, self._sample(packed, keys), slot_index, self.fwd.slots, self.lowconf is not None)
         select, new, n_select = write_commits(s, span, proposal, plan.rule)
         if s.steps is not None:
             s.steps.index_add_(0, span.rows, torch.ones_like(span.rows))

@@ -22,8 +22,7 @@ from hf_blockbatch.generation.noise import (
     uniform_codes,
 )
 
-__all__ = ["DrawWhere", "Sampled", "eos_probability", "gumbel_tokens", "keyed_floor", "noise_screen", "row_max",
-           "sample_tokens"]
+__all__ = ["Sampled", "eos_probability", "gumbel_tokens", "keyed_floor", "noise_screen", "row_max", "sample_tokens"]
 
 # Below this many entries a plain max(dim) is cheaper than the blocked one (measured on CPU).
 _BLOCKED_MAX_MIN_NUMEL = 32768
@@ -41,25 +40,6 @@ class Sampled:
     top_probs: torch.Tensor | None = None  # [T, k] float32
     top_ids: torch.Tensor | None = None  # [T, k] long
     entropy: torch.Tensor | None = None  # [T] float64: of the proposal distribution (entropy-bounded commits)
-
-
-@dataclass(frozen=True)
-class DrawWhere:
-    """Which slots of a keyed sampled step need their draw, under a transfer rule that commits a candidate only at a
-    confidence of at least ``floor`` or as its row's single most confident candidate (the threshold rule,
-    ``rules.commit_floor``).
-
-    Why: a slot's confidence is the probability of its sampled token, at most that of its most probable token. A
-    candidate whose most probable token is below ``floor`` can therefore be committed only as its row's best, which
-    happens only where no candidate of the row reaches ``floor``; a slot that is no candidate is never committed.
-    So the step draws first at the candidates that may reach ``floor``, and at a row's other candidates only when none
-    of those did; every other slot proposes ``mask_id`` at probability 0, which no rule commits (the row's best has
-    a confidence above it). Keyed noise gives each slot its own numbers, so the draws made are those of a step that
-    draws everywhere, and so are the commits (RESULTS §45-§46)."""
-
-    floor: float
-    rows: torch.Tensor  # [T] the row of each packed slot
-    candidates: torch.Tensor  # [T] bool: the slots the rule may commit
 
 
 def eos_probability(logits: torch.Tensor, eos_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -110,7 +90,6 @@ def sample_tokens(
     mask_id: int | None = None,
     entropy: bool = False,
     noise_keys: torch.Tensor | None = None,
-    draw_where: DrawWhere | None = None,
 ) -> Sampled:
     """Propose a token for every packed position.
 
@@ -126,19 +105,15 @@ def sample_tokens(
     for the entropy-bounded rule.
 
     ``noise_keys`` (``[T]`` int64, :mod:`.noise`): each position's noise is a hash of its key instead of the
-    generator's next numbers, so that it does not depend on what else the step reads. ``draw_where`` (keyed noise,
-    low-confidence remasking): draw only where a commit can follow (:class:`DrawWhere`; on CPUs, in one chunk).
+    generator's next numbers, so that it does not depend on what else the step reads.
 
     Rows are proposed in chunks of :data:`SAMPLE_CHUNK_ELEMENTS` logits (the noise drawn chunk after chunk: on a
     CPU the same numbers as in one draw).
     """
     rows = max(1, SAMPLE_CHUNK_ELEMENTS // max(logits.shape[-1], 1))
     options = (temperature, top_k, generator, suppress_logit_ids, mask_id, entropy)
-    lazy = (draw_where is not None and noise_keys is not None and temperature > 0 and remasking == "low_confidence"
-            and mask_id is not None and logits.device.type == "cpu" and logits.shape[0] <= rows)  # fmt: skip
     if logits.shape[0] <= rows:
-        tokens, probability, top_probs, top_ids, h = _propose_rows(
-            logits, *options, noise_keys, (draw_where, low_confidence_ids) if lazy else None)
+        tokens, probability, top_probs, top_ids, h = _propose_rows(logits, *options, noise_keys)
     else:
         parts = [_propose_rows(logits[i : i + rows], *options, None if noise_keys is None else noise_keys[i : i + rows])
                  for i in range(0, logits.shape[0], rows)]  # fmt: skip
@@ -157,10 +132,9 @@ def sample_tokens(
 
 def _propose_rows(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator | None,
                   suppress_logit_ids: torch.Tensor | None, mask_id: int | None, entropy: bool,
-                  noise_keys: torch.Tensor | None = None,
-                  lazy: tuple[DrawWhere, torch.Tensor | None] | None = None) -> tuple:  # fmt: skip
+                  noise_keys: torch.Tensor | None = None) -> tuple:  # fmt: skip
     """:func:`sample_tokens`' work on the vocabulary, for some rows: ``(tokens, probability, top_probs, top_ids,
-    entropy)``; ``lazy``: a :class:`DrawWhere` and the low-confidence ids, to draw only where a commit can follow."""
+    entropy)``."""
     if suppress_logit_ids is not None:
         logits = logits.index_fill(-1, suppress_logit_ids, float("-inf"))
     # One fused log-softmax pass in float32, then only the entries a step reads are exponentiated
@@ -179,47 +153,12 @@ def _propose_rows(logits: torch.Tensor, temperature: float, top_k: int, generato
         if top_k == 1:
             top_probs, top_ids = best_logp.exp()[:, None], best_ids[:, None]
     if temperature > 0:
-        if lazy is None:
-            tokens = gumbel_tokens(logits, temperature, generator, noise_keys, mask_id)
-        else:
-            tokens = _draws_that_decide(logits, logp, temperature, noise_keys, mask_id, *lazy)
+        tokens = gumbel_tokens(logits, temperature, generator, noise_keys, mask_id)
         token_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)
     else:
         tokens, token_logp = best_ids, best_logp
     h = torch.special.entr(logp.exp()).sum(-1).double() if entropy else None  # entr(0) = 0: the removed ids
     return tokens, token_logp.double().exp(), top_probs, top_ids, h
-
-
-def _draws_that_decide(logits: torch.Tensor, logp: torch.Tensor, temperature: float, noise_keys: torch.Tensor,
-                       mask_id: int, where: DrawWhere, low_confidence_ids: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    """``[T]`` the keyed draws of :class:`DrawWhere`'s slots, ``mask_id`` at the others: first at the candidates whose
-    most probable token reaches the floor (``logp`` ``[T, V]``: the confidences' log-probabilities, the mask id's
-    ``-inf``), then at the other candidates of rows where none of those drew a token that does. The bound is the
-    confidence's own arithmetic on the row's largest log-probability, so it is never below a drawn confidence."""
-    tokens = torch.full((logits.shape[0],), mask_id, dtype=torch.long, device=logits.device)
-
-    def draw(at: torch.Tensor) -> torch.Tensor:  # [n] packed slots (ascending): their tokens, written into ``tokens``
-        if at.numel() == logits.shape[0]:  # every slot (flat rows: every commit forced): no copy of the logits
-            tokens.copy_(gumbel_tokens(logits, temperature, None, noise_keys, mask_id))
-            return tokens
-        drawn = gumbel_tokens(logits[at], temperature, None, noise_keys[at], mask_id)
-        tokens[at] = drawn
-        return drawn
-
-    first = where.candidates & (logp.amax(-1).double().exp() >= where.floor)
-    at = first.nonzero().squeeze(1)
-    decided = torch.zeros(int(where.rows.max()) + 1 if where.rows.numel() else 0, dtype=torch.bool,
-                          device=logits.device)  # fmt: skip
-    if at.numel():
-        drawn = draw(at)
-        reached = logp[at].gather(1, drawn[:, None]).squeeze(1).double().exp() >= where.floor
-        if low_confidence_ids is not None:  # their confidence is -inf (sample_tokens)
-            reached &= ~torch.isin(drawn, low_confidence_ids)
-        decided[where.rows[at][reached]] = True
-    rest = (where.candidates & ~first & ~decided[where.rows]).nonzero().squeeze(1)
-    if rest.numel():
-        draw(rest)
-    return tokens
 
 
 #: a pruned draw (:func:`gumbel_tokens`) scores at most this share of its logits; where more ids can still win, it

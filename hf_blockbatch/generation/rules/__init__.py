@@ -11,10 +11,7 @@ Each rule is one small frozen dataclass in its own file, registered here by name
 :func:`register`; :func:`make_rule` builds one from a config's options. Rules that keep per-row
 schedule counters (the fixed quota) say so with ``keeps_quota``, so the state maintains them; a
 rule that reads each proposal's predictive entropy (entropy-bounded commits) says so with
-``needs_entropy``, so that sampling computes it, and gets it ``[A, W]`` as a fifth argument. A rule
-that commits a candidate only at a confidence of at least some floor, or as its row's single most
-confident candidate, says so with ``commit_floor`` (the threshold rule: τ), so that a sampled step
-draws only where a commit can follow (``sampling.DrawWhere``).
+``needs_entropy``, so that sampling computes it, and gets it ``[A, W]`` as a fifth argument.
 
 See docs/algorithm.md, "Transfer rules".
 """
@@ -29,7 +26,7 @@ if TYPE_CHECKING:
     from hf_blockbatch.generation.forward import Span
     from hf_blockbatch.generation.state import DecodeState
 
-__all__ = ["RULES", "TransferRule", "candidate_scores", "commit_floor", "make_rule", "needs_entropy", "register"]
+__all__ = ["RULES", "TransferRule", "candidate_scores", "make_rule", "needs_entropy", "register"]
 
 
 class TransferRule(Protocol):
@@ -52,13 +49,6 @@ def register(cls: type) -> type:
 def needs_entropy(rule: TransferRule) -> bool:
     """Whether ``rule`` reads the proposals' entropy (a rule that does not say, does not)."""
     return bool(getattr(rule, "needs_entropy", False))
-
-
-def commit_floor(rule: TransferRule) -> float | None:
-    """The least confidence at which ``rule`` commits a candidate other than its row's single most confident one
-    (``None``: the rule says none, and any candidate's confidence may decide its commits)."""
-    floor = getattr(rule, "commit_floor", None)
-    return None if floor is None else float(floor)
 
 
 def make_rule(name: str, **options: Any) -> TransferRule:

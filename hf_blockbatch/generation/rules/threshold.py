@@ -26,10 +26,5 @@ class ThresholdRule:
     keeps_quota: ClassVar[bool] = False
     threshold: float = 0.9
 
-    @property
-    def commit_floor(self) -> float:
-        """Below τ a candidate is committed only as its row's best (rules/__init__.py, ``commit_floor``)."""
-        return self.threshold
-
     def select(self, scores, state, rows, span) -> torch.Tensor:
         return threshold_select(scores, self.threshold)
