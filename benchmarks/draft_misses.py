@@ -93,7 +93,7 @@ def chain_rows(sources: list[int], parent: list[int], branches: int) -> set[int]
     for row in sources:
         while row % branches:  # a draft row (branch 0 is the main row)
             rows.add(row)
-            row = row - row % branches + parent[row] if parent[row] > 0 else row - row % branches
+            row = row - row % branches + max(parent[row], 0)  # the parent's row, or the main row
     return rows
 
 
