@@ -23,7 +23,8 @@ two tokens instead of one) decodes what the plain one does. RESULTS §37 and §4
 It also counts the slots each block step proposes at (the positions whose logits it reads), in main rows and in
 draft rows, and among the latter those of drafts on an adopted chain (the adopted draft and the drafts it extends).
 A draft's proposals matter only when it is adopted: the rest is what proposing the main rows first, and then only
-the drafts still in question, would skip at most (RESULTS §45).
+the drafts still in question, would skip at most (RESULTS §45). The count checks itself: the main rows that proposed
+are the block steps, and each draft row reads its main row's slots less the ones it drafted.
 
     PYTHONPATH=$PWD python benchmarks/draft_misses.py --model tiny-dream --limit 500
 
@@ -48,7 +49,7 @@ import hf_blockbatch.generation.mixin as mixin
 from hf_blockbatch.eval.runner import _encode, load_for_benchmark, load_task, write_report
 from hf_blockbatch.generation.configs import FastDLLMConfig
 from hf_blockbatch.generation.engine import Run
-from hf_blockbatch.generation.policies.lookahead import Lookahead
+from hf_blockbatch.generation.policies.lookahead import DRAFT_SHAPES, Lookahead
 from hf_blockbatch.generation.state import DecodeState
 
 logger = logging.getLogger("draft_misses")
@@ -102,7 +103,8 @@ def instrumented(counts: Counter[str], slots: Counter[str] | None = None) -> Ite
     """Count every request's block steps into ``counts`` while decoding; the map kept at two tokens per position.
     ``slots``: also the block steps' proposed slots, in main rows (``main``), in draft rows (``draft``) and in draft
     rows on an adopted chain (``draft_adopted``), and the rows that proposed (``main_rows``, ``draft_rows``: a main
-    row proposes in every block step of its request)."""
+    row proposes in every block step of its request); ``draft_expected``, what the draft rows read if each reads its
+    main row's masks less the ones it drafted (:func:`count` checks both)."""
     plan_from_config, draft, apply = mixin.plan_from_config, Lookahead.draft, Lookahead.apply
     commit, copy_rows = Run.commit, DecodeState.copy_rows
     seen: dict[str, torch.Tensor] = {}
@@ -142,10 +144,13 @@ def instrumented(counts: Counter[str], slots: Counter[str] | None = None) -> Ite
         moved = apply(self, ctx)
         if step:
             on_chain = chain_rows(step["sources"], parent, s.branches)
+            read = dict(zip(step["rows"], step["n"]))
             for row, n, branch in zip(step["rows"], step["n"], step["branch"]):
                 slots["draft" if branch else "main"] += n
                 slots["draft_rows" if branch else "main_rows"] += 1
                 slots["draft_adopted"] += n if row in on_chain else 0
+                if branch:  # a draft reads its main row's masks but those it drafted
+                    slots["draft_expected"] += read[row - branch] - len(DRAFT_SHAPES[branch - 1])
             step.clear()
         took = (s.per_request(s.adopted)[:, 0] - seen["adopted"]).tolist()
         for b in (~seen["done"]).nonzero().squeeze(1).tolist():
@@ -185,6 +190,9 @@ def count(model, tokenizer, suite: str, limit: int, block: int, batch_size: int)
         refreshes += sum(st["nfe_refresh"] for st in out.stats)
         block_steps += sum(st["nfe_block"] for st in out.stats)
         adopted += sum(st["lookahead_adopted"] for st in out.stats)
+    if slots["main_rows"] != block_steps or slots["draft"] != slots["draft_expected"]:
+        raise RuntimeError(f"{suite}: {slots['main_rows']} main rows proposed in {block_steps} block steps; draft rows "
+                           f"read {slots['draft']} slots for {slots['draft_expected']} (their main rows' less the drafted)")  # fmt: skip
     if sum(counts.values()) != block_steps or counts["adopted_1"] + 2 * counts["adopted_2"] != adopted:
         raise RuntimeError(f"{suite}: {sum(counts.values())} steps counted for {block_steps} block steps; "
                            f"adopted {counts['adopted_1']} + 2 x {counts['adopted_2']} for {adopted}")  # fmt: skip
