@@ -63,19 +63,21 @@ def test_a_logged_decode_is_the_same_decode_and_counts_every_forward():
 
 
 def test_the_forward_s_own_operations_split_into_per_layer_and_the_rest():
-    """A deeper model of the same code repeats the per-layer operations: what the log scales a
-    forward's host time by. Logged at two depths, the split predicts the deeper one exactly."""
+    """A deeper model of the same code repeats a middle layer's operations: what the log scales a
+    forward's host time by. Logged at two depths, the split predicts the deeper one exactly (the first
+    layer builds what all read, the last computes only the head's rows past its attention)."""
     ids, mask = _prompts()
     cfg = hb.FastDLLMConfig(max_new_tokens=16, block_length=16, threshold=0.05, mask_token_id=MASK_ID)
     logs = {}
-    for layers in (2, 5):
+    for layers in (3, 5):
         model = make_tiny_llada(n_layers=layers)
         with ForwardLog(model) as log:
             model.generate(ids, attention_mask=mask, generation_config=cfg)
         logs[layers] = log.records
-    assert len(logs[2]) == len(logs[5])  # random weights, but the same number of steps here
-    for shallow, deep in zip(logs[2], logs[5]):
-        assert shallow.layers == 2 and deep.layers == 5 and shallow.layer_ops > 0
+    assert len(logs[3]) == len(logs[5])  # random weights, but the same number of steps here
+    for shallow, deep in zip(logs[3], logs[5]):
+        assert shallow.layers == 3 and deep.layers == 5 and shallow.layer_ops > 0
+        assert shallow.middle_layer_ops == deep.middle_layer_ops > 0
         assert shallow.forward_ops(5) == deep.forward_ops() and shallow.model_ops == deep.model_ops
 
 

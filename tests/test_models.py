@@ -375,6 +375,33 @@ def test_logits_mask_returns_exactly_the_masked_logits(family: str) -> None:
     assert torch.equal(out.cu_seqlens, dense.cu_seqlens)
     with pytest.raises(ValueError, match=r"logits_mask has shape \(3,\), expected \(13,\)"):
         model.forward_windows(ids, starts, ends, full.cache, logits_mask=pick[:3])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_the_last_layer_computes_past_its_attention_only_the_rows_the_head_reads(family: str) -> None:
+    """Every layer projects q, k and v for every query (the K/V go to the cache); past its attention the last
+    layer projects, adds and runs its MLP for the head's rows alone, in each forward that picks them."""
+    model = make(family)
+    ids = canvas(3, 16)
+    mask = torch.rand(3, 16, generator=torch.Generator().manual_seed(2)) < 0.4
+    rows: dict[int, list[int]] = {}
+    hooks = [lin.register_forward_pre_hook(lambda m, a, i=i: rows.setdefault(i, []).append(a[0].reshape(-1, a[0].shape[-1]).shape[0]))
+             for i, layer in enumerate(model._decoder_layers()) for lin in layer.modules() if isinstance(lin, torch.nn.Linear)]  # fmt: skip
+    try:
+        out = model(ids, use_cache=True, logits_mask=mask)
+        n = int(mask.sum())
+        assert sorted(rows[0]) == [48] * 7 and sorted(rows[len(rows) - 1]) == [n] * 4 + [48] * 3
+        rows.clear()
+        predict = torch.zeros(3, 16, dtype=torch.bool)
+        predict[:, 9:12] = True
+        refresh = torch.zeros_like(predict)
+        refresh[:, 2:5] = True
+        model.forward_positions(ids, predict, refresh, out.cache)
+        assert sorted(rows[len(rows) - 1]) == [9] * 4 + [18] * 3
+    finally:
+        for h in hooks:
+            h.remove()
     with pytest.raises(ValueError, match=r"logits_mask has shape \(3, 15\), expected \(3, 16\)"):
         model(ids, logits_mask=mask[:, :15])
 

@@ -50,9 +50,9 @@ _SYNCS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "no
           "unique", "unique_consecutive", "argwhere", "cpu", "numpy"}  # fmt: skip
 _INDEXING = {"__getitem__", "__setitem__", "index_put", "index_put_"}
 
-#: a forward's own buckets: before and after its layers ("model"), inside them, inside the last one,
-#: and after the last one ("head")
-_FORWARD_BUCKETS = ("model", "layer", "last", "head")
+#: a forward's own buckets: before and after its layers ("model"), inside them, inside the one before the last
+#: ("middle", from three layers up), inside the last one, and after the last one ("head")
+_FORWARD_BUCKETS = ("model", "layer", "middle", "last", "head")
 
 #: the package's folder, and this file: a caller is the innermost frame in the first and not the second
 #: (as the interpreter names them: frames carry the path the module was imported from)
@@ -143,8 +143,10 @@ class ForwardRecord:
     sent through the LM head; ``keys``: per row, the keys its queries attend to (the row's real
     length); ``policy_ops``: the decoding policy's tensor operations since the previous forward
     (or since the decode began); ``model_ops`` and ``layer_ops``: the forward's own, outside and
-    inside its ``layers`` decoder layers, of which ``last_layer_ops`` in the last one (a deeper model
-    of the same code repeats a layer's operations; the first layer also builds what every layer reads).
+    inside its ``layers`` decoder layers, of which ``last_layer_ops`` in the last one and
+    ``middle_layer_ops`` in the one before it (from three layers up; else ``None``). A deeper model of the
+    same code repeats a middle layer's operations: the first layer also builds what every layer reads, and
+    the last one computes only the rows the head reads past its attention (``models.layers.keep_rows``).
 
     Host syncs (calls that would stop the host until the GPU has run everything queued, see
     :func:`is_sync`): ``policy_syncs`` among the policy's operations, of which the first comes after
@@ -164,6 +166,7 @@ class ForwardRecord:
     layer_ops: int = 0
     last_layer_ops: int = 0
     layers: int = 1
+    middle_layer_ops: int | None = None
     policy_syncs: int = 0
     policy_overlap_ops: int | None = None
     after_forward: bool = False
@@ -183,9 +186,11 @@ class ForwardRecord:
 
     def forward_ops(self, layers: int | None = None) -> int:
         """The forward's tensor operations, at ``layers`` decoder layers (``None``: as logged): the
-        layers beyond the logged ones each repeat the last one's."""
+        layers beyond the logged ones each repeat a middle one's (the last one's where fewer than three were
+        logged: a few operations over, its row selection's)."""
         extra = 0 if layers is None else layers - self.layers
-        return self.model_ops + self.layer_ops + extra * self.last_layer_ops
+        repeated = self.last_layer_ops if self.middle_layer_ops is None else self.middle_layer_ops
+        return self.model_ops + self.layer_ops + extra * repeated
 
 
 @dataclass
@@ -220,10 +225,12 @@ class ForwardLog:
             setattr(m, name, self._wrap(getattr(m, name), kind))
         layers = list(m._decoder_layers())
         self._layers = len(layers)
-        # inside a layer its operations count apart (a deeper model repeats them); after the last
-        # one, the forward's tail ("head": its syncs keep the host waiting for the whole forward)
+        # inside a layer its operations count apart (a deeper model repeats a middle one's); after the
+        # last one, the forward's tail ("head": its syncs keep the host waiting for the whole forward)
         for i, layer in enumerate(layers):
             inside, after = ("last", "head") if i == len(layers) - 1 else ("layer", "model")
+            if i == len(layers) - 2 and i > 0:
+                inside = "middle"
             self._hooks.append(layer.register_forward_pre_hook(lambda *_, b=inside: self._into(b)))
             self._hooks.append(layer.register_forward_hook(lambda *_, b=after: self._into(b)))
         self.counter.__enter__()
@@ -296,9 +303,10 @@ class ForwardLog:
         ops = {
             "policy_ops": c.get("policy", 0),
             "model_ops": c["model"] + c["head"],
-            "layer_ops": c["layer"] + c["last"],
+            "layer_ops": c["layer"] + c["middle"] + c["last"],
             "last_layer_ops": c["last"],
             "layers": self._layers,
+            "middle_layer_ops": c["middle"] if self._layers >= 3 else None,
             "policy_syncs": syncs.get("policy", 0),
             "policy_overlap_ops": self.counter.before_sync.get("policy"),
             "after_forward": self._after_forward,

@@ -20,7 +20,10 @@
   ``[n, V]`` in row-major order. A decoder reads a fraction of the positions it queries (the
   still-masked ones), and on a small model the head is a large part of a forward (at vocabulary
   1024 and width 128 it costs as much as all four layers), as transformers' ``logits_to_keep``
-  saves it in autoregressive decoding. Optional in the contract: see ``supports_logits_mask``.
+  saves it in autoregressive decoding. The last layer, too, computes only those rows past its attention
+  (output projection, residual, MLP; ``layers.keep_rows``): every query's K/V still reach the cache, and on
+  the tiny models a batch-32 decode took 0.82-0.97x its time before (RESULTS §46). Optional in the contract:
+  see ``supports_logits_mask``.
 * ``model.forward_positions(input_ids, predict, refresh, cache, rows=None)`` (optional:
   ``supports_position_queries``): like a window forward, but each row's queries are any set of
   positions: those whose hidden states predict the ``predict`` positions (shifted by
@@ -242,10 +245,11 @@ class DiffusionLMMixin:
             )
 
     # ---- the two forwards ----------------------------------------------------------------
-    def _run(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        for layer in self._decoder_layers():
+    def _run(self, hidden: torch.Tensor, ctx: ForwardContext, keep: torch.Tensor | None = None) -> torch.Tensor:
+        layers = self._decoder_layers()
+        for layer in layers[:-1]:
             hidden = layer(hidden, ctx)
-        return hidden
+        return layers[-1](hidden, ctx, keep)
 
     def forward(
         self,
@@ -325,14 +329,11 @@ class DiffusionLMMixin:
                                      "forwards rotate by them): drop position_ids, or forward without a cache.")  # fmt: skip
         head_rows = _full_head_rows(logits_mask, B, L)
         ctx = self._context("dense", position_ids, L, cache=cache, rows=cache_rows, key_mask=key_mask)
-        return self._full_output(self._run(self._embed(input_ids), ctx), head_rows, cache, return_dict)
+        return self._full_output(self._run(self._embed(input_ids), ctx, head_rows), cache, return_dict)
 
-    def _full_output(self, hidden: torch.Tensor, head_rows: torch.Tensor | None, cache: BranchCache | None,
+    def _full_output(self, hidden: torch.Tensor, cache: BranchCache | None,
                      return_dict: bool | None) -> DiffusionLMOutput | tuple:  # fmt: skip
-        """A full forward's logits (only ``head_rows`` of the flattened ``[B * L]`` states when given), as
-        ``forward`` returns them."""
-        if head_rows is not None:
-            hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, head_rows)
+        """A full forward's logits from the last layer's output, as ``forward`` returns them."""
         logits = self._head(hidden)
         if return_dict is False:
             return (logits, cache)
@@ -372,7 +373,7 @@ class DiffusionLMMixin:
             position_ids = _checked_positions(position_ids, B, L, input_ids.device)
         head_rows = _full_head_rows(logits_mask, B, L)
         ctx = self._context("dense", position_ids, L, cache=None, rows=None, key_mask=mask)
-        return self._full_output(self._run(self._embed(input_ids), ctx), head_rows, None, return_dict)
+        return self._full_output(self._run(self._embed(input_ids), ctx, head_rows), None, return_dict)
 
     def forward_windows(
         self,
@@ -424,9 +425,7 @@ class DiffusionLMMixin:
         elif keep is not None:
             head_rows = _head_rows(keep)
         ctx = self._context("window", wb.rope_pos, input_ids.shape[1], cache=cache, wb=wb)
-        hidden = self._run(self._embed(input_ids[wb.token_rows, wb.token_pos]), ctx)
-        if head_rows is not None:
-            hidden = hidden.index_select(0, head_rows)
+        hidden = self._run(self._embed(input_ids[wb.token_rows, wb.token_pos]), ctx, head_rows)
         cu = torch.zeros_like(wb.cu_seqlens)
         cu[1:] = (ends - starts).cumsum(0)
         return WindowOutput(logits=self._head(hidden), cu_seqlens=cu)
@@ -473,8 +472,8 @@ class DiffusionLMMixin:
             _add_echo(wb, queries, echo)
         head_rows = _head_rows(heads[queries])
         ctx = self._context("window", wb.rope_pos, input_ids.shape[1], cache=cache, wb=wb)
-        hidden = self._run(self._embed(input_ids[wb.token_rows, wb.token_pos]), ctx)
-        return PositionOutput(logits=self._head(hidden.index_select(0, head_rows)), query_mask=queries)
+        hidden = self._run(self._embed(input_ids[wb.token_rows, wb.token_pos]), ctx, head_rows)
+        return PositionOutput(logits=self._head(hidden), query_mask=queries)
 
 
 def _checked_positions(position_ids, B: int, L: int, device: torch.device) -> torch.Tensor:

@@ -19,7 +19,14 @@ from transformers import PreTrainedConfig, PreTrainedModel
 
 from hf_blockbatch.generation.mixin import BlockBatchGenerationMixin
 from hf_blockbatch.models.base import DiffusionLMMixin
-from hf_blockbatch.models.layers import ForwardContext, RMSNorm, init_weights, self_attention, swiglu
+from hf_blockbatch.models.layers import (
+    ForwardContext,
+    RMSNorm,
+    init_weights,
+    keep_rows,
+    self_attention,
+    swiglu,
+)
 
 __all__ = ["DreamConfig", "DreamModel"]
 
@@ -139,10 +146,10 @@ class DreamAttention(nn.Module):
         self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=True)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, keep: torch.Tensor | None = None) -> torch.Tensor:
         return self_attention(
             x, self.q_proj, self.k_proj, self.v_proj, self.o_proj,
-            self.layer_idx, self.n_heads, self.n_kv_heads, self.head_dim, ctx,
+            self.layer_idx, self.n_heads, self.n_kv_heads, self.head_dim, ctx, keep,
         )  # fmt: skip
 
 
@@ -166,8 +173,9 @@ class DreamDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``keep``: only these rows of the flattened output (the last layer's, :func:`keep_rows`)."""
+        x = keep_rows(x, keep) + self.self_attn(self.input_layernorm(x), ctx, keep)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -99,6 +99,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, full_preci
     return x * cos + x.roll(half, -1) * sin
 
 
+def keep_rows(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``x`` (``[..., C]``), or the rows ``keep`` of it flattened to ``[N, C]``.
+
+    Why: a forward's last layer feeds only the LM head, and the head reads a few positions (a window's masks,
+    never the prompt); every position's K/V is still written (they come before its attention). So past its
+    attention scores the last layer computes the kept rows alone: the output projection, the residual, the MLP."""
+    return x if keep is None else x.reshape(-1, x.shape[-1]).index_select(0, keep)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
@@ -134,8 +143,11 @@ def self_attention(
     num_kv_heads: int,
     head_dim: int,
     ctx: ForwardContext,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Bidirectional self-attention over the canvas, in either forward mode (see ForwardContext)."""
+    """Bidirectional self-attention over the canvas, in either forward mode (see ForwardContext).
+
+    ``keep``: only these rows of the flattened output are projected and returned (see :func:`keep_rows`)."""
     lead = x.shape[:-1]
     q = q_proj(x).view(*lead, num_heads, head_dim)
     k = k_proj(x).view(*lead, num_kv_heads, head_dim)
@@ -157,4 +169,4 @@ def self_attention(
                                    v.index_select(0, wb.write_src))  # fmt: skip
         layer = ctx.cache.layers[layer_idx]
         out = ctx.backend.window(q, layer.keys, layer.values, ctx.wb, scale)
-    return o_proj(out.reshape(*lead, num_heads * head_dim))
+    return o_proj(keep_rows(out.reshape(*lead, num_heads * head_dim), keep))

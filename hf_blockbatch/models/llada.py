@@ -23,7 +23,14 @@ from transformers import PreTrainedConfig, PreTrainedModel
 
 from hf_blockbatch.generation.mixin import BlockBatchGenerationMixin
 from hf_blockbatch.models.base import DiffusionLMMixin
-from hf_blockbatch.models.layers import ForwardContext, RMSNorm, init_weights, self_attention, swiglu
+from hf_blockbatch.models.layers import (
+    ForwardContext,
+    RMSNorm,
+    init_weights,
+    keep_rows,
+    self_attention,
+    swiglu,
+)
 
 __all__ = ["LLaDAConfig", "LLaDAModelLM"]
 
@@ -213,10 +220,11 @@ class LLaDALlamaBlock(nn.Module):
         self.up_proj = nn.Linear(d, hidden, bias=config.include_bias)
         self.ff_out = nn.Linear(hidden, d, bias=config.include_bias)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self_attention(
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``keep``: only these rows of the flattened output (the last layer's, :func:`keep_rows`)."""
+        x = keep_rows(x, keep) + self_attention(
             self.attn_norm(x), self.q_proj, self.k_proj, self.v_proj, self.attn_out,
-            self.layer_idx, self.n_heads, self.n_kv_heads, self.head_dim, ctx,
+            self.layer_idx, self.n_heads, self.n_kv_heads, self.head_dim, ctx, keep,
         )  # fmt: skip
         h = self.ff_norm(x)
         return x + self.ff_out(swiglu(self.ff_proj(h), self.up_proj(h)))
