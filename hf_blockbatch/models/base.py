@@ -21,9 +21,9 @@
   still-masked ones), and on a small model the head is a large part of a forward (at vocabulary
   1024 and width 128 it costs as much as all four layers), as transformers' ``logits_to_keep``
   saves it in autoregressive decoding. The last layer, too, computes only those rows past its attention
-  (output projection, residual, MLP; ``layers.keep_rows``): every query's K/V still reach the cache, and on
-  the tiny models a batch-32 decode took 0.80-0.97x its time before (RESULTS §46). Optional in the contract:
-  see ``supports_logits_mask``.
+  (output projection, residual, MLP; ``layers.keep_rows``; a forward hook on it then sees those rows, packed
+  ``[n, C]``): every query's K/V still reach the cache, and on the tiny models a batch-32 decode took
+  0.80-0.97x its time before (RESULTS §46). Optional in the contract: see ``supports_logits_mask``.
 * ``model.forward_positions(input_ids, predict, refresh, cache, rows=None)`` (optional:
   ``supports_position_queries``): like a window forward, but each row's queries are any set of
   positions: those whose hidden states predict the ``predict`` positions (shifted by
