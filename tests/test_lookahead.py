@@ -772,3 +772,18 @@ def test_lookahead_invariants_sweep(family, monkeypatch):
         gained += _check_contained_invariants(model, seed)
         _check_sampled_invariants(sampled, seed)
     assert gained > 0
+
+
+def test_parked_drafts_do_not_make_every_step_look_for_finished_requests(monkeypatch):
+    """A parked draft row is done (pruned-like), but it ends nothing: the stop rule's quick check leaves pruned
+    rows out, so a lone request looks for finished requests (``stop.finished_requests``, a handful of
+    operations) only in the step that ends it, not after every step, and it decodes as before."""
+    from hf_blockbatch.generation import stop
+
+    model, tok = hb.load_model("tiny-llada", device="cpu")
+    enc = _batch(tok, "arith", 1)
+    calls = []
+    real = stop.finished_requests
+    monkeypatch.setattr(stop, "finished_requests", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = _decode(model, enc, **{**hb.generation.configs.DRAFTED_CONTAINED, "block_length": 32})
+    assert int(out.nfe[0]) > 3 and len(calls) == 1

@@ -137,8 +137,13 @@ class StopRule:
     def ending(self, state: DecodeState, num_requests: int, pad_id: int) -> Ending | None:
         """The requests that end now, or None (one host sync while none can)."""
         # a request can only end once one of its live rows is done (or hit EOS, with early stop);
-        # retired rows are done and have no EOS hit
+        # retired rows are done and have no EOS hit. A pruned row is done too, but every request keeps
+        # a row that is not pruned (``policies.prune``; Lookahead's main row), and it is done when all
+        # are: so pruned rows are left out, or Lookahead's parked drafts would make every step look
+        # for finished requests
         ready = state.done ^ state.retired
+        if state.pruned is not None:
+            ready &= ~state.pruned
         if self.early_stop:
             ready |= state.eos_hit
         if not bool(ready.any()):
