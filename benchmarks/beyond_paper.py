@@ -19,6 +19,10 @@ invariant), so ``--batch-size`` changes only the timing.
 Every (model, suite, limit, config) result is cached under ``<out>/cache/`` by the config's
 content, so adding a candidate decodes only that candidate (``--fresh`` re-decodes). Writes
 ``<out>/<model>_<limit>.json`` and ``.md``.
+
+``--split test`` decodes the suite's test split instead (the first ``--limit`` of its 500 items), to *report*
+what the issue measures there, never to choose: the CPU latency target is judged on the test splits, side by
+side, like the other four (RESULTS §47); the files are then named ``<model>_test<limit>...``.
 """
 
 from __future__ import annotations
@@ -207,13 +211,16 @@ def _sampled(cfg: dict[str, Any]) -> bool:
 
 
 def _key(model: str, suite: str, limit: int, gen_length: int, cfg: dict[str, Any], batch_size: int,
-         seed: int = 0) -> str:  # fmt: skip
+         seed: int = 0, split: str = "train") -> str:  # fmt: skip
     """The cache key of a result; the batch size changes only the timing, and keys a result
     only when it is not the default 16 (so that timing runs at batch 1 / 32 sit beside it). A sampled
     config's result is keyed by its seed too, and by its noise being keyed (results drawn from a generator,
     before keyed noise, are not taken for them), and one with a draft radius by that radius not applying when
-    sampling (RESULTS §40: results from before are not taken for it)."""
+    sampling (RESULTS §40: results from before are not taken for it). A test-split result is keyed by its split
+    (training items' keys stay as they were)."""
     what = {"model": model, "suite": suite, "limit": limit, "gen": gen_length, "cfg": cfg}
+    if split != "train":
+        what["split"] = split
     if batch_size != 16:
         what["batch_size"] = batch_size
     if _sampled(cfg):
@@ -290,8 +297,10 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def render(model: str, limit: int, table: dict[str, dict[str, dict[str, float]]], baseline: str) -> str:
-    lines = [f"# beyond_paper: {model}, {limit} training items per suite", "",
+def render(model: str, limit: int, table: dict[str, dict[str, dict[str, float]]], baseline: str,
+           split: str = "train") -> str:  # fmt: skip
+    items = "training items" if split == "train" else f"{split}-split items"
+    lines = [f"# beyond_paper: {model}, {limit} {items} per suite", "",
              f"Ratios and Δacc against `{baseline}` (Fast-dLLM dual, τ 0.9, early stop) on the same items "
              "(Δacc in points, with Newcombe's paired 95 % interval: the two decoders scored on the same items). "
              "Latency is wall time per item at the run's batch size (noisy on shared CPUs; NFE and query "
@@ -317,7 +326,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llada")
     p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
-    p.add_argument("--limit", type=int, default=120, help="training items per suite")
+    p.add_argument("--limit", type=int, default=120, help="items per suite (the first of the split)")
+    p.add_argument("--split", choices=("train", "test"), default="train",
+                   help="train: choose configs on training items; test: report on the test split (never to choose)")
     p.add_argument("--configs", nargs="+", default=["fd_es_b32", "fd_es_b64", "fd_es_b96", "bb_default"],
                    help=f"named configs ({', '.join(CONFIGS)}) or entries of --config-file")
     p.add_argument("--config-file", help='JSON {"name": {"strategy": ..., option: value}} of extra candidates')
@@ -349,14 +360,15 @@ def main(argv: list[str] | None = None) -> None:
     (out_dir / "cache").mkdir(parents=True, exist_ok=True)
     mname = Path(args.model).name
     table: dict[str, dict[str, dict[str, float]]] = {}
-    full: dict[str, Any] = {"model": args.model, "limit": args.limit, "baseline": args.baseline, "configs": {}, "suites": {}}
+    full: dict[str, Any] = {"model": args.model, "limit": args.limit, "split": args.split, "batch_size": args.batch_size,
+                            "rounds": args.rounds, "baseline": args.baseline, "configs": {}, "suites": {}}  # fmt: skip
     for suite in args.suites:
         task = load_task(suite)
-        items = task.items("train", limit=args.limit)
+        items = task.items(args.split, limit=args.limit)
         prompts = [task.prompt(it, tokenizer, chat=chat) for it in items]
         gen_length = int(task.default_gen_length)
         table[suite], full["suites"][suite] = {}, {}
-        paths = {name: out_dir / "cache" / f"{mname}_{suite}_{_key(args.model, suite, args.limit, gen_length, configs[name], args.batch_size, args.seed)}.json"
+        paths = {name: out_dir / "cache" / f"{mname}_{suite}_{_key(args.model, suite, args.limit, gen_length, configs[name], args.batch_size, args.seed, args.split)}.json"
                  for name in names}  # fmt: skip
         # a latency run (--rounds > 1) times every config in this sitting: a cached time from another
         # sitting is not side by side (timings here move by 10 % between sittings)
@@ -389,8 +401,9 @@ def main(argv: list[str] | None = None) -> None:
                 table[suite][name]["paired"] = full["suites"][suite][name]["paired"] = paired_difference(
                     right[name], right[args.baseline])
                 full["suites"][suite][name]["t_ratio_rounds"] = round_ratios(table[suite][name], table[suite][args.baseline])
-    stem = out_dir / (f"{mname}_{args.limit}" + (f"_b{args.batch_size}" if args.batch_size != 16 else "") + args.tag)
-    text = render(args.model, args.limit, table, args.baseline)
+    split = "" if args.split == "train" else args.split
+    stem = out_dir / (f"{mname}_{split}{args.limit}" + (f"_b{args.batch_size}" if args.batch_size != 16 else "") + args.tag)
+    text = render(args.model, args.limit, table, args.baseline, args.split)
     write_report(stem, full, text)
     print(text)
 

@@ -17,6 +17,10 @@ preset's run is found by its config (as ``run.json`` recorded it), not by a benc
 bench config cannot put another decoder under a preset's label. ``--heldout-sweep`` first records the tuned block
 picked on training items (``results/targets/heldout_blocks.json``, from ``beyond_paper.py`` runs of the block
 sweep), and the scorecard then adds the same table against the baseline at that block (RESULTS §36).
+``--latency`` first records the CPU time per item of the tuned baseline and of the shipped preset, timed side by
+side on the test splits at batch 1 and 32 by ``beyond_paper.py --split test --rounds k`` (``results/targets/latency.json``;
+each run found by its config, and refused unless it decoded what the bench's runs decoded), and the scorecard then
+judges the fifth target, the CPU latency, with the others (RESULTS §47).
 """
 
 from __future__ import annotations
@@ -126,6 +130,11 @@ HELDOUT = TARGETS / "heldout_blocks.json"
 #: the issue's thresholds: accuracy within this many points of the tuned baseline, NFE under these
 #: fractions of the tuned and of the paper's baseline, query tokens under this fraction of the tuned
 ACC_POINTS, NFE_TUNED, NFE_PAPER, QUERY_TUNED = 1.0, 0.75, 0.5, 1.0
+#: the CPU latency of the tuned baseline and of the shipped preset, side by side on the test splits (``--latency``)
+LATENCY = TARGETS / "latency.json"
+#: the issue's latency target: the shipped preset's time per item at most this multiple of the tuned baseline's, at
+#: each of these batch sizes
+TIME_TUNED, LATENCY_BATCHES = 1.0, (1, 32)
 
 
 def _presets() -> dict[str, tuple[Callable[[int, int], Any], bool]]:
@@ -211,16 +220,77 @@ def _score_row(folder: Path, cells: Mapping[str, dict], tuned_name: str, presets
     return row
 
 
-def scorecard() -> list[dict[str, Any]]:
+def scorecard(latency: bool = True) -> list[dict[str, Any]]:
     """One entry per checkpoint and suite: the tuned baseline (:func:`_folder_cells`), the paper's, each
     preset's run (``None`` where it did not run, e.g. the authors' reference on Dream) and the shipped
-    preset's ratios against the targets."""
+    preset's ratios against the targets; with ``latency`` and a recorded :data:`LATENCY`, the CPU time too."""
     presets = _presets()
     out = []
     for folder in sorted((RESULTS / "paper_table").iterdir()):
         cells, tuned_name = _folder_cells(folder)
         out.append(_score_row(folder, cells, tuned_name, presets))
+    if latency and LATENCY.is_file():
+        _judge_latency(out, json.loads(LATENCY.read_text()))
     return out
+
+
+def latency_runs(paths: Sequence[Path]) -> dict[str, dict[str, dict[str, Any]]]:
+    """The CPU latency target's figures, from ``beyond_paper.py --split test --rounds k`` runs (RESULTS §47): per
+    checkpoint, suite and batch size, the time per item of the scorecard's tuned baseline and of its shipped preset
+    (each found in the run by its config, as the scorecard finds the bench's runs), the ratio of the rounds' medians
+    and each round's own ratio (round-robin rounds: both sides of a pair timed in the same stretch). A run is taken
+    only if it decoded the whole test split as the bench's runs did (the same accuracy and mean NFE: the same
+    decoders on the same items), so the time is that of the decodes the other targets judge."""
+    from hf_blockbatch.generation.configs import config_from_dict
+
+    rows = {(r["model"], r["suite"]): r for r in scorecard(latency=False)}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        bs, model = run.get("batch_size"), Path(run["model"]).name
+        if run.get("split") != "test" or bs is None or (run.get("rounds") or 1) < 2:
+            raise SystemExit(f"{path}: not a latency run on the test split (beyond_paper.py --split test --rounds 3).")
+        for suite, results in run["suites"].items():
+            row = rows.get((model, suite))
+            if row is None:
+                raise SystemExit(f"{path}: the scorecard has no {model} {suite}.")
+            recorded, gen = _recorded(model, suite)
+            sides: dict[str, Any] = {}
+            for side in ("tuned", "shipped"):
+                bench = row["cells"][row[side]]
+                names = [n for n in results if same_config(recorded[row[side]],
+                                                           config_from_dict({"max_new_tokens": gen, **run["configs"][n]}))]
+                if not names:
+                    raise SystemExit(f"{path}: {model} {suite} has no run of the {side} decoder ({row[side]}).")
+                r = results[names[0]]
+                if r["n"] != bench["n"] or abs(r["nfe"] - bench["nfe_mean"]) > 1e-9 or abs(r["acc"] - 100 * bench["accuracy"]) > 1e-9:
+                    raise SystemExit(f"{path}: {model} {suite} {names[0]} decoded otherwise than the bench's {row[side]} "
+                                     f"({r['n']} items, NFE {r['nfe']:.4f}, accuracy {r['acc']:.1f} % against {bench['n']}, "
+                                     f"{bench['nfe_mean']:.4f}, {100 * bench['accuracy']:.1f} %).")  # fmt: skip
+                sides[side] = {"name": names[0], "ms_item": r["ms_item"], "policy_ms_item": r["policy_ms_item"],
+                               "round_seconds": r["rounds"]}  # fmt: skip
+            tuned, shipped = sides["tuned"]["round_seconds"], sides["shipped"]["round_seconds"]
+            out.setdefault(model, {}).setdefault(suite, {})[str(bs)] = {
+                "source": Path(path).name, "items": results[sides["tuned"]["name"]]["n"], "rounds": len(tuned),
+                "block": row["tuned_block"], **sides, "ratio": sides["shipped"]["ms_item"] / sides["tuned"]["ms_item"],
+                "round_ratios": [a / b for a, b in zip(shipped, tuned)],
+            }  # fmt: skip
+    return out
+
+
+def _judge_latency(card: list[dict[str, Any]], recorded: Mapping[str, Any]) -> None:
+    """Each row's CPU time at :data:`LATENCY_BATCHES` from :data:`LATENCY`, and the latency target met where the shipped
+    preset's ratio is at most :data:`TIME_TUNED` at every batch size (``None``: not measured). A recording made at
+    another tuned block than the scorecard's is stale: refused."""
+    for row in card:
+        times = recorded.get(row["model"], {}).get(row["suite"], {})
+        for t in times.values():
+            if t["block"] != row["tuned_block"]:
+                raise SystemExit(f"{LATENCY}: {row['model']} {row['suite']} was timed at block {t['block']}, the tuned block is "
+                                 f"{row['tuned_block']}: re-record it (paper_table.py --targets --latency ...).")  # fmt: skip
+        row["latency"] = {str(bs): times[str(bs)] for bs in LATENCY_BATCHES if str(bs) in times}
+        measured = len(row["latency"]) == len(LATENCY_BATCHES)
+        row["met"]["cpu_time"] = all(t["ratio"] <= TIME_TUNED for t in row["latency"].values()) if measured else None
 
 
 def heldout_blocks(sweeps: Sequence[Path]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -287,8 +357,11 @@ def _on_frontier(name: str, cell: Mapping[str, Any]) -> bool:
 
 def _card_markdown(card: list[dict[str, Any]], tuned_header: str) -> list[str]:
     """A scorecard's table and its targets met, as Markdown lines."""
+    timed = any(r.get("latency") for r in card)
+    batches = " · ".join(map(str, LATENCY_BATCHES))
     lines = [f"| model / suite | {tuned_header} | shipped: Δ accuracy (points) | ≥ reference | NFE / tuned | NFE / paper | "
-             "query tokens / tuned |", "|---|---|---:|---|---:|---:|---:|"]  # fmt: skip
+             "query tokens / tuned |" + (f" CPU time / tuned, batch {batches} [rounds] |" if timed else ""),
+             "|---|---|---:|---|---:|---:|---:|" + ("---|" if timed else "")]  # fmt: skip
 
     def mark(value: str, met: bool) -> str:
         return f"**{value}**" if met else f"{value} ✗"
@@ -300,12 +373,21 @@ def _card_markdown(card: list[dict[str, Any]], tuned_header: str) -> list[str]:
         nfe = mark(format(r["nfe_vs_tuned"], ".3f"), r["met"]["nfe_vs_tuned"])
         paper = mark(format(r["nfe_vs_paper"], ".2f"), r["met"]["nfe_vs_paper"])
         qt = mark(format(r["query_tokens_vs_tuned"], ".2f"), r["met"]["query_tokens"])
+        times = [r.get("latency", {}).get(str(bs)) for bs in LATENCY_BATCHES]
+        cpu = " · ".join("—" if x is None else mark(f"{x['ratio']:.3f} [{min(x['round_ratios']):.2f}–{max(x['round_ratios']):.2f}]",
+                                                       x["ratio"] <= TIME_TUNED) for x in times)  # fmt: skip
         lines.append(f"| {r['model']} {r['suite']} | {100 * t['accuracy']:.1f} % · {t['nfe_mean']:.2f} NFE · "
-                     f"{t['query_tokens_mean']:.0f} qt (b{r['tuned_block']}) | {acc} | {ref} | {nfe} | {paper} | {qt} |")
+                     f"{t['query_tokens_mean']:.0f} qt (b{r['tuned_block']}) | {acc} | {ref} | {nfe} | {paper} | {qt} |"
+                     + (f" {cpu} |" if timed else ""))  # fmt: skip
     lines.append("")
     names = {"accuracy": f"accuracy ≥ tuned − {ACC_POINTS:g} point and ≥ the reference's",
              "nfe_vs_tuned": f"NFE ≤ {NFE_TUNED}× tuned", "nfe_vs_paper": f"NFE ≤ {NFE_PAPER}× the paper's baseline",
              "query_tokens": f"query tokens ≤ {QUERY_TUNED}× tuned"}  # fmt: skip
+    if all(r["met"].get("cpu_time") is not None for r in card):
+        sample = card[0]["latency"][str(LATENCY_BATCHES[0])]
+        names["cpu_time"] = (f"CPU time per item ≤ {TIME_TUNED:g}× tuned at batch {' and '.join(map(str, LATENCY_BATCHES))} "
+                             f"(the ratio of the medians of {sample['rounds']} side-by-side rounds on the {sample['items']} "
+                             f"test items, one thread; `{LATENCY.name}`)")  # fmt: skip
     for key, name in names.items():
         missed = [f"{r['model']} {r['suite']}" for r in card if not r["met"][key]]
         lines.append(f"* {name}: met on {len(card) - len(missed)} of {len(card)}" + (f" (missed: {', '.join(missed)})" if missed else ""))
@@ -411,6 +493,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--plots", action="store_true", help="also draw every method on one plot pair per model")
     p.add_argument("--targets", action="store_true", help="write issue 16's scorecard (results/targets/) instead of the rows")
+    p.add_argument("--latency", nargs="+", type=Path, metavar="JSON",
+                   help="with --targets: first record the CPU latency target's times, from beyond_paper.py --split test "
+                        "latency runs at batch 1 and 32 (RESULTS §47)")
     p.add_argument("--heldout-sweep", nargs="+", type=Path, metavar="JSON",
                    help="with --targets: first record the tuned block picked on training items, from beyond_paper.py runs "
                         "of the block sweep (RESULTS §36), for the scorecard's held-out table")  # fmt: skip
@@ -423,6 +508,14 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"no such file: {', '.join(missing)} (run the beyond_paper.py command of RESULTS §36 first)")
         HELDOUT.parent.mkdir(parents=True, exist_ok=True)
         HELDOUT.write_text(json.dumps(heldout_blocks(args.heldout_sweep), indent=1) + "\n")
+    if args.latency:
+        if not args.targets:
+            p.error("--latency goes with --targets")
+        missing = [str(f) for f in args.latency if not f.is_file()]
+        if missing:
+            p.error(f"no such file: {', '.join(missing)} (run the beyond_paper.py commands of RESULTS §47 first)")
+        LATENCY.parent.mkdir(parents=True, exist_ok=True)
+        LATENCY.write_text(json.dumps(latency_runs(args.latency), indent=1) + "\n")
     if args.targets:
         print("\n".join(str(path) for path in write_targets()))
         return

@@ -861,6 +861,31 @@ def test_beyond_paper_latency_runs_split_forward_and_policy_time(tmp_path):
     assert beyond_paper.summarise(old)["policy_ms_item"] is None and beyond_paper._ms(None) == "-"
 
 
+def test_beyond_paper_reports_on_the_test_split_apart_from_training_items(tmp_path, monkeypatch):
+    """``beyond_paper.py --split test`` decodes the first items of the test split, says so in its files' names and
+    contents, and keys its cached results apart from the training items' (whose keys stay as they were)."""
+    beyond_paper = load_benchmark("beyond_paper")
+    cfg = beyond_paper.CONFIGS["fd_es_b64"]
+    train = beyond_paper._key("tiny-llada", "code", 2, 96, cfg, 1)
+    assert train == beyond_paper._key("tiny-llada", "code", 2, 96, cfg, 1, 0, "train")
+    assert train != beyond_paper._key("tiny-llada", "code", 2, 96, cfg, 1, 0, "test")
+    asked, real = [], beyond_paper.load_task
+
+    def spy(name: str):
+        task = real(name)
+        items = task.items
+        monkeypatch.setattr(task, "items", lambda split="test", limit=None: asked.append((split, limit)) or items(split, limit))
+        return task
+
+    monkeypatch.setattr(beyond_paper, "load_task", spy)
+    beyond_paper.main(["--model", "tiny-llada", "--suites", "code", "--limit", "2", "--batch-size", "1", "--split", "test",
+                       "--configs", "fd_es_b64", "--out", str(tmp_path)])  # fmt: skip
+    assert asked == [("test", 2)]
+    run = json.loads((tmp_path / "tiny-llada_test2_b1.json").read_text())
+    assert (run["split"], run["batch_size"], run["rounds"]) == ("test", 1, 1)
+    assert "2 test-split items per suite" in (tmp_path / "tiny-llada_test2_b1.md").read_text()
+
+
 def test_beyond_paper_seeds_sampled_configs(tmp_path):
     """A sampled config (temperature > 0) samples with keyed noise of ``--seed``: two rounds decode the same (the
     harness asserts it), a greedy config's result is shared by every seed, a sampled one's is keyed by its seed, and
@@ -1091,6 +1116,12 @@ def test_the_committed_targets_scorecard_is_the_committed_runs_and_the_shipped_p
         assert row["tuned_block"] == block == row["cells"][row["shipped"]]["block"] and row["tuned"] in row["frontier"]
     committed = (paper_table.TARGETS / "targets.md").read_text()
     assert paper_table.targets_markdown(card, heldout) == committed
+    # the CPU latency target: what the committed side-by-side test-split runs give, of the decoders scored above
+    latency = json.loads(paper_table.LATENCY.read_text())
+    sources = {t["source"] for suites in latency.values() for times in suites.values() for t in times.values()}
+    results = paper_table.RESULTS / "beyond_paper"
+    assert paper_table.latency_runs([results / name for name in sorted(sources)]) == latency
+    assert all(row["met"]["cpu_time"] is not None and set(row["latency"]) == {"1", "32"} for row in card)
 
 
 def test_the_heldout_pick_reads_only_the_sweeps_own_configs(tmp_path):
@@ -1114,6 +1145,55 @@ def test_the_heldout_pick_reads_only_the_sweeps_own_configs(tmp_path):
     path.write_text(json.dumps({"model": "m", "limit": 10, "configs": configs, "suites": {"lists": results}}))
     with pytest.raises(SystemExit, match=r"blocks \[48\]"):
         paper_table.heldout_blocks([path])
+
+
+def test_the_latency_target_is_read_from_side_by_side_test_split_runs_of_the_scored_decoders(tmp_path, monkeypatch):
+    """``paper_table.py --targets --latency``: a ``beyond_paper.py --split test`` latency run gives each checkpoint and
+    suite the tuned baseline's and the shipped preset's time per item, each found by its config; a run that decoded
+    otherwise than the bench's runs (another NFE), a training-split run and a stale block are refused; the scorecard
+    then marks the fifth target per row and in its summary lines."""
+    paper_table = load_benchmark("paper_table")
+    row = next(r for r in paper_table.scorecard(latency=False) if (r["model"], r["suite"]) == ("tiny-llada", "code"))
+    recorded, gen = paper_table._recorded("tiny-llada", "code")
+
+    def run(bs: int, times: dict[str, list[float]], nfe_shift: float = 0.0, split: str = "test") -> Path:
+        results = {}
+        for side, name in (("tuned", "base"), ("shipped", "cand")):
+            cell = row["cells"][row[side]]
+            secs = times[side]
+            results[name] = {"n": cell["n"], "acc": 100 * cell["accuracy"], "nfe": cell["nfe_mean"] + nfe_shift,
+                             "ms_item": 1000 * sorted(secs)[1] / cell["n"], "policy_ms_item": 1.0, "rounds": secs}  # fmt: skip
+        configs = {"base": recorded[row["tuned"]], "cand": recorded[row["shipped"]],
+                   "other": {**recorded[row["shipped"]], "block_length": 32}}  # fmt: skip
+        results["other"] = results["cand"]
+        path = tmp_path / f"run_{bs}_{split}_{nfe_shift}.json"
+        path.write_text(json.dumps({"model": "tiny-llada", "limit": 500, "split": split, "batch_size": bs, "rounds": 3,
+                                    "configs": {k: configs[k] for k in ("other", "base", "cand")}, "suites": {"code": results}}))  # fmt: skip
+        return path
+
+    b1 = run(1, {"tuned": [10.0, 11.0, 12.0], "shipped": [9.0, 10.5, 12.6]})
+    b32 = run(32, {"tuned": [5.0, 5.0, 5.0], "shipped": [5.5, 5.2, 5.4]})
+    got = paper_table.latency_runs([b1, b32])["tiny-llada"]["code"]
+    assert got["1"]["tuned"]["name"] == "base" and got["1"]["shipped"]["name"] == "cand"  # by config, not by order
+    assert got["1"]["ratio"] == pytest.approx(10.5 / 11.0) and got["1"]["round_ratios"] == pytest.approx([0.9, 10.5 / 11, 1.05])
+    assert got["32"]["ratio"] == pytest.approx(5.4 / 5.0) and got["1"]["block"] == row["tuned_block"]
+    with pytest.raises(SystemExit, match="decoded otherwise"):
+        paper_table.latency_runs([run(1, {"tuned": [1.0] * 3, "shipped": [1.0] * 3}, nfe_shift=0.01)])
+    with pytest.raises(SystemExit, match="not a latency run on the test split"):
+        paper_table.latency_runs([run(1, {"tuned": [1.0] * 3, "shipped": [1.0] * 3}, split="train")])
+    card = [dict(row, met=dict(row["met"]))]
+    paper_table._judge_latency(card, {"tiny-llada": {"code": got}})
+    assert card[0]["met"]["cpu_time"] is False  # over 1.0x at batch 32
+    text = "\n".join(paper_table._card_markdown(card, "tuned"))
+    assert "| **0.955 [0.90–1.05]** · 1.080 [1.04–1.10] ✗ |" in text
+    assert "CPU time per item ≤ 1× tuned at batch 1 and 32 (the ratio of the medians of 3 side-by-side rounds on the 500 " \
+           "test items, one thread; `latency.json`): met on 0 of 1 (missed: tiny-llada code)" in text
+    card = [dict(row, met=dict(row["met"]))]
+    paper_table._judge_latency(card, {"tiny-llada": {"code": {"1": got["1"]}}})  # one batch size only: not judged
+    assert card[0]["met"]["cpu_time"] is None and "CPU time per item" not in "\n".join(paper_table._card_markdown(card, "t"))
+    stale = {"1": {**got["1"], "block": 16}}
+    with pytest.raises(SystemExit, match="re-record"):
+        paper_table._judge_latency([dict(row, met=dict(row["met"]))], {"tiny-llada": {"code": stale}})
 
 
 def test_step_anatomy_times_each_part_exclusive_of_the_parts_it_calls(monkeypatch):
