@@ -500,22 +500,18 @@ def main(argv: list[str] | None = None) -> None:
                    help="with --targets: first record the tuned block picked on training items, from beyond_paper.py runs "
                         "of the block sweep (RESULTS §36), for the scorecard's held-out table")  # fmt: skip
     args = p.parse_args(argv)
-    if args.heldout_sweep:
+    # each records what the scorecard reads from runs of beyond_paper.py, before the scorecard is written
+    for flag, files, out, record, section in (("--heldout-sweep", args.heldout_sweep, HELDOUT, heldout_blocks, 36),
+                                              ("--latency", args.latency, LATENCY, latency_runs, 47)):  # fmt: skip
+        if not files:
+            continue
         if not args.targets:
-            p.error("--heldout-sweep goes with --targets")
-        missing = [str(f) for f in args.heldout_sweep if not f.is_file()]
+            p.error(f"{flag} goes with --targets")
+        missing = [str(f) for f in files if not f.is_file()]
         if missing:
-            p.error(f"no such file: {', '.join(missing)} (run the beyond_paper.py command of RESULTS §36 first)")
-        HELDOUT.parent.mkdir(parents=True, exist_ok=True)
-        HELDOUT.write_text(json.dumps(heldout_blocks(args.heldout_sweep), indent=1) + "\n")
-    if args.latency:
-        if not args.targets:
-            p.error("--latency goes with --targets")
-        missing = [str(f) for f in args.latency if not f.is_file()]
-        if missing:
-            p.error(f"no such file: {', '.join(missing)} (run the beyond_paper.py commands of RESULTS §47 first)")
-        LATENCY.parent.mkdir(parents=True, exist_ok=True)
-        LATENCY.write_text(json.dumps(latency_runs(args.latency), indent=1) + "\n")
+            p.error(f"no such file: {', '.join(missing)} (run the beyond_paper.py commands of RESULTS §{section} first)")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record(files), indent=1) + "\n")
     if args.targets:
         print("\n".join(str(path) for path in write_targets()))
         return

@@ -1196,6 +1196,23 @@ def test_the_latency_target_is_read_from_side_by_side_test_split_runs_of_the_sco
         paper_table._judge_latency([dict(row, met=dict(row["met"]))], {"tiny-llada": {"code": stale}})
 
 
+@pytest.mark.parametrize("flag", ["--latency", "--heldout-sweep"])
+def test_the_scorecards_recordings_go_with_targets_and_need_their_runs(flag, tmp_path, capsys):
+    """``paper_table.py --latency`` and ``--heldout-sweep`` record from beyond_paper.py runs before the scorecard is
+    written: without ``--targets``, or with a run file that is not there, they stop and say what to do, and write
+    nothing."""
+    paper_table = load_benchmark("paper_table")
+    before = {path: path.read_bytes() for path in (paper_table.LATENCY, paper_table.HELDOUT)}
+    with pytest.raises(SystemExit):
+        paper_table.main([flag, str(tmp_path / "run.json")])
+    assert f"{flag} goes with --targets" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        paper_table.main(["--targets", flag, str(tmp_path / "run.json")])
+    err = capsys.readouterr().err
+    assert "no such file" in err and "run the beyond_paper.py commands of RESULTS §" in err
+    assert {path: path.read_bytes() for path in before} == before
+
+
 def test_step_anatomy_times_each_part_exclusive_of_the_parts_it_calls(monkeypatch):
     """benchmarks/step_anatomy.py: a timed call's time less its timed callees', so the parts add up to the
     decode's time; installing the timers wraps the library's functions and undoing restores them exactly."""
