@@ -777,7 +777,8 @@ def test_lookahead_invariants_sweep(family, monkeypatch):
 def test_parked_drafts_do_not_make_every_step_look_for_finished_requests(monkeypatch):
     """A parked draft row is done (pruned-like), but it ends nothing: the stop rule's quick check leaves pruned
     rows out, so a lone request looks for finished requests (``stop.finished_requests``, a handful of
-    operations) only in the step that ends it, not after every step, and it decodes as before."""
+    operations) only in the step that ends it, not after every step. (That it decodes as before is the other
+    tests' to say: they compare tokens and NFE with the decoder without drafts.)"""
     from hf_blockbatch.generation import stop
 
     model, tok = hb.load_model("tiny-llada", device="cpu")
