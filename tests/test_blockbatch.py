@@ -89,8 +89,8 @@ configs = st.fixed_dictionaries(
         "skip_completed_block_step": st.booleans(),
         "temperature": st.sampled_from([0.0, 1.0]),
         # LocalLeap inside the branches: relaxed threshold as a fraction of the anchor threshold, radius;
-        # or entropy-bounded commits at a budget
-        "localleap": st.sampled_from([None, (0.7, 1), (0.5, 3), ("entropy", 0.3), ("entropy", 2.0)]),
+        # or entropy-bounded commits at a budget; or the threshold lowered while a window has many masks left
+        "localleap": st.sampled_from([None, (0.7, 1), (0.5, 3), ("entropy", 0.3), ("entropy", 2.0), ("many", 0.2, 2)]),
         # beyond the paper (issue 16); dropped below where the config has no part to apply them to
         "prune_after_syncs": st.sampled_from([None, 1, 2]),
         "merge_agreement": st.sampled_from([0, 1, 2]),
@@ -114,12 +114,14 @@ def _applicable(cfg: dict) -> dict:
 
 
 def _with_rule(cfg: dict) -> dict:
-    """The drawn ``localleap`` entry (a relaxed threshold as a fraction of the anchor, a radius; or
-    ``("entropy", bound)``) as the config's rule options; a copy."""
+    """The drawn ``localleap`` entry (a relaxed threshold as a fraction of the anchor, a radius;
+    ``("entropy", bound)``; or ``("many", threshold, masks)``) as the config's rule options; a copy."""
     cfg = dict(cfg)
     leap = cfg.pop("localleap")
     if leap is not None and leap[0] == "entropy":
         cfg.update(rule="entropy", entropy_bound=leap[1])
+    elif leap is not None and leap[0] == "many":
+        cfg.update(many_masks_threshold=leap[1], many_masks=leap[2])
     elif leap is not None:
         cfg.update(rule="localleap", relaxed_threshold=leap[0] * cfg["threshold"], leap_radius=leap[1])
     return cfg

@@ -221,6 +221,8 @@ def _check_sampled_invariants(model, seed: int, settings: int = 12) -> int:
             options.update(rule="localleap", relaxed_threshold=0.8 * options["threshold"])
         elif rule == "entropy":
             options.update(rule="entropy", entropy_bound=rng.choice([0.0, 0.3, 1.0]))
+        elif rng.random() < 0.5:
+            options.update(many_masks_threshold=rng.choice([0.2, 0.5, 0.8]), many_masks=rng.choice([None, 0, 2, 5]))
         if rng.random() < 0.5:
             options["lookahead_query_budget"] = rng.choice([1.0, 2.5])
         if rng.random() < 0.5:  # keyed noise
@@ -350,6 +352,8 @@ def _check_exact_on_random_settings(model, seed: int, settings: int = 16) -> Non
             options.update(window_queries="sparse", requery_radius=rng.choice([0, 1, 3, 6]))
         if rng.random() < 0.25:  # entropy-bounded commits (a rule of the row's own proposals): exact as well
             options.update(rule="entropy", entropy_bound=rng.choice([0.0, 0.3, 1.0, 5.0]))
+        elif rng.random() < 0.4:  # a lower threshold while many masks are left: a row's own count, exact as well
+            options.update(many_masks_threshold=rng.choice([0.2, 0.5, 0.8]), many_masks=rng.choice([None, 0, 2, 5]))
         base = run_padded(model, prompts, hb.FastDLLMConfig(**options))
         drafts, max_masks = rng.randint(1, len(DRAFT_SHAPES)), rng.choice([None, 2, 8])
         budget = rng.choice([None, None, 0.5, 1.5, 3.0])  # a query budget only gates drafts: still exact
@@ -554,7 +558,7 @@ def _check_contained_invariants(model, seed: int, settings: int = 16) -> int:
 
     from _generation_helpers import EOS_ID, MASK_ID
 
-    rng = random.Random(seed)
+    rng, many = random.Random(seed), random.Random(seed + 1)
     gained = 0
     for _ in range(settings):
         options = dict(max_new_tokens=rng.choice([5, 13, 24]), block_length=rng.choice([3, 4, 8, 16]),
@@ -570,6 +574,8 @@ def _check_contained_invariants(model, seed: int, settings: int = 16) -> int:
             options.update(rule="localleap", relaxed_threshold=0.8 * options["threshold"])
         elif rule == "entropy":
             options.update(rule="entropy", entropy_bound=rng.choice([0.0, 0.3, 1.0, 5.0]))
+        elif many.random() < 0.5:  # a lower threshold while many masks are left (counted per row; its own draws)
+            options.update(many_masks_threshold=many.choice([0.2, 0.5, 0.8]), many_masks=many.choice([None, 0, 2, 5]))
         if rng.random() < 0.5:  # a query budget per request (both rules): padded must still decode as alone
             options["lookahead_query_budget"] = rng.choice([1.0, 1.5, 2.5])
         prompts = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 3))]
@@ -733,14 +739,16 @@ def test_lookahead_accept_saves_and_loads(tmp_path):
 
 def test_drafted_not_exact_is_the_benchmarked_contained_point(tmp_path):
     """``FastDLLMConfig.drafted(exact=False)`` is :data:`DRAFTED_CONTAINED`, equal to the benchmark entry
-    it was chosen as (``fd_es_b64_sq_r6_la3_m16_ctr2_q2``, less its block), and saves and loads whole."""
+    it was chosen as (``fd_es_b64_sq_r6_la3_m16_ctr2_q2_mm85``, less its block: the contained drafts of §16-17
+    with §48's lower threshold above 16 masks), and saves and loads whole."""
     from hf_blockbatch.generation.configs import DRAFTED_CONTAINED
 
     cfg = hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=64, block_length=64)
     cfg.validate()
     assert {k: getattr(cfg, k) for k in DRAFTED_CONTAINED} == DRAFTED_CONTAINED
     assert DRAFTED_CONTAINED["lookahead_accept"] == "contained"
-    assert _bench_options("fd_es_b64_sq_r6_la3_m16_ctr2_q2") == {"cache": "dual", "threshold": 0.9, **DRAFTED_CONTAINED}
+    assert _bench_options("fd_es_b64_sq_r6_la3_m16_ctr2_q2_mm85") == {"cache": "dual", "threshold": 0.9, **DRAFTED_CONTAINED}
+    assert (DRAFTED_CONTAINED["many_masks_threshold"], DRAFTED_CONTAINED["many_masks"]) == (0.85, 16)
     cfg.save_pretrained(tmp_path)
     loaded = hb.FastDLLMConfig.from_pretrained(tmp_path)
     assert {k: getattr(loaded, k) for k in DRAFTED_CONTAINED} == DRAFTED_CONTAINED

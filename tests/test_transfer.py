@@ -157,6 +157,52 @@ def test_sample_tokens_entropy_is_the_proposal_distributions():
     assert sample_tokens(logits, 0.0, "low_confidence", 0).entropy is None
 
 
+def test_threshold_is_lower_while_a_window_has_many_masks_left():
+    """``many_masks_threshold``: a row with more than ``many_masks`` candidates (masks left in its window) commits
+    at that threshold, a row with fewer at the threshold; each row counts its own, and the best always commits."""
+    conf = _t([[0.87, 0.86, 0.2, 0.84, 0.91], [0.87, 0.86, 0.2, 0.84, 0.5], [0.87, 0.3, 0.2, 0.1, 0.5]])
+    cand = torch.tensor([[True] * 5, [True, True, True, True, False], [True, False, False, False, True]])
+    rule = make_rule("threshold", threshold=0.9, many_masks_threshold=0.85, many_masks=3)
+    got = rule.select(candidate_scores(conf, cand), None, None, None)
+    assert got.tolist() == [[True, True, False, False, True],  # 5 masks left: 0.85
+                            [True, True, False, False, False],  # 4 left: 0.85 (0.5 is not a candidate)
+                            [True, False, False, False, False]]  # 2 left: 0.9, and the best anyway
+    at_four = make_rule("threshold", threshold=0.9, many_masks_threshold=0.85, many_masks=4)
+    assert at_four.select(candidate_scores(conf, cand), None, None, None)[1].tolist() == [True] + [False] * 4
+    plain = make_rule("threshold", threshold=0.9)
+    assert torch.equal(plain.select(candidate_scores(conf, cand), None, None, None), threshold_rule(conf, cand, 0.9))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(many_masks=8), "set many_masks_threshold"),
+        (dict(many_masks_threshold=0.0), "many_masks_threshold must be in"),
+        (dict(many_masks_threshold="high"), "many_masks_threshold must be a number"),
+        (dict(many_masks_threshold=0.85, many_masks=-1), "many_masks must be a whole number"),
+        (dict(many_masks_threshold=0.85, many_masks=2.5), "many_masks must be a whole number"),
+        (dict(many_masks_threshold=0.85, threshold=None, factor=1.0), "needs threshold .and no rule., not factor"),
+        (dict(many_masks_threshold=0.85, rule="entropy", entropy_bound=0.2), "not rule='entropy'"),
+    ],
+)
+@pytest.mark.parametrize("strategy", ["fast_dllm", "blockbatch"])
+def test_bad_many_masks_options_fail_at_once(strategy, options, message):
+    import hf_blockbatch as hb
+
+    cls = hb.FastDLLMConfig if strategy == "fast_dllm" else hb.BlockBatchConfig
+    with pytest.raises(ValueError, match=message):
+        cls(max_new_tokens=8, **options)
+
+
+def test_many_masks_config_saves_and_loads(tmp_path):
+    import hf_blockbatch as hb
+
+    hb.FastDLLMConfig(many_masks_threshold=0.8, many_masks=12, block_length=32).save_pretrained(tmp_path)
+    back = hb.FastDLLMConfig.from_pretrained(tmp_path)
+    assert (back.many_masks_threshold, back.many_masks) == (0.8, 12)
+    assert (hb.FastDLLMConfig().many_masks_threshold, hb.BlockBatchConfig().many_masks) == (None, None)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

@@ -26,6 +26,7 @@ from hf_blockbatch.generation.configs import (
 from hf_blockbatch.generation.policies import Advance, BranchPolicy, Lookahead, Merge, Prune, Sync
 from hf_blockbatch.generation.refresh import Off, make_refresh
 from hf_blockbatch.generation.rules import TransferRule, make_rule
+from hf_blockbatch.generation.rules.threshold import MANY_MASKS
 from hf_blockbatch.generation.stop import StopRule
 
 __all__ = ["DecodePlan", "check_model", "map_size", "plan_from_config"]
@@ -99,7 +100,11 @@ def _rule(cfg, steps_per_block: int | None) -> TransferRule:
     if cfg.rule == "entropy":
         return make_rule("entropy", bound=float(cfg.entropy_bound))
     if getattr(cfg, "threshold", None) is not None:
-        return make_rule("threshold", threshold=float(cfg.threshold))
+        many = getattr(cfg, "many_masks_threshold", None)
+        if many is None:
+            return make_rule("threshold", threshold=float(cfg.threshold))
+        masks = cfg.many_masks if cfg.many_masks is not None else MANY_MASKS
+        return make_rule("threshold", threshold=float(cfg.threshold), many_masks_threshold=float(many), many_masks=int(masks))
     if getattr(cfg, "factor", None) is not None:
         return make_rule("factor", factor=float(cfg.factor))
     return make_rule("quota", steps_per_block=steps_per_block)
