@@ -51,9 +51,10 @@ ORDER = ("fast_dllm", "fast_dllm_early_stop", "fast_dllm_b16", "fast_dllm_b64", 
 #: folders of runs on the same items as ``paper_table/`` (method names do not repeat across them);
 #: ``paper_table_blocks/`` completes the tuned baseline's block sweep to every multiple of 16 up to the generation
 #: length (48, 80 and 96 beside 16, 32 and 64), with the presets at the blocks it finds most accurate (RESULTS §35);
-#: ``paper_table_heldout/`` the shipped preset at the blocks picked on training items instead (§36)
+#: ``paper_table_heldout/`` the shipped preset at the blocks picked on training items instead (§36);
+#: ``paper_table_many_masks/`` and ``_heldout/`` the preset with §48's lower threshold above 16 masks, at both picks
 EXTRA = ("paper_table_extra", "paper_table_sparse", "paper_table_sparse_confident", "paper_table_blocks",
-         "paper_table_heldout")
+         "paper_table_heldout", "paper_table_many_masks", "paper_table_many_masks_heldout")
 #: per-model runs of every suite on the same items (§11: ``<folder>/<model>/summary.json``); their
 #: Fast-dLLM sweep repeats ``paper_table/``'s, so only their other methods are taken
 PER_MODEL = ("paper_table_paired", "paper_table_paired_r6", "paper_table_paired_p1", "paper_table_lookahead",
@@ -267,8 +268,8 @@ def latency_runs(paths: Sequence[Path]) -> dict[str, dict[str, dict[str, Any]]]:
                     raise SystemExit(f"{path}: {model} {suite} {names[0]} decoded otherwise than the bench's {row[side]} "
                                      f"({r['n']} items, NFE {r['nfe']:.4f}, accuracy {r['acc']:.1f} % against {bench['n']}, "
                                      f"{bench['nfe_mean']:.4f}, {100 * bench['accuracy']:.1f} %).")  # fmt: skip
-                sides[side] = {"name": names[0], "ms_item": r["ms_item"], "policy_ms_item": r["policy_ms_item"],
-                               "round_seconds": r["rounds"]}  # fmt: skip
+                sides[side] = {"name": names[0], "decoder": row[side], "ms_item": r["ms_item"],
+                               "policy_ms_item": r["policy_ms_item"], "round_seconds": r["rounds"]}  # fmt: skip
             tuned, shipped = sides["tuned"]["round_seconds"], sides["shipped"]["round_seconds"]
             out.setdefault(model, {}).setdefault(suite, {})[str(bs)] = {
                 "source": Path(path).name, "items": results[sides["tuned"]["name"]]["n"], "rounds": len(tuned),
@@ -281,13 +282,19 @@ def latency_runs(paths: Sequence[Path]) -> dict[str, dict[str, dict[str, Any]]]:
 def _judge_latency(card: list[dict[str, Any]], recorded: Mapping[str, Any]) -> None:
     """Each row's CPU time at :data:`LATENCY_BATCHES` from :data:`LATENCY`, and the latency target met where the shipped
     preset's ratio is at most :data:`TIME_TUNED` at every batch size (``None``: not measured). A recording made at
-    another tuned block than the scorecard's is stale: refused."""
+    another tuned block than the scorecard's, or of other decoders than the ones it scores (the bench run each side was
+    matched to: a preset that changed since), is stale: refused."""
     for row in card:
         times = recorded.get(row["model"], {}).get(row["suite"], {})
         for t in times.values():
             if t["block"] != row["tuned_block"]:
                 raise SystemExit(f"{LATENCY}: {row['model']} {row['suite']} was timed at block {t['block']}, the tuned block is "
                                  f"{row['tuned_block']}: re-record it (paper_table.py --targets --latency ...).")  # fmt: skip
+            for side in ("tuned", "shipped"):
+                if t[side].get("decoder") != row[side]:
+                    raise SystemExit(f"{LATENCY}: {row['model']} {row['suite']} timed {t[side].get('decoder')} as the {side} "
+                                     f"decoder, the scorecard scores {row[side]}: re-record it (paper_table.py --targets "
+                                     "--latency ...).")  # fmt: skip
         row["latency"] = {str(bs): times[str(bs)] for bs in LATENCY_BATCHES if str(bs) in times}
         measured = len(row["latency"]) == len(LATENCY_BATCHES)
         row["met"]["cpu_time"] = all(t["ratio"] <= TIME_TUNED for t in row["latency"].values()) if measured else None

@@ -1150,8 +1150,9 @@ def test_the_heldout_pick_reads_only_the_sweeps_own_configs(tmp_path):
 def test_the_latency_target_is_read_from_side_by_side_test_split_runs_of_the_scored_decoders(tmp_path, monkeypatch):
     """``paper_table.py --targets --latency``: a ``beyond_paper.py --split test`` latency run gives each checkpoint and
     suite the tuned baseline's and the shipped preset's time per item, each found by its config; a run that decoded
-    otherwise than the bench's runs (another NFE), a training-split run and a stale block are refused; the scorecard
-    then marks the fifth target per row and in its summary lines."""
+    otherwise than the bench's runs (another NFE), a training-split run, a stale block and a recording of another decoder
+    than the scored one (a preset changed since) are refused; the scorecard then marks the fifth target per row and in
+    its summary lines."""
     paper_table = load_benchmark("paper_table")
     row = next(r for r in paper_table.scorecard(latency=False) if (r["model"], r["suite"]) == ("tiny-llada", "code"))
     recorded, gen = paper_table._recorded("tiny-llada", "code")
@@ -1194,6 +1195,10 @@ def test_the_latency_target_is_read_from_side_by_side_test_split_runs_of_the_sco
     stale = {"1": {**got["1"], "block": 16}}
     with pytest.raises(SystemExit, match="re-record"):
         paper_table._judge_latency([dict(row, met=dict(row["met"]))], {"tiny-llada": {"code": stale}})
+    assert got["1"]["shipped"]["decoder"] == row["shipped"] and got["1"]["tuned"]["decoder"] == row["tuned"]
+    other = {"1": {**got["1"], "shipped": {**got["1"]["shipped"], "decoder": "an_earlier_preset"}}}  # the preset changed since
+    with pytest.raises(SystemExit, match="timed an_earlier_preset as the shipped decoder.*re-record"):
+        paper_table._judge_latency([dict(row, met=dict(row["met"]))], {"tiny-llada": {"code": other}})
 
 
 @pytest.mark.parametrize("flag", ["--latency", "--heldout-sweep"])
