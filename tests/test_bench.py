@@ -990,6 +990,28 @@ def test_bench_refuses_a_misspelt_task_or_method_before_loading_the_model(tmp_pa
         run_bench(BenchSettings(tasks=["arith"], methods=["blockbach"], limit=2, output_dir=str(tmp_path / "m")))
 
 
+def test_many_masks_grid_decodes_the_shipped_point_beside_the_tuned_and_the_preset(tmp_path):
+    """``benchmarks/many_masks_grid.py`` (RESULTS §48): each (threshold, masks) point is ``drafted(exact=False)`` at the
+    cell's block with that rule, so the chosen point is the shipped preset itself; every row is paired with the tuned
+    Fast-dLLM and with the preset without the option on the same items, and the table is the JSON's."""
+    import json
+
+    import hf_blockbatch as hb
+
+    grid = load_benchmark("many_masks_grid")
+    shipped = hb.FastDLLMConfig.drafted(exact=False, block_length=48).to_diff_dict()
+    point = hb.FastDLLMConfig(**{k: v for k, v in grid.preset(48, 0.85, 16).items() if k != "strategy"}).to_diff_dict()
+    assert point == shipped
+    assert "many_masks_threshold" not in grid.preset(48)
+    grid.main(["--model", "tiny-dream", "--cells", "lists:48", "--limit", "4", "--thresholds", "0.85", "--masks", "16",
+               "--batch-size", "4", "--out", str(tmp_path)])  # fmt: skip
+    res = json.loads((tmp_path / "tiny-dream_4.json").read_text())["cells"]["lists:48"]
+    assert list(res["rows"]) == ["tuned", "preset", "0.85@16"]
+    assert res["rows"]["tuned"]["vs_tuned"]["difference"] == 0 and res["rows"]["0.85@16"]["vs_preset"]["n"] == 4
+    row = res["rows"]["0.85@16"]
+    assert f"| 0.85@16 | {row['accuracy']:.1f} |" in (tmp_path / "tiny-dream_4.md").read_text()
+
+
 def test_draft_rankings_orders_the_masks_left_and_counts_step_one(tmp_path):
     """``benchmarks/draft_rankings.py`` (RESULTS §31): each ordering ranks only the masks left, best first; the
     count covers every position block step 1 committed, and the table is the JSON's."""
