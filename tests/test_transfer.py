@@ -176,6 +176,11 @@ def test_threshold_is_lower_while_a_window_has_many_masks_left():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
+        (dict(entropy_bound=0.2), "entropy_bound is the entropy rule's budget: set rule='entropy'"),
+        (dict(rule="entropy"), "give a number >= 0"),
+        (dict(rule="entropy", entropy_bound=-0.1), "give a number >= 0"),
+        (dict(rule="entropy", entropy_bound=float("nan")), "entropy_bound must be a finite number"),
+        (dict(rule="entropy", entropy_bound=0.2, factor=1.0), "replaces the threshold, factor and steps rules"),
         (dict(many_masks=8), "set many_masks_threshold"),
         (dict(many_masks_threshold=0.0), "many_masks_threshold must be in"),
         (dict(many_masks_threshold="high"), "many_masks_threshold must be a number"),
@@ -186,7 +191,7 @@ def test_threshold_is_lower_while_a_window_has_many_masks_left():
     ],
 )
 @pytest.mark.parametrize("strategy", ["fast_dllm", "blockbatch"])
-def test_bad_many_masks_options_fail_at_once(strategy, options, message):
+def test_bad_rule_options_fail_at_once(strategy, options, message):
     import hf_blockbatch as hb
 
     cls = hb.FastDLLMConfig if strategy == "fast_dllm" else hb.BlockBatchConfig
@@ -194,40 +199,16 @@ def test_bad_many_masks_options_fail_at_once(strategy, options, message):
         cls(max_new_tokens=8, **options)
 
 
-def test_many_masks_config_saves_and_loads(tmp_path):
+def test_rule_options_save_and_load(tmp_path):
     import hf_blockbatch as hb
 
-    hb.FastDLLMConfig(many_masks_threshold=0.8, many_masks=12, block_length=32).save_pretrained(tmp_path)
-    back = hb.FastDLLMConfig.from_pretrained(tmp_path)
+    hb.FastDLLMConfig(rule="entropy", entropy_bound=0.25, block_length=32).save_pretrained(tmp_path / "entropy")
+    back = hb.FastDLLMConfig.from_pretrained(tmp_path / "entropy")
+    assert (back.rule, back.entropy_bound) == ("entropy", 0.25)
+    hb.FastDLLMConfig(many_masks_threshold=0.8, many_masks=12, block_length=32).save_pretrained(tmp_path / "many")
+    back = hb.FastDLLMConfig.from_pretrained(tmp_path / "many")
     assert (back.many_masks_threshold, back.many_masks) == (0.8, 12)
     assert (hb.FastDLLMConfig().many_masks_threshold, hb.BlockBatchConfig().many_masks) == (None, None)
-
-
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        (dict(entropy_bound=0.2), "entropy_bound is the entropy rule's budget: set rule='entropy'"),
-        (dict(rule="entropy"), "give a number >= 0"),
-        (dict(rule="entropy", entropy_bound=-0.1), "give a number >= 0"),
-        (dict(rule="entropy", entropy_bound=float("nan")), "entropy_bound must be a finite number"),
-        (dict(rule="entropy", entropy_bound=0.2, factor=1.0), "replaces the threshold, factor and steps rules"),
-    ],
-)
-@pytest.mark.parametrize("strategy", ["fast_dllm", "blockbatch"])
-def test_bad_entropy_rule_options_fail_at_once(strategy, options, message):
-    import hf_blockbatch as hb
-
-    cls = hb.FastDLLMConfig if strategy == "fast_dllm" else hb.BlockBatchConfig
-    with pytest.raises(ValueError, match=message):
-        cls(max_new_tokens=8, **options)
-
-
-def test_entropy_rule_config_saves_and_loads(tmp_path):
-    import hf_blockbatch as hb
-
-    hb.FastDLLMConfig(rule="entropy", entropy_bound=0.25, block_length=32).save_pretrained(tmp_path)
-    back = hb.FastDLLMConfig.from_pretrained(tmp_path)
-    assert (back.rule, back.entropy_bound) == ("entropy", 0.25)
 
 
 @pytest.mark.parametrize("shape", [(8, 1024), (64, 1024), (40, 2048), (1024, 96), (33, 96), (50, 1000), (3, 126464)])
