@@ -37,8 +37,8 @@ OUT = Path(__file__).resolve().parent / "results" / "many_masks"
 def preset(block: int, threshold: float | None = None, masks: int | None = None) -> dict[str, Any]:
     """``drafted(exact=False)`` at ``block`` as a bench config, with ``many_masks_threshold`` and ``many_masks`` set (or
     without the option, as shipped before §48, when ``threshold`` is None)."""
-    cfg = {**_FD, **DRAFTED_CONTAINED, "block_length": block}
-    cfg.pop("many_masks_threshold", None), cfg.pop("many_masks", None)
+    cfg = {k: v for k, v in DRAFTED_CONTAINED.items() if k not in ("many_masks_threshold", "many_masks")}
+    cfg = {**_FD, **cfg, "block_length": block}
     if threshold is not None:
         cfg.update(many_masks_threshold=threshold, many_masks=masks)
     return cfg
@@ -60,15 +60,14 @@ def grid(model: Any, tokenizer: Any, cells: list[tuple[str, int]], limit: int, t
         gen = int(task.default_gen_length)
         configs = {"tuned": {**_FD, "block_length": block}, "preset": preset(block)}
         configs.update({f"{t}@{m}": preset(block, t, m) for t in thresholds for m in masks})
-        runs = {}
+        runs, rows = {}, {}
         for name, cfg in configs.items():
             runs[name] = decode(model, tokenizer, suite, items, prompts, gen, cfg, batch_size)["items"]
-            logger.info("%s b%d %s: %s", suite, block, name, summarise({"items": runs[name], "seconds": 0.0}))
-        rows = {}
-        for name, items_ in runs.items():
-            s = summarise({"items": items_, "seconds": 0.0})
-            rows[name] = {"accuracy": s["acc"], "nfe": s["nfe"], "query_tokens": s["qt"],
-                          "vs_tuned": _paired(items_, runs["tuned"]), "vs_preset": _paired(items_, runs["preset"])}  # fmt: skip
+            s = summarise({"items": runs[name], "seconds": 0.0})
+            logger.info("%s b%d %s: acc %.1f nfe %.3f qt %.1f", suite, block, name, s["acc"], s["nfe"], s["qt"])
+            rows[name] = {"accuracy": s["acc"], "nfe": s["nfe"], "query_tokens": s["qt"]}
+        for name, items_ in runs.items():  # paired against the first two, once all have run
+            rows[name].update(vs_tuned=_paired(items_, runs["tuned"]), vs_preset=_paired(items_, runs["preset"]))
         out[f"{suite}:{block}"] = {"configs": configs, "rows": rows}
     return out
 
