@@ -992,16 +992,17 @@ def test_bench_refuses_a_misspelt_task_or_method_before_loading_the_model(tmp_pa
 
 def test_many_masks_grid_decodes_the_shipped_point_beside_the_tuned_and_the_preset(tmp_path):
     """``benchmarks/many_masks_grid.py`` (RESULTS §48): each (threshold, masks) point is ``drafted(exact=False)`` at the
-    cell's block with that rule, so the chosen point is the shipped preset itself; every row is paired with the tuned
-    Fast-dLLM and with the preset without the option on the same items, and the table is the JSON's."""
+    cell's block with that rule, so the chosen point is the shipped preset itself (less §49's runner-up drafts); every
+    row is paired with the tuned Fast-dLLM and with the preset without the option on the same items, and the table is
+    the JSON's."""
     import json
 
     import hf_blockbatch as hb
 
     grid = load_benchmark("many_masks_grid")
-    shipped = hb.FastDLLMConfig.drafted(exact=False, block_length=48).to_diff_dict()
+    shipped = hb.FastDLLMConfig.drafted(exact=False, block_length=48, lookahead_runner_up=False).to_diff_dict()
     point = hb.FastDLLMConfig(**{k: v for k, v in grid.preset(48, 0.85, 16).items() if k != "strategy"}).to_diff_dict()
-    assert point == shipped
+    assert point == shipped  # §48's point: the preset less §49's runner-up drafts
     assert "many_masks_threshold" not in grid.preset(48)
     grid.main(["--model", "tiny-dream", "--cells", "lists:48", "--limit", "4", "--thresholds", "0.85", "--masks", "16",
                "--batch-size", "4", "--out", str(tmp_path)])  # fmt: skip
@@ -1010,6 +1011,29 @@ def test_many_masks_grid_decodes_the_shipped_point_beside_the_tuned_and_the_pres
     assert res["rows"]["tuned"]["vs_tuned"]["difference"] == 0 and res["rows"]["0.85@16"]["vs_preset"]["n"] == 4
     row = res["rows"]["0.85@16"]
     assert f"| 0.85@16 | {row['accuracy']:.1f} |" in (tmp_path / "tiny-dream_4.md").read_text()
+
+
+def test_runner_up_grid_decodes_both_presets_without_and_with_the_option(tmp_path):
+    """``benchmarks/runner_up_grid.py`` (RESULTS §49): each preset's two rows differ only by ``lookahead_runner_up``,
+    every row is paired with the tuned Fast-dLLM and with its preset without the option on the same items, the exact
+    preset's answers are the same with the option, and the table is the JSON's."""
+    import json
+
+    from hf_blockbatch.generation.configs import DRAFTED_CONTAINED
+
+    grid = load_benchmark("runner_up_grid")
+    cfgs = grid.configs(48)
+    assert list(cfgs) == ["tuned", "drafted()", "drafted() + runner-up", "drafted(exact=False)",
+                          "drafted(exact=False) + runner-up"]  # fmt: skip
+    assert {**cfgs["drafted(exact=False)"], "lookahead_runner_up": True} == cfgs["drafted(exact=False) + runner-up"]
+    assert {k: cfgs["drafted(exact=False) + runner-up"][k] for k in DRAFTED_CONTAINED if k != "lookahead_runner_up"} == {
+        k: v for k, v in DRAFTED_CONTAINED.items() if k != "lookahead_runner_up"}
+    grid.main(["--model", "tiny-llada", "--cells", "code:96", "--limit", "6", "--batch-size", "3", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "tiny-llada_6.json").read_text())["cells"]["code:96"]["rows"]
+    assert rows["drafted() + runner-up"]["same_answers"] == 1.0 and rows["drafted() + runner-up"]["vs_preset"]["n"] == 6
+    assert rows["drafted() + runner-up"]["nfe"] <= rows["drafted()"]["nfe"]
+    row = rows["drafted(exact=False) + runner-up"]
+    assert f"| drafted(exact=False) + runner-up | {row['accuracy']:.1f} |" in (tmp_path / "tiny-llada_6.md").read_text()
 
 
 def test_draft_rankings_orders_the_masks_left_and_counts_step_one(tmp_path):

@@ -205,7 +205,7 @@ def _check_sampled_invariants(model, seed: int, settings: int = 12) -> int:
 
     from _generation_helpers import EOS_ID
 
-    rng, adopted = random.Random(seed), 0
+    rng, spare, adopted = random.Random(seed), random.Random(seed + 2), 0
     for _ in range(settings):
         options = dict(max_new_tokens=rng.choice([5, 13, 24]), block_length=rng.choice([3, 4, 8, 16]),
                        threshold=rng.choice([0.3, 0.6, 0.9]), early_stop=rng.random() < 0.5,
@@ -227,6 +227,8 @@ def _check_sampled_invariants(model, seed: int, settings: int = 12) -> int:
             options["lookahead_query_budget"] = rng.choice([1.0, 2.5])
         if rng.random() < 0.5:  # keyed noise
             options["seed"] = rng.randrange(2**40)
+        if options["lookahead"] >= 3 and spare.random() < 0.5:  # runner-up drafts in spare rows (their own draws)
+            options["lookahead_runner_up"] = True
         prompts = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 3))]
         torch.manual_seed(rng.randrange(1000))
         out = run_padded(model, prompts, hb.FastDLLMConfig(**options))
@@ -267,7 +269,7 @@ def test_drafts_commit_the_ranked_masks_and_park_when_too_few_remain():
 
     mask = 9
     ids = torch.tensor([[1, 2], [3, 4]])
-    s = DecodeState.start(ids, torch.ones_like(ids), [4] * 4, 8, mask, map_k=1, features=frozenset(Lookahead.needs))
+    s = DecodeState.start(ids, torch.ones_like(ids), [4] * 4, 8, mask, map_k=1, features=frozenset(Lookahead().needs))
     s.prob_p[:, :, 0] = torch.tensor([0.2, 0.9, 0.5, 0.7, 0.1, 0.1, 0.1, 0.1]).repeat(8, 1)
     s.prob_ids[:, :, 0] = torch.arange(20, 28).repeat(8, 1)
     s.canvas[4:8, 2:6] = torch.tensor([5, 5, mask, 5])  # request 1: one open mask in its window
@@ -312,7 +314,7 @@ def test_a_window_with_more_masks_than_max_masks_gets_no_draft():
 
     ids = torch.tensor([[1, 2]])
     for max_masks, parked in ((3, True), (4, False)):
-        s = DecodeState.start(ids, torch.ones_like(ids), [4] * 3, 8, 9, map_k=1, features=frozenset(Lookahead.needs))
+        s = DecodeState.start(ids, torch.ones_like(ids), [4] * 3, 8, 9, map_k=1, features=frozenset(Lookahead().needs))
         Lookahead(2, max_masks).draft(_run(s))  # 4 masks in the first window
         assert s.pruned[1:].tolist() == [parked, parked]
 
@@ -342,7 +344,7 @@ def _check_exact_on_random_settings(model, seed: int, settings: int = 16) -> Non
     """``settings`` random settings drawn from ``seed`` (see the test above)."""
     import random
 
-    rng = random.Random(seed)
+    rng, spare = random.Random(seed), random.Random(seed + 2)  # runner-up drafts: their own draws
     for _ in range(settings):
         options = dict(max_new_tokens=rng.choice([1, 3, 5, 13, 24]), block_length=rng.choice([1, 3, 4, 8, 16]),
                        threshold=rng.choice([0.3, 0.6, 0.9, 1.0]), early_stop=rng.random() < 0.5,
@@ -357,10 +359,11 @@ def _check_exact_on_random_settings(model, seed: int, settings: int = 16) -> Non
         base = run_padded(model, prompts, hb.FastDLLMConfig(**options))
         drafts, max_masks = rng.randint(1, len(DRAFT_SHAPES)), rng.choice([None, 2, 8])
         budget = rng.choice([None, None, 0.5, 1.5, 3.0])  # a query budget only gates drafts: still exact
+        runner = drafts >= 3 and spare.random() < 0.5  # runner-up drafts in spare rows: drafts too, still exact
         out = run_padded(model, prompts, hb.FastDLLMConfig(**options, lookahead=drafts, lookahead_max_masks=max_masks,
-                                                           lookahead_query_budget=budget))  # fmt: skip
-        assert torch.equal(out.sequences, base.sequences), (options, drafts, max_masks, budget)
-        assert torch.equal(out.nfe + _adopted(out), base.nfe), (options, drafts, max_masks, budget)
+                                                           lookahead_query_budget=budget, lookahead_runner_up=runner))  # fmt: skip
+        assert torch.equal(out.sequences, base.sequences), (options, drafts, max_masks, budget, runner)
+        assert torch.equal(out.nfe + _adopted(out), base.nfe), (options, drafts, max_masks, budget, runner)
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
@@ -417,7 +420,7 @@ def test_with_sparse_queries_a_draft_stands_only_for_its_parents_next_step(spars
 
     mask = 9
     ids = torch.tensor([[1, 2]])
-    features = frozenset(Lookahead.needs) | ({"kv_tokens"} if sparse else frozenset())
+    features = frozenset(Lookahead().needs) | ({"kv_tokens"} if sparse else frozenset())
     s = DecodeState.start(ids, torch.ones_like(ids), [4] * 4, 8, mask, map_k=1, features=features)
     s.prob_p[:, :, 0] = torch.tensor([0.2, 0.9, 0.5, 0.7, 0.1, 0.1, 0.1, 0.1]).repeat(4, 1)
     s.prob_ids[:, :, 0] = torch.arange(20, 28).repeat(4, 1)
@@ -463,7 +466,7 @@ def _one_request_drafted(sparse: bool = False):
     from hf_blockbatch.generation.state import DecodeState
 
     ids = torch.tensor([[1, 2]])
-    features = frozenset(Lookahead.needs) | ({"kv_tokens"} if sparse else frozenset())
+    features = frozenset(Lookahead().needs) | ({"kv_tokens"} if sparse else frozenset())
     s = DecodeState.start(ids, torch.ones_like(ids), [4] * 4, 8, 9, map_k=1, features=features)
     s.prob_p[:, :, 0] = torch.tensor([0.2, 0.9, 0.5, 0.7, 0.1, 0.1, 0.1, 0.1]).repeat(4, 1)
     s.prob_ids[:, :, 0] = torch.arange(20, 28).repeat(4, 1)
@@ -558,7 +561,7 @@ def _check_contained_invariants(model, seed: int, settings: int = 16) -> int:
 
     from _generation_helpers import EOS_ID, MASK_ID
 
-    rng, many = random.Random(seed), random.Random(seed + 1)
+    rng, many, spare = random.Random(seed), random.Random(seed + 1), random.Random(seed + 2)
     gained = 0
     for _ in range(settings):
         options = dict(max_new_tokens=rng.choice([5, 13, 24]), block_length=rng.choice([3, 4, 8, 16]),
@@ -578,6 +581,8 @@ def _check_contained_invariants(model, seed: int, settings: int = 16) -> int:
             options.update(many_masks_threshold=many.choice([0.2, 0.5, 0.8]), many_masks=many.choice([None, 0, 2, 5]))
         if rng.random() < 0.5:  # a query budget per request (both rules): padded must still decode as alone
             options["lookahead_query_budget"] = rng.choice([1.0, 1.5, 2.5])
+        if options["lookahead"] >= 3 and spare.random() < 0.5:  # runner-up drafts in spare rows (their own draws)
+            options["lookahead_runner_up"] = True
         prompts = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 3))]
         exact = run_padded(model, prompts, hb.FastDLLMConfig(**options))
         # with sparse steps, half of the time drafts re-query their masks' neighbours closer in (or not at all)
@@ -697,7 +702,7 @@ def test_a_query_budget_admits_drafts_in_order_while_they_fit(sparse, budget, pa
 
     mask = 9
     ids = torch.tensor([[1, 2]])
-    s = DecodeState.start(ids, torch.ones_like(ids), [12] * 4, 12, mask, map_k=1, features=frozenset(Lookahead.needs))
+    s = DecodeState.start(ids, torch.ones_like(ids), [12] * 4, 12, mask, map_k=1, features=frozenset(Lookahead().needs))
     s.prob_p[:, :, 0] = torch.linspace(0.1, 0.9, 12).repeat(4, 1)
     window = torch.full((12,), 5)
     window[[1, 6, 11]] = mask
@@ -712,6 +717,107 @@ def test_lookahead_query_budget_errors(value):
         hb.FastDLLMConfig(max_new_tokens=32, lookahead=2, lookahead_query_budget=value).validate()
     with pytest.raises(ValueError, match="it needs lookahead >= 1"):
         hb.FastDLLMConfig(max_new_tokens=32, lookahead_query_budget=2.0).validate()
+
+
+# ----------------------------------------------------------------------------- runner-up drafts
+def _two_masks_left(runner_up: bool = True, known: bool = True):
+    """One request, a window of four positions with masks at 1 and 3 left (map: tokens 21 at 0.6 and 23 at 0.5), their
+    runner-ups 31 at 0.3 and 33 at 0.4 (or none known); three drafts: ``(0, 1)`` needs three masks, so its row is spare."""
+    from hf_blockbatch.generation.policies.lookahead import Lookahead
+    from hf_blockbatch.generation.state import DecodeState
+
+    mask, la = 9, Lookahead(3, runner_up=runner_up)
+    ids = torch.tensor([[1, 2]])
+    s = DecodeState.start(ids, torch.ones_like(ids), [4] * 4, 8, mask, map_k=1, features=frozenset(la.needs))
+    s.canvas[:, 2:6] = torch.tensor([5, mask, 6, mask])
+    s.prob_p[:, :4, 0], s.prob_ids[:, :4, 0] = torch.tensor([0.0, 0.6, 0.0, 0.5]), torch.tensor([0, 21, 0, 23])
+    if runner_up and known:
+        s.runner_p[:, :4], s.runner_ids[:, :4] = torch.tensor([0.0, 0.3, 0.0, 0.4]), torch.tensor([-1, 31, -1, 33])
+    la.draft(_run(s))
+    return s
+
+
+def test_a_spare_draft_row_drafts_the_likeliest_runner_up_token():
+    """``lookahead_runner_up``: with two masks left, drafts ``(0,)`` and ``(1,)`` hold the map's tokens at ranks 0 and 1;
+    the third row, whose ``(0, 1)`` would fill the window, drafts the runner-up token at the mask where it is likeliest
+    (33 at position 3: 0.4 against 0.3), as a draft of the main row's next step (parent 0). Without the option, or
+    with no runner-up known, that row is parked and mirrors its main row."""
+    mask = 9
+    s = _two_masks_left()
+    assert s.canvas[1, 2:6].tolist() == [5, 21, 6, mask] and s.canvas[2, 2:6].tolist() == [5, mask, 6, 23]
+    assert s.canvas[3, 2:6].tolist() == [5, mask, 6, 33] and torch.equal(s.drafted[3], s.canvas[3])
+    assert s.pruned[1:].tolist() == [False, False, False] and s.draft_parent[1:].tolist() == [0, 0, 0]
+    for off in (_two_masks_left(runner_up=False), _two_masks_left(known=False)):
+        assert off.pruned[1:].tolist() == [False, False, True] and torch.equal(off.canvas[3], off.canvas[0])
+        assert off.draft_parent[3] == 1  # (0, 1) extends (0,)
+
+
+def test_a_runner_up_is_the_second_most_probable_token_and_noted_only_where_a_row_is_spare():
+    """``sampling.runner_up`` is the second entry of a top-2 over the proposals' probabilities (suppressed ids out of the
+    softmax, the mask id out after it); ``note_runner_ups`` computes it at the masks of windows left with 2 to ``most`` masks after the step's
+    commits (here row 0: 3 masks, one committed), and forgets the step's rows' older ones elsewhere (row 1: 3 left)."""
+    from hf_blockbatch.generation.commit import Proposal, note_runner_ups
+    from hf_blockbatch.generation.forward import Span
+    from hf_blockbatch.generation.policies.lookahead import Lookahead
+    from hf_blockbatch.generation.sampling import runner_up
+    from hf_blockbatch.generation.state import DecodeState
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 12, generator=g) * 3
+    p, ids = runner_up(logits, logits.argmax(-1), torch.tensor([4]), 2)
+    # suppressed ids leave the softmax; the mask id is taken out after it (every other id keeps its probability)
+    ref = logits.index_fill(-1, torch.tensor([4]), float("-inf")).softmax(-1).index_fill(-1, torch.tensor([2]), 0.0)
+    top = ref.topk(3, dim=-1)
+    best_kept = top.indices[:, 0] == logits.argmax(-1)  # the argmax may be a suppressed id: then the top-1 is 2nd best
+    assert torch.equal(ids[best_kept], top.indices[best_kept, 1])
+    assert torch.allclose(p[best_kept], top.values[best_kept, 1])
+
+    mask = 9
+    ids2 = torch.tensor([[1, 2], [1, 2]])
+    s = DecodeState.start(ids2, torch.ones_like(ids2), [4], 4, mask, map_k=1,
+                          features=frozenset(Lookahead(3, runner_up=True).needs))  # fmt: skip
+    s.canvas[0, 2:6] = torch.tensor([mask, 5, mask, mask])  # 3 masks; position 0 is committed in the step
+    s.runner_ids[1] = 7  # an older runner-up of row 1: forgotten
+    positions = torch.arange(2, 6).repeat(2, 1)
+    masked = s.canvas[:, 2:6] == mask
+    span = Span(torch.arange(2), positions, None, None, s.canvas, s.canvas[:, 2:6].clone(), masked, masked)
+    packed = torch.randn(int(masked.sum()), 12, generator=g)
+    s.prob_ids[:, :, 0].masked_scatter_(masked, packed.argmax(-1))
+    select = torch.zeros_like(masked)
+    select[0, 0] = select[1, 1] = True
+    proposal = Proposal(torch.zeros(2, 4), s.canvas[:, 2:6].clone(), None, None)
+    note_runner_ups(s, span, proposal, select, packed, 2, None)
+    want, want_ids = runner_up(packed[1:3], packed[1:3].argmax(-1), None, mask)  # row 0's masks at 2 and 3
+    assert s.runner_ids[0].tolist() == [-1, -1, *want_ids.tolist()] and torch.allclose(s.runner_p[0, 2:], want)
+    assert s.runner_ids[1].tolist() == [-1] * 4
+
+
+def test_runner_up_drafts_save_forwards_and_keep_the_tokens_on_the_checkpoints(trained):
+    """On code prompts (``return x + 3`` or ``return 3 + x``: a window left with two masks whose next single commit is
+    often a runner-up), exact drafts with the option decode sparse Fast-dLLM's tokens, NFE + adopted = its NFE, in no
+    more forwards per request than without it, and fewer over the batch."""
+    model, tok = trained
+    enc = _batch(tok, "code", 64)
+    options = {**hb.generation.configs.DRAFTED, "max_new_tokens": 96, "block_length": 96}  # code's length, its tuned block
+
+    def decode(**more):
+        cfg = hb.FastDLLMConfig(**{**options, **more})
+        return model.generate(**enc, generation_config=cfg, return_dict_in_generate=True)
+
+    base = decode(lookahead=0, lookahead_max_masks=None)
+    without, out = decode(), decode(lookahead_runner_up=True)
+    assert torch.equal(out.sequences, base.sequences) and torch.equal(out.nfe + _adopted(out), base.nfe)
+    assert bool((out.nfe <= without.nfe).all()) and int(out.nfe.sum()) < int(without.nfe.sum())
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"lookahead": 2, "lookahead_runner_up": True}, "set lookahead >= 3"),
+    ({"lookahead_runner_up": True}, "with lookahead=0 every shape"),
+    ({"lookahead": 3, "lookahead_runner_up": 1}, "lookahead_runner_up must be"),
+])  # fmt: skip
+def test_lookahead_runner_up_errors(options, message):
+    with pytest.raises(ValueError, match=message):
+        hb.FastDLLMConfig(max_new_tokens=32, **options).validate()
 
 
 @pytest.mark.parametrize("options,message", [
@@ -729,12 +835,13 @@ def test_lookahead_accept_errors(options, message):
 
 
 def test_lookahead_accept_saves_and_loads(tmp_path):
-    hb.FastDLLMConfig(max_new_tokens=32, lookahead=2, lookahead_accept="contained",
-                      lookahead_query_budget=1.5).save_pretrained(tmp_path)  # fmt: skip
+    hb.FastDLLMConfig(max_new_tokens=32, lookahead=3, lookahead_accept="contained",
+                      lookahead_query_budget=1.5, lookahead_runner_up=True).save_pretrained(tmp_path)  # fmt: skip
     loaded = hb.FastDLLMConfig.from_pretrained(tmp_path)
     loaded.validate()
     assert loaded.lookahead_accept == "contained" and hb.FastDLLMConfig().lookahead_accept == "exact"
     assert loaded.lookahead_query_budget == 1.5 and hb.FastDLLMConfig().lookahead_query_budget is None
+    assert loaded.lookahead_runner_up is True and hb.FastDLLMConfig().lookahead_runner_up is False
 
 
 def test_drafted_not_exact_is_the_benchmarked_contained_point(tmp_path):

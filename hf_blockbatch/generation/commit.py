@@ -14,11 +14,11 @@ import torch
 
 from hf_blockbatch.generation.forward import Span
 from hf_blockbatch.generation.rules import TransferRule, candidate_scores
-from hf_blockbatch.generation.sampling import Sampled, eos_probability
+from hf_blockbatch.generation.sampling import Sampled, eos_probability, runner_up
 from hf_blockbatch.generation.state import DecodeState
 from hf_blockbatch.generation.stop import mark_eos
 
-__all__ = ["Proposal", "completed_windows", "mark_eos_hits", "propose", "write_commits"]
+__all__ = ["Proposal", "completed_windows", "mark_eos_hits", "note_runner_ups", "packed_rows", "propose", "write_commits"]
 
 
 @dataclass
@@ -114,17 +114,42 @@ def mark_eos_hits(state: DecodeState, span: Span, proposal: Proposal, new: torch
     """Record the rows whose window is now fully decoded and holds EOS, with the probability that
     ranks them (see ``stop.StopRule``)."""
     rows, positions = span.rows, span.positions
-    W = positions.shape[1]
 
     def eos_prob_at(local: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         if eos_rank in (None, "widest"):  # no probability ranks the hitters
             return torch.zeros(local.shape, dtype=torch.float64, device=local.device)
         if eos_rank == "commit":
             return state.commit_prob[rows[local], positions[local, slot] - state.gen_start]
-        if span.keep is not None:  # the packed row of a kept slot: the kept slots up to it
-            row = span.keep.reshape(-1).cumsum(0)[local * W + slot] - 1
-        else:
-            row = proposal.slot_index[local, slot]
-        return eos_probability(packed[row], eos_ids, eos_dtype)
+        return eos_probability(packed[packed_rows(span, proposal, local, slot)], eos_ids, eos_dtype)
 
     mark_eos(state, rows, new, span.in_win, eos_prob_at, eos_ids, complete)
+
+
+def packed_rows(span: Span, proposal: Proposal, local: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """The rows of the packed logits that predict the slots ``(local, slot)`` (span row, slot), which the step read."""
+    if span.keep is not None:  # a kept slot's row: the kept slots up to it
+        return span.keep.reshape(-1).cumsum(0)[local * span.positions.shape[1] + slot] - 1
+    return proposal.slot_index[local, slot]
+
+
+def note_runner_ups(state: DecodeState, span: Span, proposal: Proposal, select: torch.Tensor, packed: torch.Tensor,
+                    most: int, suppress_logit_ids: torch.Tensor | None) -> None:  # fmt: skip
+    """Lookahead's runner-up drafts (``Lookahead.runner_up``): after a step's commits, the most probable token other
+    than the probability map's at each mask of a window left with 2 to ``most`` masks, where a draft row's own shape
+    cannot ride next (``state.runner_p``, ``state.runner_ids``; -1 where none was computed). Only those few masks:
+    the map keeps one token per position, and a top-2 over every proposal would cost 2-8x its maximum. The step's
+    rows forget their older runner-ups, which their map's new entries may have made stale."""
+    gs = state.gen_start
+    state.runner_ids[span.rows] = -1
+    left = span.masked & ~select
+    if span.in_win is not None:
+        left &= span.in_win
+    n = left.sum(-1, keepdim=True)
+    local, slot = (left & (n >= 2) & (n <= most)).nonzero().unbind(1)
+    if local.numel() == 0:
+        return
+    rows, at = span.rows[local], span.positions[local, slot] - gs
+    best = state.prob_ids[rows, at, 0]
+    p, ids = runner_up(packed[packed_rows(span, proposal, local, slot)], best, suppress_logit_ids, state.mask_id)
+    state.runner_p[rows, at] = p
+    state.runner_ids[rows, at] = torch.where(p > 0, ids, -1)

@@ -460,6 +460,13 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             estimated before the step as a sparse step queries (the masks and the decoded positions within
             the re-query radius of them; a draft at its own radius; a dense step: one window per row).
             Cheap drafts ride, expensive ones wait until fewer masks are left (RESULTS §17).
+        lookahead_runner_up: a draft row whose shape needs more masks than the window has left (with
+            ``lookahead=3``, the chained ``(0, 1)`` draft once 2 masks are left) drafts, instead of being parked, the
+            runner-up token of a mask: the most probable token after the one the other drafts guess, at the mask
+            where that token is likeliest. When the step then commits that token alone, the draft stands for the
+            next step as any draft does (exact with ``lookahead_accept="exact"``). ``False`` (default): such rows are
+            parked. Needs ``lookahead >= 3`` (with fewer drafts every shape rides whenever a draft can). About 0.01x
+            fewer forwards on code, 0.003-0.009x elsewhere, for 0.00-0.01x more query tokens (RESULTS §49).
         refresh_after_commits: with a cache, a request whose canvas gained this many tokens since its
             cache was last written by a full forward takes a full forward as its next step (a refresh,
             which commits as a block step does), besides the one at each block start (``None``, the
@@ -481,7 +488,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         "cache", "threshold", "factor", "steps", "block_length", "early_stop", "skip_completed_block_step",
         *_RULE_OPTIONS, "window_queries", "requery_radius", "lookahead",
         "lookahead_max_masks", "lookahead_accept", "lookahead_draft_radius", "lookahead_query_budget",
-        "refresh_after_commits",
+        "lookahead_runner_up", "refresh_after_commits",
     )  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:
@@ -491,6 +498,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         self.lookahead_accept = kwargs.pop("lookahead_accept", "exact")
         self.lookahead_draft_radius = kwargs.pop("lookahead_draft_radius", None)
         self.lookahead_query_budget = kwargs.pop("lookahead_query_budget", None)
+        self.lookahead_runner_up = kwargs.pop("lookahead_runner_up", False)
         self.window_queries = kwargs.pop("window_queries", "all")
         self.requery_radius = kwargs.pop("requery_radius", _REQUERY_RADIUS)
         self.threshold = kwargs.pop("threshold", None if any(r in kwargs for r in _RULES[1:]) else 0.9)
@@ -593,6 +601,10 @@ def _check_lookahead(cfg: FastDLLMConfig) -> None:
             positive = False
         if not positive:
             raise ValueError(f"lookahead_query_budget must be a positive number of windows (e.g. 2.0) or None, got {qb!r}.")
+    _check_bool("lookahead_runner_up", cfg.lookahead_runner_up)
+    if cfg.lookahead_runner_up and k < 3:
+        raise ValueError(f"lookahead_runner_up drafts in rows whose shape cannot ride, and with lookahead={k} every shape "
+                         "rides whenever a draft can: set lookahead >= 3, or leave lookahead_runner_up False.")  # fmt: skip
     if not k:
         if qb is not None:
             raise ValueError("lookahead_query_budget says how many drafts fit a step: it needs lookahead >= 1 (or leave it None).")

@@ -26,7 +26,13 @@ import time
 import torch
 
 from hf_blockbatch.cache import reuse_storage
-from hf_blockbatch.generation.commit import completed_windows, mark_eos_hits, propose, write_commits
+from hf_blockbatch.generation.commit import (
+    completed_windows,
+    mark_eos_hits,
+    note_runner_ups,
+    propose,
+    write_commits,
+)
 from hf_blockbatch.generation.forward import Forwards, Span
 from hf_blockbatch.generation.memory import explain_decode_error, new_cache
 from hf_blockbatch.generation.noise import draws_noise, lane_keys, request_keys, slot_keys
@@ -87,6 +93,8 @@ class Run:
         self.suppress, self.lowconf = _ids(plan.suppress_logit_ids, device), _ids(plan.low_confidence_ids, device)
         self.sample_seconds = 0.0
         self.rule_entropy = needs_entropy(plan.rule)
+        # lookahead's runner-up drafts: after each commit, the runner-up tokens of windows left with this few masks
+        self.runner_up_masks = plan.lookahead.spare_masks if plan.lookahead is not None else 0
         self._windows: tuple[torch.Tensor, torch.Tensor, tuple] | None = None
 
     # ------------------------------------------------------------------ commits
@@ -118,6 +126,8 @@ class Run:
         keys = None if s.steps is None else self.noise_keys(span if key_span is None else key_span)
         proposal = propose(s, span, self._sample(packed, keys), slot_index, self.fwd.slots, self.lowconf is not None)
         select, new, n_select = write_commits(s, span, proposal, plan.rule)
+        if self.runner_up_masks:
+            note_runner_ups(s, span, proposal, select, packed, self.runner_up_masks, self.suppress)
         if s.steps is not None:
             s.steps.index_add_(0, span.rows, torch.ones_like(span.rows))
         completed, complete = completed_windows(span, n_select)

@@ -143,7 +143,8 @@ def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids
         greedy = common["temperature"] == 0
         radius = None if cfg.lookahead_draft_radius is None or not greedy else int(cfg.lookahead_draft_radius)
         budget = None if cfg.lookahead_query_budget is None else float(cfg.lookahead_query_budget)
-        lookahead = Lookahead(int(cfg.lookahead), max_masks, cfg.lookahead_accept, radius, budget) if cfg.lookahead else None
+        lookahead = (Lookahead(int(cfg.lookahead), max_masks, cfg.lookahead_accept, radius, budget, bool(cfg.lookahead_runner_up))
+                     if cfg.lookahead else None)  # fmt: skip
         return DecodePlan(
             **common, block_sizes=[cfg.block_length] * (1 + int(cfg.lookahead)), cache=cfg.cache,
             rule=_rule(cfg, steps_per_block), lookahead=lookahead, map_k=1 if lookahead else 0, map_everywhere=False,

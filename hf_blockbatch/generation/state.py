@@ -54,7 +54,8 @@ class DecodeState:
     keep_commit_prob: bool = False
     # per-row counters only some parts read (their ``needs``): "moves" (ReferenceRefresh),
     # "count_offset" (Sync(count="rule")), "step_syncs" and "pruned" (Prune; Lookahead parks its draft
-    # rows with it), "lookahead" (Lookahead: ``drafted``, ``kv_from``, ``adopted``); absent ones are None,
+    # rows with it), "lookahead" (Lookahead: ``drafted``, ``kv_from``, ``adopted``), "runner_up" (Lookahead's
+    # runner-up drafts: ``runner_p``, ``runner_ids``); absent ones are None,
     # so that a plan without those parts pays no operation for them
     features: frozenset[str] = frozenset()
     # filled by __post_init__ from the shapes above
@@ -105,6 +106,10 @@ class DecodeState:
     # from its main row's (it wrote its own there, or missed the main row's writes while parked);
     # restored from the main row before the draft's next step (policies/lookahead.py)
     kv_dirty: torch.Tensor | None = None
+    # [R, G] lookahead's runner-up drafts (feature "runner_up", ``Lookahead.runner_up``): at the masks of a window left
+    # with few masks, the probability and id of the most probable token after the map's (ids -1 where none is known)
+    runner_p: torch.Tensor | None = None
+    runner_ids: torch.Tensor | None = None
     # [R] the row's decoded tokens when a full forward last wrote its cache (refresh_after_commits)
     decoded_at_full: torch.Tensor | None = None
     # keyed sampling noise (feature "noise", generation/noise.py): [R] the row's key (its request's and lane's),
@@ -134,6 +139,9 @@ class DecodeState:
             self.adopted = _zeros(R, dev)
             self.draft_parked = _zeros(R, dev, torch.bool)
             self.draft_parent = torch.full((R,), -1, dtype=torch.long, device=dev)
+        if "runner_up" in self.features and self.runner_p is None:
+            self.runner_p = torch.zeros(R, G, device=dev)
+            self.runner_ids = torch.full((R, G), -1, dtype=torch.long, device=dev)
         if "noise" in self.features and self.steps is None:
             self.noise_key, self.steps = _zeros(R, dev), _zeros(R, dev)
         if "kv_tokens" in self.features and self.kv_tokens is None:

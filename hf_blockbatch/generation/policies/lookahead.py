@@ -79,7 +79,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -99,7 +99,14 @@ __all__ = ["DRAFT_SHAPES", "Lookahead"]
 DRAFT_SHAPES: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 1), (0, 1, 2), (2,), (1, 2))
 
 #: what a main row takes from the draft it adopts (``kv_tokens`` exists with sparse steps only)
-_COPIED = ("canvas", "prob_p", "prob_ids", "eos_hit", "eos_prob", "commit_prob", "kv_tokens", "steps")
+_COPIED = ("canvas", "prob_p", "prob_ids", "eos_hit", "eos_prob", "commit_prob", "kv_tokens", "steps", "runner_p",
+           "runner_ids")
+
+
+def _need(shape: tuple[int, ...]) -> int:
+    """Open masks a draft of ``shape`` needs: its ranks, and one left over (a draft that fills the window stands in
+    for no block step)."""
+    return max(max(shape) + 1, len(shape) + 1)
 
 
 def _park(s) -> None:
@@ -140,7 +147,7 @@ def _shapes(drafts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tens
     ranks = torch.zeros(len(shapes), 1 + max(max(s) for s in shapes), dtype=torch.bool)
     for j, shape in enumerate(shapes):
         ranks[j, list(shape)] = True
-    need = torch.tensor([max(max(shape) + 1, len(shape) + 1) for shape in shapes])
+    need = torch.tensor([_need(shape) for shape in shapes])
     count = torch.arange(1, len(shapes) + 1, device=device)
     return ranks.to(device), need.to(device), torch.tensor(_parents(drafts), device=device), count
 
@@ -149,8 +156,6 @@ def _shapes(drafts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tens
 class Lookahead:
     """``drafts`` draft rows per request, shaped by the first ``drafts`` entries of :data:`DRAFT_SHAPES`;
     drafted only while the main row's window has at most ``max_masks`` masks left (``None``: always)."""
-
-    needs: ClassVar[tuple[str, ...]] = ("pruned", "lookahead")
 
     drafts: int = 2
     max_masks: int | None = None
@@ -171,6 +176,23 @@ class Lookahead:
     #: draft's radius (a dense step: one window per row). Cheap drafts (few masks, a small radius)
     #: ride; expensive ones wait until the window has fewer masks (RESULTS §17)
     query_budget: float | None = None
+    #: a draft row whose shape needs more masks than the window has left (``(0, 1)`` with 2 masks left) drafts,
+    #: instead, the runner-up token of a mask: the most probable token after the map's, at the masks in order of
+    #: that token's probability (:func:`~hf_blockbatch.generation.commit.note_runner_ups`). The step's likeliest
+    #: other single commit, in a row that would otherwise be parked (RESULTS §49)
+    runner_up: bool = False
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """The state's optional tensors this policy reads (``DecodeState.features``)."""
+        return ("pruned", "lookahead", "runner_up") if self.runner_up else ("pruned", "lookahead")
+
+    @property
+    def spare_masks(self) -> int:
+        """The most open masks at which some draft's shape cannot ride (its row is spare): 0 without runner-up
+        drafts, and with fewer than three drafts (every shape then rides whenever a draft can)."""
+        most = max(_need(shape) for shape in DRAFT_SHAPES[: self.drafts]) - 1
+        return most if self.runner_up and most >= 2 else 0
 
     @property
     def depth(self) -> int:
@@ -197,6 +219,9 @@ class Lookahead:
         valid = ~s.per_request(s.done)[:, :1] & (n_open >= need)  # [B, K]
         if self.max_masks is not None:
             valid &= n_open <= self.max_masks
+        spare = self._spare(s, open_, n_open, need) if self.spare_masks else None
+        if spare is not None:
+            valid |= spare[0]
         run.fwd.drafting = bool(valid.any())
         # the budget's estimate only where a draft may ride (most steps of a wide window have none)
         if run.fwd.drafting and self.query_budget is not None:
@@ -215,17 +240,27 @@ class Lookahead:
         order = conf.topk(min(S, L - gs), dim=-1).indices  # [B, S] generated positions, best first
         if order.shape[1] < S:  # a canvas shorter than the widest draft: those ranks never exist
             order = torch.cat([order, order[:, :1].expand(-1, S - order.shape[1])], dim=1)
-        # (a parent needs no more masks than its child: a valid draft's parent is valid)
+        # (a parent needs no more masks than its child: a valid draft's parent is valid; a spare row drafts the main
+        # row's next step, as does a spare row's child, which is spare too)
+        ahead = _steps_ahead(self.drafts, valid.device)
+        shaped = valid
+        if spare is not None:
+            shaped = valid & ~spare[0]
+            parents, ahead = parents.masked_fill(spare[0], 0), ahead.masked_fill(spare[0], 1)
         s.per_request(s.draft_parent)[:, 1:] = parents
         if s.steps is not None:  # keyed noise: a draft draws what the step it stands for would (noise.py)
             steps = s.per_request(s.steps)
-            steps[:, 1:] = steps[:, :1] + _steps_ahead(self.drafts, steps.device)
+            steps[:, 1:] = steps[:, :1] + ahead
         at = order + gs
         guessed = s.per_request(s.prob_ids)[:, 0, :, 0].gather(1, order)  # [B, S] top-1 tokens
-        tokens = torch.where(valid[:, :, None] & ranks, guessed[:, None], main.gather(1, at)[:, None])  # [B, K, S]
+        tokens = torch.where(shaped[:, :, None] & ranks, guessed[:, None], main.gather(1, at)[:, None])  # [B, K, S]
         drafts = canvas[:, 1:]
         drafts.copy_(main[:, None].expand_as(drafts))
         drafts.scatter_(2, at[:, None].expand_as(tokens), tokens)
+        if spare is not None:  # a spare row: its runner-up token at its mask
+            rides, where, token = spare
+            where = where[:, :, None] + gs
+            drafts.scatter_(2, where, torch.where(rides, token, drafts.gather(2, where)[:, :, 0])[:, :, None])
         s.per_request(s.drafted)[:, 1:] = drafts
         s.per_request(s.win_start)[:, 1:] = ws
         s.per_request(s.win_end)[:, 1:] = we
@@ -245,6 +280,28 @@ class Lookahead:
                 if s.kv_dirty is not None:
                     s.kv_dirty[dst] = False
         return changed
+
+    def _spare(self, s, open_: torch.Tensor, n_open: torch.Tensor,
+               need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """Runner-up drafts: ``([B, K] bool, [B, K], [B, K])``, which draft rows are spare and draft one (their shape
+        needs more masks than the window has left, at least 2 are left, and a runner-up token is known), the generated
+        position of each row's mask and its token: a request's spare rows take its masks' runner-up tokens in order
+        of their probability. ``None`` when no row is spare."""
+        spare = ~s.per_request(s.done)[:, :1] & (n_open >= 2) & (n_open < need)
+        if self.max_masks is not None:
+            spare &= n_open <= self.max_masks
+        if not bool(spare.any()):
+            return None
+        gs = s.gen_start
+        ids = s.per_request(s.runner_ids)[:, 0]  # [B, G] the main row's runner-ups
+        p = s.per_request(s.runner_p)[:, 0].masked_fill(~open_[:, gs:] | (ids < 0), -1.0)
+        best = p.topk(min(spare.shape[1], p.shape[1]), dim=-1)  # [B, K'] masks by their runner-up's probability
+        k = (spare.cumsum(-1) - 1).clamp(0, best.indices.shape[1] - 1)  # a spare row's place among its request's
+        spare &= best.values.gather(1, k) > 0
+        if not bool(spare.any()):
+            return None
+        where = best.indices.gather(1, k)
+        return spare, where, ids.gather(1, where)
 
     def _affordable(self, run: Run, open_: torch.Tensor, in_win: torch.Tensor, width: torch.Tensor,
                     count: torch.Tensor) -> torch.Tensor:  # fmt: skip
