@@ -444,18 +444,26 @@ def _bench_options(name: str) -> dict:
 
 def test_drafted_preset_is_the_benchmarked_point_and_saves_whole(tmp_path):
     """``FastDLLMConfig.drafted()`` is :data:`DRAFTED` on top of the defaults, equal to the benchmark
-    entry it was measured as (``fd_es_b64_sq_r6_la3_m8``, less its block), and saves and loads whole."""
+    entry it was measured as (``fd_es_b64_sq_r6_la3_m8_ru``, less its block: §13's point with §49's runner-up
+    drafts), and saves and loads whole."""
     from hf_blockbatch.generation.configs import DRAFTED
 
     cfg = hb.FastDLLMConfig.drafted(max_new_tokens=64, block_length=64)
     cfg.validate()
     assert {k: getattr(cfg, k) for k in DRAFTED} == DRAFTED and cfg.block_length == 64
-    assert _bench_options("fd_es_b64_sq_r6_la3_m8") == {"cache": "dual", "threshold": 0.9, **DRAFTED}
+    assert _bench_options("fd_es_b64_sq_r6_la3_m8_ru") == {"cache": "dual", "threshold": 0.9, **DRAFTED}
+    assert DRAFTED["lookahead_runner_up"] is True
     cfg.save_pretrained(tmp_path)
     loaded = hb.FastDLLMConfig.from_pretrained(tmp_path)
     loaded.validate()
     assert {k: getattr(loaded, k) for k in DRAFTED} == DRAFTED
     assert hb.FastDLLMConfig.drafted(lookahead=1).lookahead == 1  # overrides win
+    for exact in (True, False):  # fewer drafts leave no row spare: the preset then drafts no runner-up
+        small = hb.FastDLLMConfig.drafted(exact=exact, lookahead=2)
+        small.validate()
+        assert small.lookahead_runner_up is False
+        with pytest.raises(ValueError, match="set lookahead >= 3"):
+            hb.FastDLLMConfig.drafted(exact=exact, lookahead=2, lookahead_runner_up=True).validate()
 
 
 # ----------------------------------------------------------------------------- contained acceptance
@@ -786,7 +794,7 @@ def test_a_runner_up_is_the_second_most_probable_token_and_noted_only_where_a_ro
     select = torch.zeros_like(masked)
     select[0, 0] = select[1, 1] = True
     proposal = Proposal(torch.zeros(2, 4), s.canvas[:, 2:6].clone(), None, None)
-    note_runner_ups(s, span, proposal, select, packed, 2, None)
+    note_runner_ups(s, span, proposal, select, select.sum(-1), packed, 2, None)
     want, want_ids = runner_up(packed[1:3], packed[1:3].argmax(-1), None, mask)  # row 0's masks at 2 and 3
     assert s.runner_ids[0].tolist() == [-1, -1, *want_ids.tolist()] and torch.allclose(s.runner_p[0, 2:], want)
     assert s.runner_ids[1].tolist() == [-1] * 4
@@ -804,8 +812,8 @@ def test_runner_up_drafts_save_forwards_and_keep_the_tokens_on_the_checkpoints(t
         cfg = hb.FastDLLMConfig(**{**options, **more})
         return model.generate(**enc, generation_config=cfg, return_dict_in_generate=True)
 
-    base = decode(lookahead=0, lookahead_max_masks=None)
-    without, out = decode(), decode(lookahead_runner_up=True)
+    base = decode(lookahead=0, lookahead_max_masks=None, lookahead_runner_up=False)
+    without, out = decode(lookahead_runner_up=False), decode(lookahead_runner_up=True)
     assert torch.equal(out.sequences, base.sequences) and torch.equal(out.nfe + _adopted(out), base.nfe)
     assert bool((out.nfe <= without.nfe).all()) and int(out.nfe.sum()) < int(without.nfe.sum())
 
@@ -846,16 +854,18 @@ def test_lookahead_accept_saves_and_loads(tmp_path):
 
 def test_drafted_not_exact_is_the_benchmarked_contained_point(tmp_path):
     """``FastDLLMConfig.drafted(exact=False)`` is :data:`DRAFTED_CONTAINED`, equal to the benchmark entry
-    it was chosen as (``fd_es_b64_sq_r6_la3_m16_ctr2_q2_mm85``, less its block: the contained drafts of §16-17
-    with §48's lower threshold above 16 masks), and saves and loads whole."""
+    it was chosen as (``fd_es_b64_sq_r6_la3_m16_ctr2_q2_mm85_ru``, less its block: the contained drafts of §16-17
+    with §48's lower threshold above 16 masks and §49's runner-up drafts), and saves and loads whole."""
     from hf_blockbatch.generation.configs import DRAFTED_CONTAINED
 
     cfg = hb.FastDLLMConfig.drafted(exact=False, max_new_tokens=64, block_length=64)
     cfg.validate()
     assert {k: getattr(cfg, k) for k in DRAFTED_CONTAINED} == DRAFTED_CONTAINED
     assert DRAFTED_CONTAINED["lookahead_accept"] == "contained"
-    assert _bench_options("fd_es_b64_sq_r6_la3_m16_ctr2_q2_mm85") == {"cache": "dual", "threshold": 0.9, **DRAFTED_CONTAINED}
+    assert _bench_options("fd_es_b64_sq_r6_la3_m16_ctr2_q2_mm85_ru") == {"cache": "dual", "threshold": 0.9,
+                                                                          **DRAFTED_CONTAINED}  # fmt: skip
     assert (DRAFTED_CONTAINED["many_masks_threshold"], DRAFTED_CONTAINED["many_masks"]) == (0.85, 16)
+    assert DRAFTED_CONTAINED["lookahead_runner_up"] is True
     cfg.save_pretrained(tmp_path)
     loaded = hb.FastDLLMConfig.from_pretrained(tmp_path)
     assert {k: getattr(loaded, k) for k in DRAFTED_CONTAINED} == DRAFTED_CONTAINED

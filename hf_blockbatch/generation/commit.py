@@ -132,24 +132,30 @@ def packed_rows(span: Span, proposal: Proposal, local: torch.Tensor, slot: torch
     return proposal.slot_index[local, slot]
 
 
-def note_runner_ups(state: DecodeState, span: Span, proposal: Proposal, select: torch.Tensor, packed: torch.Tensor,
-                    most: int, suppress_logit_ids: torch.Tensor | None) -> None:  # fmt: skip
+def note_runner_ups(state: DecodeState, span: Span, proposal: Proposal, select: torch.Tensor, n_select: torch.Tensor,
+                    packed: torch.Tensor, most: int, suppress_logit_ids: torch.Tensor | None) -> None:  # fmt: skip
     """Lookahead's runner-up drafts (``Lookahead.runner_up``): after a step's commits, the most probable token other
     than the probability map's at each mask of a window left with 2 to ``most`` masks, where a draft row's own shape
     cannot ride next (``state.runner_p``, ``state.runner_ids``; -1 where none was computed). Only those few masks:
     the map keeps one token per position, and a top-2 over every proposal would cost 2-8x its maximum. The step's
-    rows forget their older runner-ups, which their map's new entries may have made stale."""
-    gs = state.gen_start
+    rows forget their older runner-ups, which their map's new entries may have made stale. ``n_select``: the step's
+    commits per row (``write_commits``)."""
     state.runner_ids[span.rows] = -1
-    left = span.masked & ~select
-    if span.in_win is not None:
-        left &= span.in_win
-    n = left.sum(-1, keepdim=True)
-    local, slot = (left & (n >= 2) & (n <= most)).nonzero().unbind(1)
-    if local.numel() == 0:
+    if span.in_win is span.valid:  # a window span (every step of a lookahead plan): its masks are its window's
+        n = span.masked.sum(-1) - n_select
+    else:
+        n = (span.masked & span.in_win & ~select).sum(-1)
+    spare = n == 2 if most == 2 else (n >= 2) & (n <= most)
+    if not bool(spare.any()):
         return
-    rows, at = span.rows[local], span.positions[local, slot] - gs
-    best = state.prob_ids[rows, at, 0]
-    p, ids = runner_up(packed[packed_rows(span, proposal, local, slot)], best, suppress_logit_ids, state.mask_id)
-    state.runner_p[rows, at] = p
-    state.runner_ids[rows, at] = torch.where(p > 0, ids, -1)
+    left = span.masked & ~select & spare[:, None]  # [A, W] the masks whose runner-up a spare row may draft
+    if span.in_win is not span.valid:
+        left &= span.in_win
+    # their logits (packed row-major, as the masks are read) and their entries in the [R * G] maps
+    logits = packed[left[span.keep]] if span.keep is not None else packed[proposal.slot_index[left]]
+    G = state.runner_ids.shape[1]
+    entry = (span.positions + (span.rows * G - state.gen_start)[:, None])[left]
+    best = state.prob_ids.view(-1, state.prob_ids.shape[-1])[entry, 0]  # the map's token, which the drafts guess
+    p, ids = runner_up(logits, best, suppress_logit_ids, state.mask_id)
+    state.runner_p.view(-1)[entry] = p
+    state.runner_ids.view(-1)[entry] = torch.where(p > 0, ids, -1)

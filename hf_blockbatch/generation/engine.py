@@ -127,7 +127,7 @@ class Run:
         proposal = propose(s, span, self._sample(packed, keys), slot_index, self.fwd.slots, self.lowconf is not None)
         select, new, n_select = write_commits(s, span, proposal, plan.rule)
         if self.runner_up_masks:
-            note_runner_ups(s, span, proposal, select, packed, self.runner_up_masks, self.suppress)
+            note_runner_ups(s, span, proposal, select, n_select, packed, self.runner_up_masks, self.suppress)
         if s.steps is not None:
             s.steps.index_add_(0, span.rows, torch.ones_like(span.rows))
         completed, complete = completed_windows(span, n_select)

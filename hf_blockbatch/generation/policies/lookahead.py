@@ -216,10 +216,13 @@ class Lookahead:
         # a draft needs its ranks and one mask left over; a finished request (done) drafts nothing;
         # a window with many masks left commits several next, which a draft of one or two rarely is
         n_open = open_.sum(-1, keepdim=True)
-        valid = ~s.per_request(s.done)[:, :1] & (n_open >= need)  # [B, K]
+        live = ~s.per_request(s.done)[:, :1]  # [B, 1]
         if self.max_masks is not None:
-            valid &= n_open <= self.max_masks
-        spare = self._spare(s, open_, n_open, need) if self.spare_masks else None
+            live = live & (n_open <= self.max_masks)
+        fits = n_open >= need
+        valid = live & fits  # [B, K]
+        # runner-up drafts: a row whose shape does not fit, while 2 masks or more are left
+        spare = self._spare(s, open_, live & ~fits & (n_open >= 2)) if self.spare_masks else None
         if spare is not None:
             valid |= spare[0]
         run.fwd.drafting = bool(valid.any())
@@ -281,15 +284,12 @@ class Lookahead:
                     s.kv_dirty[dst] = False
         return changed
 
-    def _spare(self, s, open_: torch.Tensor, n_open: torch.Tensor,
-               need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # fmt: skip
-        """Runner-up drafts: ``([B, K] bool, [B, K], [B, K])``, which draft rows are spare and draft one (their shape
-        needs more masks than the window has left, at least 2 are left, and a runner-up token is known), the generated
-        position of each row's mask and its token: a request's spare rows take its masks' runner-up tokens in order
-        of their probability. ``None`` when no row is spare."""
-        spare = ~s.per_request(s.done)[:, :1] & (n_open >= 2) & (n_open < need)
-        if self.max_masks is not None:
-            spare &= n_open <= self.max_masks
+    @staticmethod
+    def _spare(s, open_: torch.Tensor, spare: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Runner-up drafts: ``([B, K] bool, [B, K], [B, K])``, which of the ``spare`` draft rows (``[B, K]``: their
+        shape needs more masks than the window has left, and at least 2 are left) draft one (a runner-up token is
+        known), the generated position of each row's mask and its token: a request's spare rows take its masks'
+        runner-up tokens in order of their probability. ``None`` when no row drafts one."""
         if not bool(spare.any()):
             return None
         gs = s.gen_start
