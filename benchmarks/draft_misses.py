@@ -1,6 +1,7 @@
 """Where the drafted preset's block steps go: which steps a draft stood in for, and why the others had none.
 
-A block step of ``FastDLLMConfig.drafted(exact=False)`` either adopts a draft (the next block step is then
+A block step of ``FastDLLMConfig.drafted(exact=False)`` (as §41 measured it: without §49's runner-up drafts, whose
+spare rows draft a token their shape does not name) either adopts a draft (the next block step is then
 skipped), or it does not, and then the request pays for the next step. This script decodes training items (never a
 test question) at each suite's block picked on training items (``results/targets/heldout_blocks.json``) and sorts
 every (request, block step) into one class, from what the main row held before the step, the probability map its
@@ -174,7 +175,8 @@ def count(model, tokenizer, suite: str, limit: int, block: int, batch_size: int)
     items = task.items("train", limit=limit)
     chat = bool(getattr(tokenizer, "chat_template", None))
     prompts = [task.prompt(it, tokenizer, chat=chat) for it in items]
-    cfg = FastDLLMConfig.drafted(exact=False, max_new_tokens=int(task.default_gen_length), block_length=block)
+    cfg = FastDLLMConfig.drafted(exact=False, max_new_tokens=int(task.default_gen_length), block_length=block,
+                                 lookahead_runner_up=False)  # fmt: skip
     counts: Counter[str] = Counter()
     slots: Counter[str] = Counter()
     nfe = block_steps = adopted = refreshes = 0

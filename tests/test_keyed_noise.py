@@ -106,6 +106,7 @@ def _decoders() -> dict[str, hb.DiffusionGenerationConfig]:
         "sparse": hb.FastDLLMConfig(**fd, **sparse, temperature=0.7),
         "drafted": hb.FastDLLMConfig(**fd, **sparse, temperature=0.7, lookahead=3),
         "drafted-contained": hb.FastDLLMConfig(**fd, **sparse, temperature=0.7, lookahead=3, lookahead_accept="contained"),
+        "drafted-runner-up": hb.FastDLLMConfig(**fd, **sparse, temperature=0.7, lookahead=3, lookahead_runner_up=True),
         "blockbatch": hb.BlockBatchConfig(max_new_tokens=16, block_sizes=[4, 8, 16], temperature=0.7, seed=11),
         "blockbatch-lean": hb.BlockBatchConfig.lean(max_new_tokens=16, block_sizes=[4, 16], temperature=0.7, seed=11),
     }
@@ -136,9 +137,10 @@ def test_seeded_drafts_decode_the_same_samples(family):
     """With a seed, exact drafts draw the noise of the step they stand for and are adopted only as their parent's
     next step, so the decoder with drafts decodes the samples of the decoder without them (not only their law): the
     same tokens, and NFE + adopted = the plain NFE, for every request of 12 random settings (sampling at 0.5 or 1,
-    1-6 drafts, dense steps or sparse ones at radius 0-6, early stop or not, padded batches of 1-8 prompts), whose
-    first request decodes alone as in its batch. Drafts are adopted. The seeds draw a dense setting where a
-    two-token draft matched the very next step (adopting it there, as before, decoded other samples)."""
+    1-6 drafts, runner-up drafts or not, dense steps or sparse ones at radius 0-6, early stop or not, padded batches of
+    1-8 prompts), whose first request decodes alone as in its batch. Drafts are adopted. The seeds draw a dense
+    setting where a two-token draft matched the very next step (adopting it there, as before, decoded other
+    samples)."""
     assert _check_seeded_samples(peaked(family), seed={"llada": 27, "dream": 9}[family]) > 100
 
 
@@ -159,7 +161,7 @@ def test_seeded_samples_sweep(family):
 
 def _check_seeded_samples(model, seed: int, settings: int = 12) -> int:
     """``settings`` random seeded settings drawn from ``seed`` (see the test above); returns the drafts adopted."""
-    rng, adopted = random.Random(seed), 0
+    rng, spare, adopted = random.Random(seed), random.Random(seed + 2), 0  # runner-up drafts: their own draws
     for trial in range(settings):
         prompts = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 8))]
         options = dict(max_new_tokens=rng.choice([13, 24]), block_length=rng.choice([4, 8, 16]),
@@ -168,7 +170,8 @@ def _check_seeded_samples(model, seed: int, settings: int = 12) -> int:
         if rng.random() < 0.5:  # sparse steps (else dense: every step queries its whole window)
             options.update(window_queries="sparse", requery_radius=rng.choice([0, 3, 6]))
         plain = run_padded(model, prompts, hb.FastDLLMConfig(**options))
-        drafts = hb.FastDLLMConfig(**options, lookahead=rng.randint(1, 6))
+        k = rng.randint(1, 6)
+        drafts = hb.FastDLLMConfig(**options, lookahead=k, lookahead_runner_up=k >= 3 and spare.random() < 0.5)
         drafted = run_padded(model, prompts, drafts)
         took = torch.tensor([st["lookahead_adopted"] for st in drafted.stats])
         assert torch.equal(plain.sequences, drafted.sequences), (seed, trial, options)

@@ -728,13 +728,13 @@ def test_lookahead_query_budget_errors(value):
 
 
 # ----------------------------------------------------------------------------- runner-up drafts
-def _two_masks_left(runner_up: bool = True, known: bool = True):
+def _two_masks_left(runner_up: bool = True, known: bool = True, budget: float | None = None):
     """One request, a window of four positions with masks at 1 and 3 left (map: tokens 21 at 0.6 and 23 at 0.5), their
     runner-ups 31 at 0.3 and 33 at 0.4 (or none known); three drafts: ``(0, 1)`` needs three masks, so its row is spare."""
     from hf_blockbatch.generation.policies.lookahead import Lookahead
     from hf_blockbatch.generation.state import DecodeState
 
-    mask, la = 9, Lookahead(3, runner_up=runner_up)
+    mask, la = 9, Lookahead(3, runner_up=runner_up, query_budget=budget)
     ids = torch.tensor([[1, 2]])
     s = DecodeState.start(ids, torch.ones_like(ids), [4] * 4, 8, mask, map_k=1, features=frozenset(la.needs))
     s.canvas[:, 2:6] = torch.tensor([5, mask, 6, mask])
@@ -748,14 +748,15 @@ def _two_masks_left(runner_up: bool = True, known: bool = True):
 def test_a_spare_draft_row_drafts_the_likeliest_runner_up_token():
     """``lookahead_runner_up``: with two masks left, drafts ``(0,)`` and ``(1,)`` hold the map's tokens at ranks 0 and 1;
     the third row, whose ``(0, 1)`` would fill the window, drafts the runner-up token at the mask where it is likeliest
-    (33 at position 3: 0.4 against 0.3), as a draft of the main row's next step (parent 0). Without the option, or
-    with no runner-up known, that row is parked and mirrors its main row."""
+    (33 at position 3: 0.4 against 0.3), as a draft of the main row's next step (parent 0). Without the option, with
+    no runner-up known, or past the request's query budget, that row is parked and mirrors its main row."""
     mask = 9
     s = _two_masks_left()
     assert s.canvas[1, 2:6].tolist() == [5, 21, 6, mask] and s.canvas[2, 2:6].tolist() == [5, mask, 6, 23]
     assert s.canvas[3, 2:6].tolist() == [5, mask, 6, 33] and torch.equal(s.drafted[3], s.canvas[3])
     assert s.pruned[1:].tolist() == [False, False, False] and s.draft_parent[1:].tolist() == [0, 0, 0]
-    for off in (_two_masks_left(runner_up=False), _two_masks_left(known=False)):
+    # (a dense step queries a window per row: a budget of 3 windows admits the main row and two drafts)
+    for off in (_two_masks_left(runner_up=False), _two_masks_left(known=False), _two_masks_left(budget=3.0)):
         assert off.pruned[1:].tolist() == [False, False, True] and torch.equal(off.canvas[3], off.canvas[0])
         assert off.draft_parent[3] == 1  # (0, 1) extends (0,)
 

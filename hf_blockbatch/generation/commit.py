@@ -18,7 +18,7 @@ from hf_blockbatch.generation.sampling import Sampled, eos_probability, runner_u
 from hf_blockbatch.generation.state import DecodeState
 from hf_blockbatch.generation.stop import mark_eos
 
-__all__ = ["Proposal", "completed_windows", "mark_eos_hits", "note_runner_ups", "packed_rows", "propose", "write_commits"]
+__all__ = ["Proposal", "completed_windows", "mark_eos_hits", "note_runner_ups", "propose", "write_commits"]
 
 
 @dataclass
@@ -114,22 +114,20 @@ def mark_eos_hits(state: DecodeState, span: Span, proposal: Proposal, new: torch
     """Record the rows whose window is now fully decoded and holds EOS, with the probability that
     ranks them (see ``stop.StopRule``)."""
     rows, positions = span.rows, span.positions
+    W = positions.shape[1]
 
     def eos_prob_at(local: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         if eos_rank in (None, "widest"):  # no probability ranks the hitters
             return torch.zeros(local.shape, dtype=torch.float64, device=local.device)
         if eos_rank == "commit":
             return state.commit_prob[rows[local], positions[local, slot] - state.gen_start]
-        return eos_probability(packed[packed_rows(span, proposal, local, slot)], eos_ids, eos_dtype)
+        if span.keep is not None:  # the packed row of a kept slot: the kept slots up to it
+            row = span.keep.reshape(-1).cumsum(0)[local * W + slot] - 1
+        else:
+            row = proposal.slot_index[local, slot]
+        return eos_probability(packed[row], eos_ids, eos_dtype)
 
     mark_eos(state, rows, new, span.in_win, eos_prob_at, eos_ids, complete)
-
-
-def packed_rows(span: Span, proposal: Proposal, local: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """The rows of the packed logits that predict the slots ``(local, slot)`` (span row, slot), which the step read."""
-    if span.keep is not None:  # a kept slot's row: the kept slots up to it
-        return span.keep.reshape(-1).cumsum(0)[local * span.positions.shape[1] + slot] - 1
-    return proposal.slot_index[local, slot]
 
 
 def note_runner_ups(state: DecodeState, span: Span, proposal: Proposal, select: torch.Tensor, n_select: torch.Tensor,

@@ -465,8 +465,9 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             runner-up token of a mask: the most probable token after the one the other drafts guess, at the mask
             where that token is likeliest. When the step then commits that token alone, the draft stands for the
             next step as any draft does (exact with ``lookahead_accept="exact"``). ``False`` (default): such rows are
-            parked. Needs ``lookahead >= 3`` (with fewer drafts every shape rides whenever a draft can). About 0.01x
-            fewer forwards on code, 0.003-0.009x elsewhere, for 0.00-0.01x more query tokens (RESULTS §49).
+            parked. Needs ``lookahead >= 3`` (with fewer drafts every shape rides whenever a draft can). On 1,000
+            training items per suite, 0.010-0.012x of the tuned forwards off on code and 0.005-0.009x elsewhere, for
+            0.004-0.021x more query tokens and about 8 % more policy operations per forward (RESULTS §49).
         refresh_after_commits: with a cache, a request whose canvas gained this many tokens since its
             cache was last written by a full forward takes a full forward as its next step (a refresh,
             which commits as a block step does), besides the one at each block start (``None``, the

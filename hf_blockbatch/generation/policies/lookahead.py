@@ -230,6 +230,8 @@ class Lookahead:
         if run.fwd.drafting and self.query_budget is not None:
             valid &= self._affordable(run, open_, in_win, we - ws, count)
             run.fwd.drafting = bool(valid.any())
+            if spare is not None:  # a spare row the budget parks drafts nothing
+                spare = (spare[0] & valid, *spare[1:])
         was = s.per_request(s.draft_parked)[:, 1:]
         if not run.fwd.drafting:  # no draft this step: every draft row parked (pruned-like: no decision reads a
             # parked row's canvas; the next draft rewrites it), mirroring its main row when it is parked anew
