@@ -52,9 +52,11 @@ ORDER = ("fast_dllm", "fast_dllm_early_stop", "fast_dllm_b16", "fast_dllm_b64", 
 #: ``paper_table_blocks/`` completes the tuned baseline's block sweep to every multiple of 16 up to the generation
 #: length (48, 80 and 96 beside 16, 32 and 64), with the presets at the blocks it finds most accurate (RESULTS §35);
 #: ``paper_table_heldout/`` the shipped preset at the blocks picked on training items instead (§36);
-#: ``paper_table_many_masks/`` and ``_heldout/`` the preset with §48's lower threshold above 16 masks, at both picks
+#: ``paper_table_many_masks/`` and ``_heldout/`` the preset with §48's lower threshold above 16 masks, at both picks;
+#: ``paper_table_runner_up/`` and ``_heldout/`` both drafted presets with §49's runner-up drafts
 EXTRA = ("paper_table_extra", "paper_table_sparse", "paper_table_sparse_confident", "paper_table_blocks",
-         "paper_table_heldout", "paper_table_many_masks", "paper_table_many_masks_heldout")
+         "paper_table_heldout", "paper_table_many_masks", "paper_table_many_masks_heldout", "paper_table_runner_up",
+         "paper_table_runner_up_heldout")
 #: per-model runs of every suite on the same items (§11: ``<folder>/<model>/summary.json``); their
 #: Fast-dLLM sweep repeats ``paper_table/``'s, so only their other methods are taken
 PER_MODEL = ("paper_table_paired", "paper_table_paired_r6", "paper_table_paired_p1", "paper_table_lookahead",
