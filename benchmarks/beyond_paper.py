@@ -33,6 +33,7 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -274,6 +275,82 @@ def summarise(res: dict[str, Any]) -> dict[str, float]:
             "policy_ms_item": (1000.0 * (res["seconds"] - res["forward_seconds"]) / n
                                if "forward_seconds" in res else None),
             "rounds": res.get("rounds")}  # fmt: skip
+
+
+def paired(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The paired accuracy difference of two decodes of the same items (``decode``'s per-item rows)."""
+    return paired_difference({r["index"]: r["correct"] for r in a}, {r["index"]: r["correct"] for r in b})
+
+
+def option_grid(model: Any, tokenizer: Any, cells: list[tuple[str, int]], limit: int, batch_size: int,
+                configs: Callable[[int], dict[str, dict[str, Any]]], base: Callable[[str], str]) -> dict[str, Any]:
+    """A decoder option measured on training items (never a test question), for the grids of §48-§49: each
+    ``suite:block`` cell's decoders (``configs(block)``, the tuned Fast-dLLM named ``tuned`` among them) on ``limit``
+    training items; per decoder its accuracy, mean NFE and query tokens, the paired accuracy difference against
+    ``tuned`` and against the decoder ``base(name)`` (the same without the option), and the share of answers equal to
+    that decoder's."""
+    out: dict[str, Any] = {}
+    for suite, block in cells:
+        task = load_task(suite)
+        items = task.items("train", limit=limit)
+        prompts = [task.prompt(it, tokenizer) for it in items]
+        cfgs = configs(block)
+        runs, rows = {}, {}
+        for name, cfg in cfgs.items():
+            runs[name] = decode(model, tokenizer, suite, items, prompts, int(task.default_gen_length), cfg, batch_size)["items"]
+            s = summarise({"items": runs[name], "seconds": 0.0})
+            logger.info("%s b%d %s: acc %.1f nfe %.3f qt %.1f", suite, block, name, s["acc"], s["nfe"], s["qt"])
+            rows[name] = {"accuracy": s["acc"], "nfe": s["nfe"], "query_tokens": s["qt"]}
+        for name, mine in runs.items():  # paired, once all have run
+            theirs = runs[base(name)]
+            rows[name].update(vs_tuned=paired(mine, runs["tuned"]), vs_preset=paired(mine, theirs),
+                              same_answers=sum(a["text"] == b["text"] for a, b in zip(mine, theirs)) / len(items))
+        out[f"{suite}:{block}"] = {"configs": cfgs, "rows": rows}
+    return out
+
+
+def option_markdown(res: dict[str, Any], title: str, intro: str, same_answers: bool = False) -> list[str]:
+    """:func:`option_grid`'s result as one table per cell: accuracy, Δ against the tuned Fast-dLLM with its paired 95 %
+    interval and against the decoder without the option, NFE and query tokens × the tuned one's (and the answers
+    equal to the decoder's without the option)."""
+    lines = [f"# {title}", "", intro, ""]
+    for cell, r in res.items():
+        tuned = r["rows"]["tuned"]
+        lines += [f"## {cell}", "", "| point | accuracy | Δ tuned [95 %] | Δ preset | NFE × | query tokens × |"
+                  + (" same answers |" if same_answers else ""), "|---|---:|---:|---:|---:|---:|" + ("---:|" if same_answers else "")]  # fmt: skip
+        for name, row in r["rows"].items():
+            vt, vp = row["vs_tuned"], row["vs_preset"]
+            lo, hi = vt["ci95"]
+            lines.append(f"| {name} | {row['accuracy']:.1f} | {100 * vt['difference']:+.1f} [{100 * lo:+.1f}, "
+                         f"{100 * hi:+.1f}] | {100 * vp['difference']:+.1f} | {row['nfe'] / tuned['nfe']:.3f} | "
+                         f"{row['query_tokens'] / tuned['query_tokens']:.3f} |"
+                         + (f" {100 * row['same_answers']:.1f} % |" if same_answers else ""))  # fmt: skip
+        lines.append("")
+    return lines
+
+
+def option_grid_main(argv: list[str] | None, doc: str, out: Path, extra: Callable[[argparse.ArgumentParser], None],
+                     run: Callable[[Any, Any, list[tuple[str, int]], argparse.Namespace], dict[str, Any]],
+                     markdown: Callable[[str, int, dict[str, Any]], str]) -> None:  # fmt: skip
+    """The command line of an :func:`option_grid` script: its common arguments (``extra`` adds its own), then
+    ``run(model, tokenizer, cells, args)``, written as ``<out>/<model>_<limit>.json`` and ``.md``."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-llada")
+    p.add_argument("--cells", nargs="+", default=["arith:96", "code:96", "lists:64"],
+                   help="suite:block, the block each suite's tuned Fast-dLLM uses (RESULTS §35)")
+    p.add_argument("--limit", type=int, default=1000, help="training items per suite")
+    extra(p)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=str(out), help="folder of the report")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    model, tokenizer = load_for_benchmark(args.model, args.threads)
+    cells = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cells]
+    res = run(model, tokenizer, cells, args)
+    name = Path(args.model).name
+    print(write_report(Path(args.out) / f"{name}_{args.limit}", {"model": args.model, "limit": args.limit, "cells": res},
+                       markdown(name, args.limit, res)))  # fmt: skip
 
 
 def round_ratios(s: dict[str, Any], base: dict[str, Any]) -> list[float] | None:
