@@ -187,10 +187,11 @@ class Lookahead:
         """The state's optional tensors this policy reads (``DecodeState.features``)."""
         return ("pruned", "lookahead", "runner_up") if self.runner_up else ("pruned", "lookahead")
 
-    @property
+    @functools.cached_property
     def spare_masks(self) -> int:
         """The most open masks at which some draft's shape cannot ride (its row is spare): 0 without runner-up
-        drafts, and with fewer than three drafts (every shape then rides whenever a draft can)."""
+        drafts, and with fewer than three drafts (every shape then rides whenever a draft can). Read every step: built
+        once."""
         most = max(_need(shape) for shape in DRAFT_SHAPES[: self.drafts]) - 1
         return most if self.runner_up and most >= 2 else 0
 
