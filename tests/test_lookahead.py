@@ -464,6 +464,8 @@ def test_drafted_preset_is_the_benchmarked_point_and_saves_whole(tmp_path):
         assert small.lookahead_runner_up is False
         with pytest.raises(ValueError, match="set lookahead >= 3"):
             hb.FastDLLMConfig.drafted(exact=exact, lookahead=2, lookahead_runner_up=True).validate()
+        with pytest.raises(ValueError, match="lookahead must be an integer from 0 to"):  # the config's own message
+            hb.FastDLLMConfig.drafted(exact=exact, lookahead="2").validate()
 
 
 # ----------------------------------------------------------------------------- contained acceptance

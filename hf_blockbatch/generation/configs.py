@@ -543,7 +543,8 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         heads make both 9x smaller). ``lookahead=2`` or ``1`` keeps 3 or 2 rows (and no runner-up drafts: with fewer
         than three drafts no row is spare)."""
         options = {**(DRAFTED if exact else DRAFTED_CONTAINED), **kwargs}
-        if options["lookahead"] < 3 and "lookahead_runner_up" not in kwargs:  # fewer drafts leave no row spare
+        k = options["lookahead"]  # fewer drafts leave no row spare (a wrong value is validate()'s to explain)
+        if isinstance(k, int) and k < 3 and "lookahead_runner_up" not in kwargs:
             options["lookahead_runner_up"] = False
         return cls(**options)
 
