@@ -239,29 +239,53 @@ def decode(model: Any, tokenizer: Any, suite: str, items: list, prompts: list[st
     decoding policy, so a latency gap says which side it is on). A sampled config samples with keyed noise of
     ``seed`` (unless it names its own): every round, every batch size, and every config that decodes the same
     way (the drafted presets and sparse Fast-dLLM) sample the same answers."""
+    return decode_interleaved(model, tokenizer, suite, items, prompts, gen_length, {"": cfg_dict}, batch_size, seed)[""]
+
+
+def rotation(names: list[str], batch: int) -> list[str]:
+    """The order in which an interleaved sitting runs its configs on batch number ``batch``: each config goes first
+    on every n-th batch, so that none is always timed straight after the same neighbour (whose memory traffic it
+    may inherit)."""
+    k = batch % len(names)
+    return names[k:] + names[:k]
+
+
+def decode_interleaved(model: Any, tokenizer: Any, suite: str, items: list, prompts: list[str], gen_length: int,
+                       cfg_dicts: dict[str, dict[str, Any]], batch_size: int, seed: int = 0) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """:func:`decode` for several configs at once, batch by batch: each batch of items is decoded by every config in
+    turn (:func:`rotation`) before the next batch. A latency sitting (``--interleave``) times the configs this way:
+    the machine's speed drifts by 10-20 % within a minute here, and a config's whole pass over 500 items takes
+    10-60 s, so configs timed one pass after the other see different machines; decoded batch by batch, both sides
+    of a ratio are timed within milliseconds of each other (RESULTS §50). The decodes are the same either way."""
     task = load_task(suite)
-    cfg = config_from_dict({"max_new_tokens": gen_length, **cfg_dict})
-    key_sampling_noise({"cfg": cfg}, seed)
-    cfg.validate()
+    cfgs = {}
+    for name, cfg_dict in cfg_dicts.items():
+        cfg = config_from_dict({"max_new_tokens": gen_length, **cfg_dict})
+        key_sampling_noise({"cfg": cfg}, seed)
+        cfg.validate()
+        cfgs[name] = cfg
     end_ids = end_token_ids(tokenizer, model.config)
-    per_item: list[dict[str, Any]] = []
-    seconds = forward_seconds = 0.0
-    for b0 in range(0, len(items), batch_size):
+    out = {name: {"items": [], "seconds": 0.0, "forward_seconds": 0.0, "batch_size": batch_size} for name in cfgs}
+    for k, b0 in enumerate(range(0, len(items), batch_size)):
         idx = list(range(b0, min(b0 + batch_size, len(items))))
         ids, mask = _encode(tokenizer, [prompts[i] for i in idx], torch.device("cpu"))
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(ids, mask, generation_config=cfg, return_dict_in_generate=True)
-        seconds += time.perf_counter() - t0
-        forward_seconds += out.stats[0]["forward_seconds"]  # the batch's run: the same for each request
-        texts = answer_texts(tokenizer, out.sequences[:, ids.shape[1] :], end_ids)
-        scores = _score_all(task, [items[i] for i in idx], texts)
-        for j, (i, s) in enumerate(zip(idx, scores)):
-            st = out.stats[j]
-            per_item.append({"index": i, "correct": bool(s.correct), "nfe": int(out.nfe[j]),
-                             "query_tokens": int(st["query_tokens"]), "syncs": int(st.get("syncs", 0)),
-                             "merged": int(st.get("merged", 0)), "text": texts[j]})  # fmt: skip
-    return {"items": per_item, "seconds": seconds, "forward_seconds": forward_seconds, "batch_size": batch_size}
+        decoded = {}
+        for name in rotation(list(cfgs), k):  # timed back to back; scored after (code runs tests)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                decoded[name] = model.generate(ids, mask, generation_config=cfgs[name], return_dict_in_generate=True)
+            out[name]["seconds"] += time.perf_counter() - t0
+        for name, gen in decoded.items():
+            res = out[name]
+            res["forward_seconds"] += gen.stats[0]["forward_seconds"]  # the batch's run: the same for each request
+            texts = answer_texts(tokenizer, gen.sequences[:, ids.shape[1] :], end_ids)
+            scores = _score_all(task, [items[i] for i in idx], texts)
+            for j, (i, sc) in enumerate(zip(idx, scores)):
+                st = gen.stats[j]
+                res["items"].append({"index": i, "correct": bool(sc.correct), "nfe": int(gen.nfe[j]),
+                                     "query_tokens": int(st["query_tokens"]), "syncs": int(st.get("syncs", 0)),
+                                     "merged": int(st.get("merged", 0)), "text": texts[j]})  # fmt: skip
+    return out
 
 
 def summarise(res: dict[str, Any]) -> dict[str, float]:
@@ -375,14 +399,16 @@ def _ms(value: float | None) -> str:
 
 
 def render(model: str, limit: int, table: dict[str, dict[str, dict[str, float]]], baseline: str,
-           split: str = "train") -> str:  # fmt: skip
+           split: str = "train", interleave: bool = False) -> str:  # fmt: skip
     items = "training items" if split == "train" else f"{split}-split items"
+    paired_by = ("rounds interleaved batch by batch: each batch decoded by every config in turn" if interleave else
+                 "round-robin rounds, paired by round")
     lines = [f"# beyond_paper: {model}, {limit} {items} per suite", "",
              f"Ratios and Δacc against `{baseline}` (Fast-dLLM dual, τ 0.9, early stop) on the same items "
              "(Δacc in points, with Newcombe's paired 95 % interval: the two decoders scored on the same items). "
              "Latency is wall time per item at the run's batch size (noisy on shared CPUs; NFE and query "
              "tokens are exact); policy is its part outside model forwards (each a median over the rounds). With several "
-             "rounds, t × is followed by the range of each round's ratio (round-robin rounds, paired by round).", ""]  # fmt: skip
+             f"rounds, t × is followed by the range of each round's ratio ({paired_by}).", ""]  # fmt: skip
     for suite, rows in table.items():
         base = rows.get(baseline)
         lines += [f"## {suite}", "", "| config | acc % | Δacc [paired 95 % CI] | NFE | NFE × | query tok | qt × | ms/item | t × "
@@ -417,6 +443,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="decode each config this many times, round-robin, and report the median time (latency "
                         "runs; more than 1 re-decodes every config, cached or not)")
+    p.add_argument("--interleave", action="store_true",
+                   help="with --rounds: within each round, decode every batch with every config in turn before the next "
+                        "batch (rotating which goes first), so that both sides of a time ratio are timed side by side "
+                        "batch by batch, not a whole pass apart (RESULTS §50)")
     p.add_argument("--tag", default="", help="suffix of the output files' names")
     p.add_argument("--seed", type=int, default=0,
                    help="the seed of sampled configs' keyed noise (temperature > 0); it keys their results")
@@ -438,7 +468,8 @@ def main(argv: list[str] | None = None) -> None:
     mname = Path(args.model).name
     table: dict[str, dict[str, dict[str, float]]] = {}
     full: dict[str, Any] = {"model": args.model, "limit": args.limit, "split": args.split, "batch_size": args.batch_size,
-                            "rounds": args.rounds, "baseline": args.baseline, "configs": {}, "suites": {}}  # fmt: skip
+                            "rounds": args.rounds, "interleave": args.interleave, "baseline": args.baseline, "configs": {},
+                            "suites": {}}  # fmt: skip
     for suite in args.suites:
         task = load_task(suite)
         items = task.items(args.split, limit=args.limit)
@@ -449,9 +480,15 @@ def main(argv: list[str] | None = None) -> None:
                  for name in names}  # fmt: skip
         # a latency run (--rounds > 1) times every config in this sitting: a cached time from another
         # sitting is not side by side (timings here move by 10 % between sittings)
-        todo = [n for n in names if args.fresh or args.rounds > 1 or not paths[n].exists()]
+        todo = [n for n in names if args.fresh or args.rounds > 1 or args.interleave or not paths[n].exists()]
         runs: dict[str, list[dict[str, Any]]] = {n: [] for n in todo}
         for _ in range(args.rounds):  # round-robin, so that a slow spell of the machine hits every config
+            if args.interleave and todo:  # ... or batch by batch within each round
+                done = decode_interleaved(model, tokenizer, suite, items, prompts, gen_length,
+                                          {name: configs[name] for name in todo}, args.batch_size, args.seed)  # fmt: skip
+                for name in todo:
+                    runs[name].append(done[name])
+                continue
             for name in todo:
                 runs[name].append(decode(model, tokenizer, suite, items, prompts, gen_length, configs[name], args.batch_size,
                                          args.seed))  # fmt: skip
@@ -480,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
                 full["suites"][suite][name]["t_ratio_rounds"] = round_ratios(table[suite][name], table[suite][args.baseline])
     split = "" if args.split == "train" else args.split
     stem = out_dir / (f"{mname}_{split}{args.limit}" + (f"_b{args.batch_size}" if args.batch_size != 16 else "") + args.tag)
-    text = render(args.model, args.limit, table, args.baseline, args.split)
+    text = render(args.model, args.limit, table, args.baseline, args.split, args.interleave)
     write_report(stem, full, text)
     print(text)
 

@@ -241,7 +241,8 @@ def latency_runs(paths: Sequence[Path]) -> dict[str, dict[str, dict[str, Any]]]:
     """The CPU latency target's figures, from ``beyond_paper.py --split test --rounds k`` runs (RESULTS §47): per
     checkpoint, suite and batch size, the time per item of the scorecard's tuned baseline and of its shipped preset
     (each found in the run by its config, as the scorecard finds the bench's runs), the ratio of the rounds' medians
-    and each round's own ratio (round-robin rounds: both sides of a pair timed in the same stretch). A run is taken
+    and each round's own ratio (round-robin rounds: both sides of a pair timed in the same stretch; with ``--interleave``,
+    batch by batch, RESULTS §50). A run is taken
     only if it decoded the whole test split as the bench's runs did (the same accuracy and mean NFE: the same
     decoders on the same items), so the time is that of the decodes the other targets judge."""
     from hf_blockbatch.generation.configs import config_from_dict
@@ -275,6 +276,7 @@ def latency_runs(paths: Sequence[Path]) -> dict[str, dict[str, dict[str, Any]]]:
             tuned, shipped = sides["tuned"]["round_seconds"], sides["shipped"]["round_seconds"]
             out.setdefault(model, {}).setdefault(suite, {})[str(bs)] = {
                 "source": Path(path).name, "items": results[sides["tuned"]["name"]]["n"], "rounds": len(tuned),
+                "interleaved": bool(run.get("interleave")),
                 "block": row["tuned_block"], **sides, "ratio": sides["shipped"]["ms_item"] / sides["tuned"]["ms_item"],
                 "round_ratios": [a / b for a, b in zip(shipped, tuned)],
             }  # fmt: skip
@@ -394,9 +396,10 @@ def _card_markdown(card: list[dict[str, Any]], tuned_header: str) -> list[str]:
              "query_tokens": f"query tokens ≤ {QUERY_TUNED}× tuned"}  # fmt: skip
     if all(r["met"].get("cpu_time") is not None for r in card):
         sample = card[0]["latency"][str(LATENCY_BATCHES[0])]
+        paired = " interleaved batch by batch" if sample.get("interleaved") else ""
         names["cpu_time"] = (f"CPU time per item ≤ {TIME_TUNED:g}× tuned at batch {' and '.join(map(str, LATENCY_BATCHES))} "
-                             f"(the ratio of the medians of {sample['rounds']} side-by-side rounds on the {sample['items']} "
-                             f"test items, one thread; `{LATENCY.name}`)")  # fmt: skip
+                             f"(the ratio of the medians of {sample['rounds']} side-by-side rounds{paired} on the "
+                             f"{sample['items']} test items, one thread; `{LATENCY.name}`)")  # fmt: skip
     for key, name in names.items():
         missed = [f"{r['model']} {r['suite']}" for r in card if not r["met"][key]]
         lines.append(f"* {name}: met on {len(card) - len(missed)} of {len(card)}" + (f" (missed: {', '.join(missed)})" if missed else ""))

@@ -861,6 +861,45 @@ def test_beyond_paper_latency_runs_split_forward_and_policy_time(tmp_path):
     assert beyond_paper.summarise(old)["policy_ms_item"] is None and beyond_paper._ms(None) == "-"
 
 
+def test_beyond_paper_interleaves_configs_batch_by_batch(tmp_path, monkeypatch):
+    """``beyond_paper.py --interleave`` times a round batch by batch: every batch is decoded by each config in turn,
+    the first config rotating from batch to batch, before the next batch; the decodes are those of a pass per config,
+    and the run says how it was timed."""
+    beyond_paper = load_benchmark("beyond_paper")
+    assert [beyond_paper.rotation(["a", "b", "c"], k) for k in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    names = ["fd_es_b64", "fd_es_b64_sq_r6_la3_m16"]
+    args = ["--model", "tiny-llada", "--suites", "arith", "--limit", "3", "--batch-size", "1", "--configs", *names]
+    beyond_paper.main([*args, "--out", str(tmp_path / "passes")])
+    passes = json.loads((tmp_path / "passes" / "tiny-llada_3_b1.json").read_text())
+    order, load = [], beyond_paper.load_for_benchmark  # which config decoded which batch, in the order they ran
+
+    def spied(name: str, threads: int):
+        model, tokenizer = load(name, threads)
+        generate = model.generate
+
+        def spy(ids, mask, generation_config=None, **kw):
+            order.append((tuple(ids[0].tolist()), generation_config.lookahead or 0))
+            return generate(ids, mask, generation_config=generation_config, **kw)
+
+        model.generate = spy
+        return model, tokenizer
+
+    monkeypatch.setattr(beyond_paper, "load_for_benchmark", spied)
+    beyond_paper.main([*args, "--rounds", "2", "--interleave", "--out", str(tmp_path / "inter")])
+    inter = json.loads((tmp_path / "inter" / "tiny-llada_3_b1.json").read_text())
+    assert inter["interleave"] is True and passes["interleave"] is False
+    # the configs' lookahead (0 and 3) batch by batch: batch 0 in the given order, batch 1 the other way round, ...
+    assert [o[1] for o in order] == [0, 3, 3, 0, 0, 3] * 2
+    batches = [o[0] for o in order]
+    assert batches[0] == batches[1] != batches[2] == batches[3] != batches[4] == batches[5] and batches[:6] == batches[6:]
+    for name in names:  # the same decodes as a pass per config
+        for key in ("acc", "nfe", "qt", "correct", "nfe_items"):
+            assert inter["suites"]["arith"][name][key] == passes["suites"]["arith"][name][key]
+        assert len(inter["suites"]["arith"][name]["rounds"]) == 2
+    assert "interleaved batch by batch" in (tmp_path / "inter" / "tiny-llada_3_b1.md").read_text()
+
+
 def test_beyond_paper_reports_on_the_test_split_apart_from_training_items(tmp_path, monkeypatch):
     """``beyond_paper.py --split test`` decodes the first items of the test split, says so in its files' names and
     contents, and keys its cached results apart from the training items' (whose keys stay as they were)."""
@@ -1203,7 +1242,7 @@ def test_the_latency_target_is_read_from_side_by_side_test_split_runs_of_the_sco
     row = next(r for r in paper_table.scorecard(latency=False) if (r["model"], r["suite"]) == ("tiny-llada", "code"))
     recorded, gen = paper_table._recorded("tiny-llada", "code")
 
-    def run(bs: int, times: dict[str, list[float]], nfe_shift: float = 0.0, split: str = "test") -> Path:
+    def run(bs: int, times: dict[str, list[float]], nfe_shift: float = 0.0, split: str = "test", interleave: bool = False) -> Path:
         results = {}
         for side, name in (("tuned", "base"), ("shipped", "cand")):
             cell = row["cells"][row[side]]
@@ -1213,9 +1252,9 @@ def test_the_latency_target_is_read_from_side_by_side_test_split_runs_of_the_sco
         configs = {"base": recorded[row["tuned"]], "cand": recorded[row["shipped"]],
                    "other": {**recorded[row["shipped"]], "block_length": 32}}  # fmt: skip
         results["other"] = results["cand"]
-        path = tmp_path / f"run_{bs}_{split}_{nfe_shift}.json"
+        path = tmp_path / f"run_{bs}_{split}_{nfe_shift}_{interleave}.json"
         path.write_text(json.dumps({"model": "tiny-llada", "limit": 500, "split": split, "batch_size": bs, "rounds": 3,
-                                    "configs": {k: configs[k] for k in ("other", "base", "cand")}, "suites": {"code": results}}))  # fmt: skip
+                                    "interleave": interleave, "configs": {k: configs[k] for k in ("other", "base", "cand")}, "suites": {"code": results}}))  # fmt: skip
         return path
 
     b1 = run(1, {"tuned": [10.0, 11.0, 12.0], "shipped": [9.0, 10.5, 12.6]})
@@ -1245,6 +1284,14 @@ def test_the_latency_target_is_read_from_side_by_side_test_split_runs_of_the_sco
     other = {"1": {**got["1"], "shipped": {**got["1"]["shipped"], "decoder": "an_earlier_preset"}}}  # the preset changed since
     with pytest.raises(SystemExit, match="timed an_earlier_preset as the shipped decoder.*re-record"):
         paper_table._judge_latency([dict(row, met=dict(row["met"]))], {"tiny-llada": {"code": other}})
+    # a sitting interleaved batch by batch (beyond_paper.py --interleave) says so in the summary line
+    inter = paper_table.latency_runs([run(bs, {"tuned": [1.0] * 3, "shipped": [0.9] * 3}, interleave=True) for bs in (1, 32)])
+    assert got["1"]["interleaved"] is False and inter["tiny-llada"]["code"]["32"]["interleaved"] is True
+    card = [dict(row, met=dict(row["met"]))]
+    paper_table._judge_latency(card, inter)
+    assert card[0]["met"]["cpu_time"] is True
+    assert "(the ratio of the medians of 3 side-by-side rounds interleaved batch by batch on the 500 test items" \
+        in "\n".join(paper_table._card_markdown(card, "tuned"))
 
 
 @pytest.mark.parametrize("flag", ["--latency", "--heldout-sweep"])
