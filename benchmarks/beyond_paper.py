@@ -22,7 +22,9 @@ content, so adding a candidate decodes only that candidate (``--fresh`` re-decod
 
 ``--split test`` decodes the suite's test split instead (the first ``--limit`` of its 500 items), to *report*
 what the issue measures there, never to choose: the CPU latency target is judged on the test splits, side by
-side, like the other four (RESULTS §47); the files are then named ``<model>_test<limit>...``.
+side, like the other four (RESULTS §47); the files are then named ``<model>_test<limit>...``. ``--interleave`` times a
+sitting's configs batch by batch, each batch decoded by every config in turn, so that a time ratio compares decodes
+made milliseconds apart rather than whole passes made a minute apart (RESULTS §50).
 """
 
 from __future__ import annotations
@@ -379,8 +381,8 @@ def option_grid_main(argv: list[str] | None, doc: str, out: Path, extra: Callabl
 
 def round_ratios(s: dict[str, Any], base: dict[str, Any]) -> list[float] | None:
     """Each round's time over the baseline's in the same round (latency runs, ``--rounds`` > 1): the rounds run
-    round-robin, so a slow spell of the machine hits both sides of a pair; their spread says how far one sitting's
-    ratio can be read. ``None`` without rounds on both sides."""
+    round-robin (with ``--interleave``, batch by batch within each round), so a slow spell of the machine hits both
+    sides of a pair; their spread says how far one sitting's ratio can be read. ``None`` without rounds on both sides."""
     a, b = s.get("rounds"), base.get("rounds")
     if not a or not b or len(a) != len(b) or len(a) < 2:
         return None
