@@ -446,9 +446,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="decode each config this many times, round-robin, and report the median time (latency "
                         "runs; more than 1 re-decodes every config, cached or not)")
     p.add_argument("--interleave", action="store_true",
-                   help="with --rounds: within each round, decode every batch with every config in turn before the next "
-                        "batch (rotating which goes first), so that both sides of a time ratio are timed side by side "
-                        "batch by batch, not a whole pass apart (RESULTS §50)")
+                   help="within each round, decode every batch with every config in turn before the next batch "
+                        "(rotating which goes first), so that both sides of a time ratio are timed side by side batch "
+                        "by batch, not a whole pass apart (RESULTS §50); re-decodes every config, cached or not")
     p.add_argument("--tag", default="", help="suffix of the output files' names")
     p.add_argument("--seed", type=int, default=0,
                    help="the seed of sampled configs' keyed noise (temperature > 0); it keys their results")
@@ -480,8 +480,8 @@ def main(argv: list[str] | None = None) -> None:
         table[suite], full["suites"][suite] = {}, {}
         paths = {name: out_dir / "cache" / f"{mname}_{suite}_{_key(args.model, suite, args.limit, gen_length, configs[name], args.batch_size, args.seed, args.split)}.json"
                  for name in names}  # fmt: skip
-        # a latency run (--rounds > 1) times every config in this sitting: a cached time from another
-        # sitting is not side by side (timings here move by 10 % between sittings)
+        # a latency run (--rounds > 1 or --interleave) times every config in this sitting: a cached time from
+        # another sitting is not side by side (timings here move by 10 % between sittings)
         todo = [n for n in names if args.fresh or args.rounds > 1 or args.interleave or not paths[n].exists()]
         runs: dict[str, list[dict[str, Any]]] = {n: [] for n in todo}
         for _ in range(args.rounds):  # round-robin, so that a slow spell of the machine hits every config

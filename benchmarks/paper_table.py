@@ -242,9 +242,9 @@ def latency_runs(paths: Sequence[Path]) -> dict[str, dict[str, dict[str, Any]]]:
     checkpoint, suite and batch size, the time per item of the scorecard's tuned baseline and of its shipped preset
     (each found in the run by its config, as the scorecard finds the bench's runs), the ratio of the rounds' medians
     and each round's own ratio (round-robin rounds: both sides of a pair timed in the same stretch; with ``--interleave``,
-    batch by batch, RESULTS §50). A run is taken
-    only if it decoded the whole test split as the bench's runs did (the same accuracy and mean NFE: the same
-    decoders on the same items), so the time is that of the decodes the other targets judge."""
+    batch by batch, RESULTS §50). A run is taken only if it decoded the whole test split as the bench's runs did (the
+    same accuracy and mean NFE: the same decoders on the same items), so the time is that of the decodes the other
+    targets judge."""
     from hf_blockbatch.generation.configs import config_from_dict
 
     rows = {(r["model"], r["suite"]): r for r in scorecard(latency=False)}
@@ -396,7 +396,8 @@ def _card_markdown(card: list[dict[str, Any]], tuned_header: str) -> list[str]:
              "query_tokens": f"query tokens ≤ {QUERY_TUNED}× tuned"}  # fmt: skip
     if all(r["met"].get("cpu_time") is not None for r in card):
         sample = card[0]["latency"][str(LATENCY_BATCHES[0])]
-        paired = " interleaved batch by batch" if sample.get("interleaved") else ""
+        every = [t for r in card for t in r["latency"].values()]
+        paired = " interleaved batch by batch" if all(t.get("interleaved") for t in every) else ""
         names["cpu_time"] = (f"CPU time per item ≤ {TIME_TUNED:g}× tuned at batch {' and '.join(map(str, LATENCY_BATCHES))} "
                              f"(the ratio of the medians of {sample['rounds']} side-by-side rounds{paired} on the "
                              f"{sample['items']} test items, one thread; `{LATENCY.name}`)")  # fmt: skip
