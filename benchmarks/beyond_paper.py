@@ -484,16 +484,14 @@ def main(argv: list[str] | None = None) -> None:
         # another sitting is not side by side (timings here move by 10 % between sittings)
         todo = [n for n in names if args.fresh or args.rounds > 1 or args.interleave or not paths[n].exists()]
         runs: dict[str, list[dict[str, Any]]] = {n: [] for n in todo}
-        for _ in range(args.rounds):  # round-robin, so that a slow spell of the machine hits every config
-            if args.interleave and todo:  # ... or batch by batch within each round
+        # round-robin, so that a slow spell of the machine hits every config; with --interleave, batch by batch
+        together = [todo] if args.interleave and todo else [[name] for name in todo]
+        for _ in range(args.rounds):
+            for group in together:
                 done = decode_interleaved(model, tokenizer, suite, items, prompts, gen_length,
-                                          {name: configs[name] for name in todo}, args.batch_size, args.seed)  # fmt: skip
-                for name in todo:
+                                          {name: configs[name] for name in group}, args.batch_size, args.seed)  # fmt: skip
+                for name in group:
                     runs[name].append(done[name])
-                continue
-            for name in todo:
-                runs[name].append(decode(model, tokenizer, suite, items, prompts, gen_length, configs[name], args.batch_size,
-                                         args.seed))  # fmt: skip
         for name, rs in runs.items():
             assert all(r["items"] == rs[0]["items"] for r in rs), "a decode changed between rounds"
             res = {**rs[0], "seconds": statistics.median(r["seconds"] for r in rs),
