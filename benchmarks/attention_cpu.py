@@ -5,7 +5,7 @@ Compares, for one layer's attention over a cache of ``L`` positions and the six 
 
 * ``sdpa``: the library's padded path (every row padded to the longest window, one SDPA call);
 * ``sdpa_grouped``: the library's grouped path (one SDPA call per group of window lengths, padded
-  where that is cheaper than a call: here, at 4 heads of 32 over 384 keys, 4 and 8 share one, 16 and 32 another);
+  where that is cheaper than a call: here, at 4 heads of 32 over 384 keys, 8 and 16 share one, the others each have their own);
 * ``per_row``: one SDPA call per row on its exact window (no padding waste, a Python loop);
 * ``reference``: the library's explicit float32 softmax path;
 * ``single_32``: one row, one window of 32 (Fast-dLLM dual), for scale.
@@ -15,8 +15,9 @@ Writes ``benchmarks/results/attention_cpu.json``. Usage:
 
 ``--groups`` measures instead what ``sdpa_grouped`` weighs when it merges query counts: one group's
 call (gathers, SDPA's setup, the scatter back) against padded attention work, by timing groups of
-``n`` rows of ``w`` queries and fitting ``time = call + n * row + n * w * L * heads * head_dim * unit``.
-``call / unit`` is the ``GROUP_CALL_COST`` of this CPU (``hf_blockbatch/attention/metadata.py``);
+``n`` rows of ``w`` queries and fitting ``time = call + n * row + n * w * L * heads * head_dim * unit``, then
+``G`` single-row groups attended one call each, whose time less their rows' own query work grows by ``call``
+per group. ``call / unit`` is the ``GROUP_CALL_COST`` of this CPU (``hf_blockbatch/attention/metadata.py``);
 writes ``benchmarks/results/attention_cpu_groups.json`` (RESULTS §27).
 """
 
@@ -139,9 +140,12 @@ def group_costs(args) -> None:
             calls.append((G, timed(functools.partial(grouped.window, q, k, v, wb, scale), args.repeats)))
     finally:
         metadata.GROUP_CALL_COST = shipped
+    # each added group also attends its own row's queries (8 + g of them): that work is the padded slots' rate,
+    # not the call's, so it comes off (with the row's cost) before the slope over G is read
     gs = torch.tensor([[1.0, g] for g, _ in calls], dtype=torch.float64)
-    _, per_group = torch.linalg.lstsq(gs, torch.tensor([[t] for _, t in calls], dtype=torch.float64)).solution[:, 0]
-    call = float(per_group) - row
+    own = torch.tensor([[t - g * row - sum(8 + i for i in range(g)) * L * H * D * unit] for g, t in calls],
+                       dtype=torch.float64)  # fmt: skip
+    call = float(torch.linalg.lstsq(gs, own).solution[1, 0])
     results = {
         "geometry": {"length": L, "heads": H, "head_dim": D, "threads": args.threads},
         "one_group_us": [{"rows": n, "width": w, "us": round(t, 1)} for n, w, t in samples],

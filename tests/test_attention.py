@@ -141,13 +141,13 @@ def test_grouped_backend_pads_rows_only_where_a_call_costs_more(monkeypatch, pad
 def test_grouped_backend_keeps_a_call_per_query_count_at_a_realistic_width() -> None:
     """At an 8B model's width (32 heads of 128) over 600 keys one padded slot costs more than a call:
     the groups are the exact query counts, as before padding was considered. At the tiny models'
-    width (4 heads of 32) a call is worth 13 padded slots over 600 keys: 12, 11 and 8 pad to 21
-    (9, 10 and 13 slots), 4 would take 17 and gets its own call."""
+    width (4 heads of 32) a call is worth 5.2 padded slots over 600 keys: 11 and 8 pad to 12 (1 and 4
+    slots), while 12 would take 9 to reach 21 and 4 would take 8, so each of those keeps its own call."""
     cache = hb.BranchCache(1, 6, 600, 1, 2)
     wb = build_window_batch(cache, torch.tensor([500] * 6), torch.tensor([521, 512, 511, 508, 521, 504]))
     assert sorted(grp.width for grp in wb.length_groups(32 * 128)) == [4, 8, 11, 12, 21]
     assert all(grp.real is None for grp in wb.length_groups(32 * 128))
-    assert [(grp.width, grp.count) for grp in wb.length_groups(4 * 32)] == [(21, 5), (4, 1)]
+    assert [(grp.width, grp.count) for grp in wb.length_groups(4 * 32)] == [(21, 2), (12, 3), (4, 1)]
 
 
 def strict_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, scale=None, causal=False, enable_gqa=False):

@@ -49,10 +49,12 @@ def pack_ranges(
 #: attention call. A call (the rows' gathers, SDPA's own setup, the scatter back) costs about as much
 #: as this many units of padded attention work, a unit being one padded query slot x one key x one
 #: (head x head dimension) entry. Measured on this project's CPUs (``benchmarks/attention_cpu.py
-#: --groups``): 80-100 us a call against 0.08-0.10 ns a unit, 0.9-1.2e6 units. So on the tiny models
-#: (160 keys, 4 heads of 32) a call is worth ~49 padded slots, and at a realistic width (600 keys, 32
-#: heads of 128) less than one: there every query count keeps its own call, as before (RESULTS §27).
-GROUP_CALL_COST = 1.0e6
+#: --groups``): 25 us a call against 0.064-0.071 ns a unit, 3.7-4.0e5 units. So on the tiny models
+#: (160 keys, 4 heads of 32) a call is worth ~20 padded slots, and at a realistic width (600 keys, 32
+#: heads of 128) far less than one: there every query count keeps its own call (RESULTS §27, §51).
+#: (Until §51 the fit counted each extra group's own queries as the call's cost: 1.0e6, which padded a
+#: batch-1 step with drafts by 55-75 % of its query slots.)
+GROUP_CALL_COST = 4.0e5
 
 
 @dataclass(frozen=True)
