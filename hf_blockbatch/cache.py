@@ -396,8 +396,11 @@ class BranchCache(Cache):
         ``[n, L]`` bool ``where[i]`` holds: a lookahead draft row takes back its main row's K/V where
         it wrote its own, and a main row takes an adopted draft's. Only K/V; no position of a ``dst``
         row may also be read from it as a ``src`` (rows of one call are disjoint). One gather and one
-        scatter over flat ``row * L + position`` slots: the data moved is the positions, not rows."""
+        scatter over flat ``row * L + position`` slots: the data moved is the positions, not rows.
+        Nothing to take (most of a draft row's take-backs at batch 1) writes nothing and keeps the rows' versions."""
         i, p = where.nonzero(as_tuple=True)
+        if not i.numel():  # (nonzero has read its count back already: no sync of its own)
+            return
         flat = self._base_slabs(positions=True)
         taken = flat.index_select(1, src[i] * self.length + p)
         # along dim 0 of the transposed view: 1.6x faster on CPUs than along dim 1

@@ -111,6 +111,22 @@ def test_copy_positions_copies_only_those_positions() -> None:
     assert torch.equal(after["mask"], before["mask"]) and torch.equal(after["pos"], before["pos"])
 
 
+def test_copy_positions_with_nothing_to_take_writes_nothing_and_keeps_versions() -> None:
+    """With nothing to take (a draft row's take-back in most batch-1 steps) ``copy_positions`` returns at once: the
+    K/V and the rows' versions stay as they were, so a row that holds its source's copy still skips the next copy
+    of it. A take of one position gives the destination a new version (its K/V are no longer the copy's)."""
+    cache = random_cache()
+    cache.copy_rows(torch.tensor([0]), torch.tensor([1]))
+    versions, before = cache.row_version.clone(), state(cache)
+    cache.copy_positions(torch.tensor([0, 4]), torch.tensor([1, 3]), torch.zeros(2, L, dtype=torch.bool))
+    assert torch.equal(cache.row_version, versions)
+    assert all(torch.equal(state(cache)[name], old) for name, old in before.items())
+    where = torch.zeros(1, L, dtype=torch.bool)
+    where[0, 2] = True
+    cache.copy_positions(torch.tensor([2]), torch.tensor([1]), where)
+    assert cache.row_version[1] != versions[1] and torch.equal(cache.row_version[[0, 2, 3, 4]], versions[[0, 2, 3, 4]])
+
+
 def test_row_copies_after_dropping_rows() -> None:
     """After ``keep_rows`` drops the last rows (the storage becomes a prefix of its allocation), the
     copies across rows still move exactly the named rows and positions of the kept rows (they index
