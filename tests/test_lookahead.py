@@ -653,6 +653,50 @@ def test_an_adoption_completes_a_window_only_in_a_step_that_completed_one(family
     assert seen["complete"] > 0
 
 
+def test_a_step_whose_only_completed_windows_are_drafts_moves_nothing(trained, monkeypatch):
+    """``Lookahead.apply`` narrows the step's ``completed`` to the main rows: a draft row that completed its window
+    and was not adopted is parked, and the next draft rewrites it, so advancing, the stop check and the refresh
+    check have nothing to do. On lists prompts at batch 1 with the contained preset such steps occur; in each, no
+    main row that is not done holds a complete window, and the decode is the one that runs every check (the same
+    tokens and forwards) with fewer stop checks."""
+    from hf_blockbatch.generation.engine import Run
+    from hf_blockbatch.generation.policies.lookahead import Lookahead
+    from hf_blockbatch.generation.state import canvas_positions, in_window
+
+    model, tok = trained
+    cfg = hb.FastDLLMConfig.drafted(exact=False, block_length=48, max_new_tokens=get_suite("lists").default_gen_length)
+    prompts = [tok(t, add_special_tokens=False, return_tensors="pt") for t in
+               [get_suite("lists").prompt(item, tok) for item in get_suite("lists").items("train", limit=6)]]  # fmt: skip
+    original_apply, original_finish = Lookahead.apply, Run.finish
+    seen = Counter()
+
+    def apply(self, ctx):
+        before = ctx.completed
+        out = original_apply(self, ctx)
+        if before and not ctx.completed:
+            s = ctx.state
+            inside = in_window(canvas_positions(s.length, s.canvas.device), s.win_start, s.win_end)
+            held = s.per_request(((s.canvas == s.mask_id) & inside).any(-1))[:, 0]
+            assert bool((held | s.per_request(s.done)[:, 0]).all()), "a main row's complete window was not reported"
+            seen["narrowed"] += 1
+        return out
+
+    def finish(self):
+        seen[mode] += 1
+        return original_finish(self)
+
+    monkeypatch.setattr(Lookahead, "apply", apply)
+    monkeypatch.setattr(Run, "finish", finish)
+    outs = {}
+    for mode in ("narrowed_run", "every_check"):
+        if mode == "every_check":  # every completed step goes on to the checks, as before the narrowing
+            monkeypatch.setattr(Lookahead, "_main_completed", staticmethod(lambda s: True))
+        outs[mode] = [model.generate(**enc, generation_config=cfg, return_dict_in_generate=True) for enc in prompts]
+    for a, b in zip(outs["narrowed_run"], outs["every_check"]):
+        assert torch.equal(a.sequences, b.sequences) and torch.equal(a.nfe, b.nfe)
+    assert seen["narrowed"] > 0 and seen["narrowed_run"] < seen["every_check"]
+
+
 def test_contained_acceptance_saves_forwards_on_the_checkpoints(trained):
     """On eight arithmetic prompts with the drafted preset, contained acceptance adopts more drafts and
     needs fewer forwards than exact acceptance, and the main row's commits still replay its answer."""

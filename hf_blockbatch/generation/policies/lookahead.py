@@ -288,6 +288,14 @@ class Lookahead:
         return changed
 
     @staticmethod
+    def _main_completed(s) -> bool:
+        """Whether some main row that is not done holds a window with no mask left (after this step's adoptions)."""
+        main = s.per_request(s.canvas)[:, 0]
+        ws, we = s.per_request(s.win_start)[:, 0], s.per_request(s.win_end)[:, 0]
+        held = ((main == s.mask_id) & in_window(canvas_positions(s.length, main.device), ws, we)).any(-1)
+        return not bool((held | s.per_request(s.done)[:, 0]).all())
+
+    @staticmethod
     def _spare(s, open_: torch.Tensor, spare: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Runner-up drafts: ``([B, K] bool, [B, K], [B, K])``, which of the ``spare`` draft rows (``[B, K]``: their
         shape needs more masks than the window has left, and at least 2 are left) draft one (a runner-up token is
@@ -333,7 +341,13 @@ class Lookahead:
         contained merge equal to it; one that leaves a mask completes nothing), and a draft keeps a mask
         when drafted, so that draft row completed its window in this step: the step's ``completed`` is
         true, and the :class:`Advance` policy after this one moves the window and ends the request or
-        makes it due for a refresh. Saying True on every adoption cost a stop and refresh check each."""
+        makes it due for a refresh. Saying True on every adoption cost a stop and refresh check each.
+
+        Conversely, a step whose only completed windows are draft rows' (drafts the main rows did not adopt) moves
+        nothing that matters: those rows are parked here, and the next draft rewrites their canvas and window from
+        their main row's. So ``ctx.completed`` is narrowed to the main rows: the :class:`Advance` policy, the stop
+        check and the refresh check then run only when a main row's window is complete (on tiny-dream lists at
+        batch 1, 1.1 of the 2.1 completed block steps per item were drafts' alone)."""
         s = ctx.state
         live = ~s.per_request(s.pruned)[:, 1:]  # [B, K]
         if not bool(live.any()):  # no draft rode in this step: they are parked already
@@ -429,6 +443,8 @@ class Lookahead:
                     gained = was_masked & (s.canvas[dst] != s.mask_id)
                     at = canvas_positions(s.length, dst.device).expand(dst.shape[0], -1)
                     ctx.recorder.commit(s, dst, at, gained, "adopt")
+            if ctx.completed:  # only a main row's complete window moves anything now (see the docstring)
+                ctx.completed = self._main_completed(s)
         _park(s)
         s.per_request(s.eos_hit)[:, 1:] = False
         return False
