@@ -98,9 +98,9 @@ __all__ = ["DRAFT_SHAPES", "Lookahead"]
 #: (0, 1) chains two of them.
 DRAFT_SHAPES: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 1), (0, 1, 2), (2,), (1, 2))
 
-#: what a main row takes from the draft it adopts (``kv_tokens`` exists with sparse steps only)
-_COPIED = ("canvas", "prob_p", "prob_ids", "eos_hit", "eos_prob", "commit_prob", "kv_tokens", "steps", "runner_p",
-           "runner_ids")
+#: what a main row takes from the draft it adopts (``kv_tokens`` exists with sparse steps only), beside the canvas,
+#: which :meth:`Lookahead.apply` writes from the adoption's own comparison (a contained merge is not a draft's canvas)
+_COPIED = ("prob_p", "prob_ids", "eos_hit", "eos_prob", "commit_prob", "kv_tokens", "steps", "runner_p", "runner_ids")
 
 
 def _need(shape: tuple[int, ...]) -> int:
@@ -374,7 +374,7 @@ class Lookahead:
             # a chain adopts at most every draft once; with sparse steps, a level of parents at a time
             rounds = K if parents is None else self.depth
             cand = live if parents is None else live & (parents == 0)  # drafts that may stand for the next step
-            hit = None  # which requests adopted a draft in the last round
+            hit, adopted = None, False  # which requests adopted a draft in the last round; whether any did
             for level in range(rounds):
                 if level:
                     # a request whose canvas did not move in the last round compares as it did then (no
@@ -388,9 +388,10 @@ class Lookahead:
                 # a draft keeps a mask in the window, so a canvas equal to it does too: a block step
                 # follows it (nothing the decoder does between two steps needs checking)
                 differ = drafted != current[:, None]
-                match = ~differ.any(-1)
                 merged = after
-                if contained:
+                if not contained:
+                    match = ~differ.any(-1)
+                else:  # (a draft equal to the canvas is held, and the merge is its own canvas: no separate test)
                     # the main row committed the drafted tokens and more: it keeps its commit and
                     # takes the draft's commits elsewhere, while a mask stays in the window (so a block
                     # step follows, and no window completes that the step did not see complete) or
@@ -401,11 +402,12 @@ class Lookahead:
                     held = ~(differ & written).any(-1) & step_left.any(-1, keepdim=True)
                     open_left = (open_after & blank[:, None]).any(-1)
                     own_canvas = ~(merged != after).any(-1)  # the merge is the draft's own canvas
-                    match |= held & (open_left | own_canvas)
+                    match = held & (open_left | own_canvas)
                 match &= cand
                 hit = match.any(-1)
                 if not bool(hit.any()):
                     break
+                adopted = True
                 # (several drafts can be contained: the one holding most drafted tokens, the first on a tie)
                 j = (match * size).argmax(-1) if contained else match.byte().argmax(-1)
                 current = torch.where(hit[:, None], merged.gather(1, j[:, None, None].expand(B, 1, s.length)).squeeze(1), current)
@@ -413,26 +415,26 @@ class Lookahead:
                 took += hit
                 if level + 1 < rounds:  # the adopted draft leaves the candidates
                     live = live & (branch != (j + 1).masked_fill(~hit, 0)[:, None])
-            if bool(source.any()):
+            if adopted:
                 requests = source.nonzero().squeeze(1)
                 dst = requests * s.branches
                 src = dst + source[requests]
-                before = s.decoded_rows(dst)
-                own = s.canvas[dst] != s.mask_id if contained else None
-                own_prob = s.commit_prob[dst] if own is not None and s.commit_prob is not None else None
-                was_masked = s.canvas[dst] == s.mask_id if ctx.recorder.tracing else None
+                canvas = current[requests]  # the main rows' canvas now (an adopted draft's, or a contained merge)
+                gained = canvas != s.canvas[dst]  # an adoption only fills masks: the tokens it gained
+                # a contained merge keeps the main row's own commit probabilities where it made its own commit
+                own = s.canvas[dst, s.gen_start :] != s.mask_id if contained and s.commit_prob is not None else None
+                own_prob = s.commit_prob[dst] if own is not None else None
                 s.copy_rows(src, dst, _COPIED)
-                if own is not None:  # the main row's own commit stands where it made one
-                    s.canvas[dst] = current[requests]
-                    if own_prob is not None:
-                        s.commit_prob[dst] = torch.where(own[:, s.gen_start :], own_prob, s.commit_prob[dst])
+                s.canvas[dst] = canvas
+                if own is not None:
+                    s.commit_prob[dst] = torch.where(own, own_prob, s.commit_prob[dst])
                 if s.kv_dirty is not None:  # sparse: the draft's K/V are the main row's next ones
                     took_kv = s.kv_dirty[src]  # where the adopted draft differs from the main row
                     ctx.cache.copy_positions(src, dst, took_kv)
                     # the request's other drafts now differ from it there too; the adopted one nowhere
                     s.per_request(s.kv_dirty)[requests, 1:] |= took_kv[:, None]
                     s.kv_dirty[src] = False
-                s.committed.index_add_(0, dst, s.decoded_rows(dst) - before)
+                s.committed.index_add_(0, dst, gained.sum(-1))
                 s.adopted.index_add_(0, dst, took[requests])
                 if ctx.recorder.tracing:
                     leaders = torch.arange(s.num_rows, device=dst.device).index_copy_(0, dst, src)
@@ -440,7 +442,6 @@ class Lookahead:
                     ctx.recorder.sync(s, synced, leaders)
                     # and the tokens it gained, as a commit: a replay cannot rebuild a draft's canvas
                     # (drafted tokens are written, not committed)
-                    gained = was_masked & (s.canvas[dst] != s.mask_id)
                     at = canvas_positions(s.length, dst.device).expand(dst.shape[0], -1)
                     ctx.recorder.commit(s, dst, at, gained, "adopt")
             if ctx.completed:  # only a main row's complete window moves anything now (see the docstring)
