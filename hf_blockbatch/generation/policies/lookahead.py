@@ -290,10 +290,8 @@ class Lookahead:
     @staticmethod
     def _main_completed(s) -> bool:
         """Whether some main row that is not done holds a window with no mask left (after this step's adoptions)."""
-        main = s.per_request(s.canvas)[:, 0]
-        ws, we = s.per_request(s.win_start)[:, 0], s.per_request(s.win_end)[:, 0]
-        held = ((main == s.mask_id) & in_window(canvas_positions(s.length, main.device), ws, we)).any(-1)
-        return not bool((held | s.per_request(s.done)[:, 0]).all())
+        left = s.per_request(s.window_mask_count(s.win_start, s.win_end))[:, 0]
+        return bool(((left == 0) & ~s.per_request(s.done)[:, 0]).any())
 
     @staticmethod
     def _spare(s, open_: torch.Tensor, spare: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
