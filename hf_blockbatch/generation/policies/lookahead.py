@@ -417,10 +417,11 @@ class Lookahead:
                 requests = source.nonzero().squeeze(1)
                 dst = requests * s.branches
                 src = dst + source[requests]
-                canvas = current[requests]  # the main rows' canvas now (an adopted draft's, or a contained merge)
-                gained = canvas != s.canvas[dst]  # an adoption only fills masks: the tokens it gained
+                canvas, before = current[requests], s.canvas[dst]  # the main rows' canvas now (an adopted draft's, or a
+                # contained merge) and before the adoption, which only fills masks: the tokens it gained
+                gained = canvas != before
                 # a contained merge keeps the main row's own commit probabilities where it made its own commit
-                own = s.canvas[dst, s.gen_start :] != s.mask_id if contained and s.commit_prob is not None else None
+                own = before[:, s.gen_start :] != s.mask_id if contained and s.commit_prob is not None else None
                 own_prob = s.commit_prob[dst] if own is not None else None
                 s.copy_rows(src, dst, _COPIED)
                 s.canvas[dst] = canvas
