@@ -51,7 +51,7 @@ from hf_blockbatch.eval.runner import (
     samples,
     write_report,
 )
-from hf_blockbatch.eval.stats import paired_difference
+from hf_blockbatch.eval.stats import paired_difference, paired_time_ratio
 from hf_blockbatch.generation.configs import DRAFTED, DRAFTED_CONTAINED, config_from_dict
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
 
@@ -389,10 +389,19 @@ def round_ratios(s: dict[str, Any], base: dict[str, Any]) -> list[float] | None:
     return [x / y for x, y in zip(a, b)]
 
 
+def time_ratio(s: dict[str, Any], base: dict[str, Any]) -> float:
+    """The time of ``s`` over the baseline's: with rounds on both sides, the ratio of their total times over the rounds
+    (each round timed both side by side: :func:`~hf_blockbatch.eval.stats.paired_time_ratio`; before §52 the ratio of
+    the medians, which can pair one decoder's round with another round of the other's); else of the times per item."""
+    if round_ratios(s, base) is not None:
+        return paired_time_ratio(s["rounds"], base["rounds"])
+    return s["ms_item"] / base["ms_item"]
+
+
 def _t_ratio(s: dict[str, Any], base: dict[str, Any]) -> str:
-    """The time ratio of the medians, and the range of the rounds' own ratios where there are rounds."""
+    """The time ratio (:func:`time_ratio`), and the range of the rounds' own ratios where there are rounds."""
     r = round_ratios(s, base)
-    head = f"{s['ms_item'] / base['ms_item']:.2f}"
+    head = f"{time_ratio(s, base):.2f}"
     return head if r is None or s is base else f"{head} ({min(r):.2f}–{max(r):.2f})"
 
 
@@ -410,7 +419,8 @@ def render(model: str, limit: int, table: dict[str, dict[str, dict[str, float]]]
              "(Δacc in points, with Newcombe's paired 95 % interval: the two decoders scored on the same items). "
              "Latency is wall time per item at the run's batch size (noisy on shared CPUs; NFE and query "
              "tokens are exact); policy is its part outside model forwards (each a median over the rounds). With several "
-             f"rounds, t × is followed by the range of each round's ratio ({paired_by}).", ""]  # fmt: skip
+             f"rounds, t × is the ratio of the total times over the rounds, followed by the range of each round's ratio "
+             f"({paired_by}).", ""]  # fmt: skip
     for suite, rows in table.items():
         base = rows.get(baseline)
         lines += [f"## {suite}", "", "| config | acc % | Δacc [paired 95 % CI] | NFE | NFE × | query tok | qt × | ms/item | t × "
@@ -515,6 +525,7 @@ def main(argv: list[str] | None = None) -> None:
                 table[suite][name]["paired"] = full["suites"][suite][name]["paired"] = paired_difference(
                     right[name], right[args.baseline])
                 full["suites"][suite][name]["t_ratio_rounds"] = round_ratios(table[suite][name], table[suite][args.baseline])
+                full["suites"][suite][name]["t_ratio"] = time_ratio(table[suite][name], table[suite][args.baseline])
     split = "" if args.split == "train" else args.split
     stem = out_dir / (f"{mname}_{split}{args.limit}" + (f"_b{args.batch_size}" if args.batch_size != 16 else "") + args.tag)
     text = render(args.model, args.limit, table, args.baseline, args.split, args.interleave)

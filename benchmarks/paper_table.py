@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_blockbatch.eval.runner import tuned_candidate, tuned_fast_dllm
+from hf_blockbatch.eval.stats import paired_time_ratio
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = ("fast_dllm", "fast_dllm_early_stop", "fast_dllm_b16", "fast_dllm_b64", "localleap", "localleap_early_stop",
@@ -240,8 +241,9 @@ def scorecard(latency: bool = True) -> list[dict[str, Any]]:
 def latency_runs(paths: Sequence[Path]) -> dict[str, dict[str, dict[str, Any]]]:
     """The CPU latency target's figures, from ``beyond_paper.py --split test --rounds k`` runs (RESULTS §47): per
     checkpoint, suite and batch size, the time per item of the scorecard's tuned baseline and of its shipped preset
-    (each found in the run by its config, as the scorecard finds the bench's runs), the ratio of the rounds' medians
-    and each round's own ratio (round-robin rounds: both sides of a pair timed in the same stretch; with ``--interleave``,
+    (each found in the run by its config, as the scorecard finds the bench's runs), the ratio of their total times over
+    the rounds (``paired_time_ratio``: each round's pair kept together; the ratio of the two medians before §52) and
+    each round's own ratio (round-robin rounds: both sides of a pair timed in the same stretch; with ``--interleave``,
     batch by batch, RESULTS §50). A run is taken only if it decoded the whole test split as the bench's runs did (the
     same accuracy and mean NFE: the same decoders on the same items), so the time is that of the decodes the other
     targets judge."""
@@ -277,7 +279,7 @@ def latency_runs(paths: Sequence[Path]) -> dict[str, dict[str, dict[str, Any]]]:
             out.setdefault(model, {}).setdefault(suite, {})[str(bs)] = {
                 "source": Path(path).name, "items": results[sides["tuned"]["name"]]["n"], "rounds": len(tuned),
                 "interleaved": bool(run.get("interleave")),
-                "block": row["tuned_block"], **sides, "ratio": sides["shipped"]["ms_item"] / sides["tuned"]["ms_item"],
+                "block": row["tuned_block"], **sides, "ratio": paired_time_ratio(shipped, tuned),
                 "round_ratios": [a / b for a, b in zip(shipped, tuned)],
             }  # fmt: skip
     return out
@@ -399,7 +401,7 @@ def _card_markdown(card: list[dict[str, Any]], tuned_header: str) -> list[str]:
         every = [t for r in card for t in r["latency"].values()]
         paired = " interleaved batch by batch" if all(t.get("interleaved") for t in every) else ""
         names["cpu_time"] = (f"CPU time per item ≤ {TIME_TUNED:g}× tuned at batch {' and '.join(map(str, LATENCY_BATCHES))} "
-                             f"(the ratio of the medians of {sample['rounds']} side-by-side rounds{paired} on the "
+                             f"(the ratio of the total times of {sample['rounds']} side-by-side rounds{paired} on the "
                              f"{sample['items']} test items, one thread; `{LATENCY.name}`)")  # fmt: skip
     for key, name in names.items():
         missed = [f"{r['model']} {r['suite']}" for r in card if not r["met"][key]]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["paired_difference", "paired_difference_interval", "wilson_interval"]
+__all__ = ["paired_difference", "paired_difference_interval", "paired_time_ratio", "wilson_interval"]
 
 
 def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -85,3 +85,19 @@ def paired_difference(a: dict, b: dict, z: float = 1.96) -> dict[str, float | in
     lo, hi = paired_difference_interval(both, only_a, only_b, neither, z)
     return {"n": len(keys), "difference": (only_a - only_b) / len(keys), "ci95": (lo, hi),
             "both": both, "only_a": only_a, "only_b": only_b, "neither": neither}  # fmt: skip
+
+
+def paired_time_ratio(a: list[float], b: list[float]) -> float:
+    """Decoder ``a``'s time over decoder ``b``'s, from rounds that timed both side by side (round ``i`` of each in the
+    same stretch of the machine, batch by batch when interleaved): the ratio of their total times.
+
+    Why not the ratio of the two medians: the medians may come from different rounds, so that ratio can set one
+    decoder's fast round against the other's slow one. Where the machine drifts between rounds it reads an unpaired
+    extreme: on a sitting of RESULTS §51 it gave 1.082 where the rounds' own ratios were 1.037, 1.082 and 1.057
+    (RESULTS §52). The total keeps every round's pair together and weighs each round by its length, as a time per
+    item over all of them does."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired rounds needed: {len(a)} against {len(b)} rounds.")
+    if min(b) <= 0:
+        raise ValueError("the baseline's rounds must have taken some time.")
+    return sum(a) / sum(b)
