@@ -1,4 +1,5 @@
-"""Confidence intervals for accuracies, and for the difference of two decoders' accuracies.
+"""Confidence intervals for accuracies, and for the difference of two decoders' accuracies; the ratio of two
+decoders' times measured side by side (:func:`paired_time_ratio`).
 
 Why Wilson and not the normal approximation: the bench often runs a few dozen items per cell,
 and accuracies near 0 % or 100 % (tiny suites); the Wald interval ``p ± z·sqrt(p(1-p)/n)``
