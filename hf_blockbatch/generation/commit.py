@@ -138,7 +138,7 @@ def note_runner_ups(state: DecodeState, span: Span, proposal: Proposal, select: 
     the map keeps one token per position, and a top-2 over every proposal would cost 2-8x its maximum. The step's
     rows forget their older runner-ups, which their map's new entries may have made stale. ``n_select``: the step's
     commits per row (``write_commits``)."""
-    state.runner_ids[span.rows] = -1
+    state.runner_ids.index_fill_(0, span.rows, -1)
     if span.in_win is span.valid:  # a window span (every step of a lookahead plan): its masks are its window's
         n = span.masked.sum(-1) - n_select
     else:

@@ -232,7 +232,7 @@ class Forwards:
             r, rd = self.requery_radius, self.draft_radius
             near = within(r)
             if rd is not None and rd < r and self.draft_depth and self.drafting:  # drafts re-query closer in
-                near = torch.where((state.take(state.draft_parent, rows) >= 0)[:, None], within(rd), near)
+                near = torch.where(state.take(state.draft_row, rows)[:, None], within(rd), near)
         heads = self.model.predicting_queries(want)
 
         def queried() -> torch.Tensor:  # [A, L] the positions each row queries, by its K/V records
@@ -295,7 +295,7 @@ class Forwards:
         wrote = torch.zeros(R, state.length, dtype=torch.bool, device=rows.device)
         own = queries
         if echo is not None:  # echoes from draft ancestors (main rows' echoes match the main row)
-            own = own | ((echo >= 0) & (state.take(state.branch, rows)[echo.clamp_min(0)] > 0))
+            own = own | ((echo >= 0) & state.take(state.draft_row, rows)[echo.clamp_min(0)])
         wrote[rows] = own
         wrote, dirty = state.per_request(wrote), state.per_request(state.kv_dirty)
         if echo is None:  # no draft row rode (echo is None exactly then): every one is parked

@@ -98,6 +98,8 @@ class DecodeState:
     drafted: torch.Tensor | None = None
     kv_from: torch.Tensor | None = None
     adopted: torch.Tensor | None = None
+    # [R] bool: a Lookahead draft row (branch > 0), so that parking every draft row is one masked fill
+    draft_row: torch.Tensor | None = None
     draft_parked: torch.Tensor | None = None  # [R] bool: the draft row was parked for the last block step
     # [R] the branch whose next state a draft row extends (0: the main row; another draft: a chain),
     # -1 for main rows; sparse steps build a draft's K/V from it (forward.Forwards.positions)
@@ -139,6 +141,7 @@ class DecodeState:
             self.adopted = _zeros(R, dev)
             self.draft_parked = _zeros(R, dev, torch.bool)
             self.draft_parent = torch.full((R,), -1, dtype=torch.long, device=dev)
+            self.draft_row = self.branch > 0
         if "runner_up" in self.features and self.runner_p is None:
             self.runner_p = torch.zeros(R, G, device=dev)
             self.runner_ids = torch.full((R, G), -1, dtype=torch.long, device=dev)

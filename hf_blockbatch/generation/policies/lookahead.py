@@ -111,8 +111,8 @@ def _need(shape: tuple[int, ...]) -> int:
 
 def _park(s) -> None:
     """Every draft row out of the steps (pruned-like and done) until the next draft."""
-    for name in ("pruned", "done"):
-        s.per_request(getattr(s, name))[:, 1:] = True
+    s.pruned.masked_fill_(s.draft_row, True)
+    s.done.masked_fill_(s.draft_row, True)
 
 
 def _parents(drafts: int) -> list[int]:
@@ -446,5 +446,5 @@ class Lookahead:
             if ctx.completed:  # only a main row's complete window moves anything now (see the docstring)
                 ctx.completed = self._main_completed(s)
         _park(s)
-        s.per_request(s.eos_hit)[:, 1:] = False
+        s.eos_hit.masked_fill_(s.draft_row, False)
         return False
