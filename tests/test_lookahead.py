@@ -286,7 +286,6 @@ def test_drafts_commit_the_ranked_masks_and_park_when_too_few_remain():
     assert torch.equal(s.drafted[1:4], s.canvas[1:4]) and changed
 
 
-
 def test_parking_reaches_every_draft_row_after_finished_requests_leave():
     """Parking fills the state's draft-row mask (``draft_row``): it must still name the draft rows, and only them,
     once finished requests' rows are dropped (``DecodeState.select``), so that a step parks its own drafts."""
@@ -296,9 +295,11 @@ def test_parking_reaches_every_draft_row_after_finished_requests_leave():
     ids = torch.tensor([[1, 2], [3, 4], [5, 6]])
     s = DecodeState.start(ids, torch.ones_like(ids), [4] * 3, 8, 9, map_k=1, features=frozenset(Lookahead().needs))
     s.select(torch.tensor([3, 4, 5, 6, 7, 8]))  # request 0 finished: requests 1 and 2 are left
-    s.pruned.zero_(), s.done.zero_()
+    s.pruned.zero_()
+    s.done.zero_()
     _park(s)
     assert s.pruned.tolist() == s.done.tolist() == [False, True, True] * 2
+
 
 @pytest.mark.parametrize("suite,options,gate", [
     # lookahead_max_masks: drafts only while the window has at most m masks left

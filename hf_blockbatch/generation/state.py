@@ -98,7 +98,8 @@ class DecodeState:
     drafted: torch.Tensor | None = None
     kv_from: torch.Tensor | None = None
     adopted: torch.Tensor | None = None
-    # [R] bool: a Lookahead draft row (branch > 0), so that parking every draft row is one masked fill
+    # [R] bool: a Lookahead draft row (branch > 0), kept so that parking the draft rows and the sparse step's tests
+    # of which rows are drafts are one operation each (instead of per-request views and slices, every step)
     draft_row: torch.Tensor | None = None
     draft_parked: torch.Tensor | None = None  # [R] bool: the draft row was parked for the last block step
     # [R] the branch whose next state a draft row extends (0: the main row; another draft: a chain),
