@@ -71,8 +71,8 @@ def test_the_shipped_checkpoints_refresh_as_their_uncached_decoder(name):
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_refresh_after_commits_keeps_the_invariants_per_request(family):
-    """Random settings and budgets, dual or prefix cache, the threshold or the entropy rule, with or
-    without the completed block's step, on a model whose EOS is often confident: the prompt untouched,
+    """Random settings and budgets, dual or prefix cache (dense or sparse steps), the threshold or the entropy
+    rule, with or without the completed block's step, on a model whose EOS is often confident: the prompt untouched,
     no mask before the first EOS, NFE = 1 + block steps + refreshes (from the trace), at least
     Fast-dLLM's block-start refreshes where it decodes the same tokens, more query tokens than without,
     and each request decodes in a left-padded batch exactly as alone (a refresh is per request)."""
@@ -87,6 +87,8 @@ def _check_invariants(model, seed: int, settings: int = 12) -> int:
     for _ in range(settings):
         options, prompts = _settings(rng), _prompts(rng)
         options.update(cache=rng.choice(["dual", "prefix"]), skip_completed_block_step=rng.random() < 0.5)
+        if options["cache"] == "dual" and rng.random() < 0.4:  # sparse steps (a completed window kept for the extra
+            options.update(window_queries="sparse", requery_radius=rng.choice([0, 3]))  # step once failed them)
         cfg = hb.FastDLLMConfig(refresh_after_commits=rng.choice([1, 2, 4, 16]), output_trace=True, **options)
         base = run_padded(model, prompts, hb.FastDLLMConfig(output_trace=True, **options))
         batch = run_padded(model, prompts, cfg)
@@ -140,6 +142,37 @@ def test_skipping_the_completed_block_step_stops_at_the_block_holding_eos(family
     assert torch.equal(skipped.sequences, official.sequences)
     assert bool((skipped.nfe <= official.nfe).all()) and int(skipped.nfe.sum()) < int(official.nfe.sum())
 
+
+@pytest.mark.parametrize("name", ["tiny-llada", "tiny-dream"])
+def test_a_completed_window_takes_no_commit_refresh(name):
+    """A window that the block-start forward completed is kept for the official extra step, which commits
+    nothing; the block its row moves to next starts with a full forward. ``refresh_after_commits`` counts that
+    forward's commits, but refreshes no such window: a refresh there changed no token, cost a forward and, with
+    sparse queries, left the extra step with no position to query (the decode failed; code at block 16, whose
+    first forward completes the first window). Every refresh's window holds a mask; sparse decodes run, and each
+    request decodes in a padded batch as alone."""
+    model, tok = hb.load_model(name, device="cpu")
+    task = load_task("code")
+    prompts = [tok(task.prompt(it, tok), add_special_tokens=False).input_ids for it in task.items("train", limit=6)]
+    G = 48
+    for queries in ({}, {"window_queries": "sparse", "requery_radius": 6}):
+        cfg = hb.FastDLLMConfig(max_new_tokens=G, block_length=16, early_stop=True, refresh_after_commits=16,
+                                output_trace=True, **queries)  # fmt: skip
+        batch = run_padded(model, prompts, cfg)
+        width = batch.sequences.shape[1] - G
+        refreshes = 0
+        for i, p in enumerate(prompts):
+            decoded: set[int] = set()
+            for ev in batch.stats[i]["trace"]:
+                if ev.phase == "refresh":
+                    lo, hi = ev.window
+                    assert not set(range(lo, min(hi, G))) <= decoded, (queries, i, ev)
+                    refreshes += 1
+                decoded.update(ev.committed)
+            alone = run_padded(model, [p], cfg)
+            assert torch.equal(batch.sequences[i, width:], alone.sequences[0, len(p) :]), queries
+            assert int(batch.nfe[i]) == int(alone.nfe[0])
+        assert refreshes  # the block starts' own refreshes
 
 @pytest.mark.parametrize("options,message", [
     (dict(refresh_after_commits=0), "an integer >= 1"),

@@ -475,8 +475,9 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             masks that are now tokens; the block-start forward commits the most (often a whole tail of
             end tokens), so the prompt's keys are stalest right after it. About the same forwards, more
             query tokens (a full forward queries the prompt too). It recovers what entropy-bounded
-            commits lose to the dual cache, not what the threshold does not lose (RESULTS §33). Not
-            with ``lookahead``: a refresh is a step no draft stands in for.
+            commits lose to the dual cache, not what the threshold does not lose (RESULTS §33). A row whose
+            window has no mask left is not refreshed so: its next block starts with a full forward anyway
+            (RESULTS §54). Not with ``lookahead``: a refresh is a step no draft stands in for.
 
     On Dream, the official Fast-dLLM commits the block's first position unconditionally at each
     block start (its in-block logit shift cannot predict it later). Our window forward predicts

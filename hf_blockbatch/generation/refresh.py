@@ -83,7 +83,13 @@ class AfterCommits(Periodic):
     every_step: ClassVar[bool] = True  # rows go stale by committing, not only by moving
 
     def stale(self, state: DecodeState, cache: BranchCache) -> torch.Tensor:
+        """Also a row that gained ``commits`` tokens, unless its window has no mask left. Such a window is kept
+        after the full forward that completed it only for the official extra step (``skip_completed_block_step``
+        off); that step commits nothing, and the block its row moves to next starts with a full forward (or the
+        row is done). A refresh there changed no token and cost a forward; with sparse queries the extra step then
+        had no position left to query, and the decode failed."""
         gained = (state.decoded() - state.decoded_at_full >= self.commits) & (state.branch == 0)
+        gained &= state.window_mask_count(state.win_start, state.win_end) > 0
         return super().stale(state, cache) | gained
 
 
