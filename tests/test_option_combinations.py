@@ -14,7 +14,7 @@ decoding core:
   the drafts stood in for (``lookahead_adopted``).
 
 Such a search found that sparse steps with ``refresh_after_commits`` failed when a window completed by its
-block-start forward was refreshed (RESULTS §54). The default run draws a few configurations; ``pytest -m slow``
+block-start forward was refreshed (RESULTS §54). The default run decodes thirty configurations; ``pytest -m slow``
 draws many more (``HB_COMBO_SEEDS`` seeds from ``HB_COMBO_SEED``).
 """
 
