@@ -290,10 +290,13 @@ BAD = [
 
 @pytest.mark.parametrize(
     ("cls", "kwargs"),
-    [(FastDLLMConfig, {"factor": 1.0}), (FastDLLMConfig, {"steps": 8}), (BlockBatchConfig, {"factor": 1.0})],
+    [(FastDLLMConfig, {"factor": 1.0}), (FastDLLMConfig, {"steps": 8}), (BlockBatchConfig, {"factor": 1.0}),
+     (BlockBatchConfig, {"block_sizes": (4, 16)}), (BlockBatchConfig, {"block_sizes": 8})],
 )
 def test_generate_options_choose_the_rule_as_the_constructor_does(cls, kwargs):
-    """``generate(factor=...)`` drops the default threshold, as ``FastDLLMConfig(factor=...)`` does."""
+    """``generate(factor=...)`` drops the default threshold, as ``FastDLLMConfig(factor=...)`` does; and
+    ``generate(block_sizes=(4, 16))`` or ``block_sizes=8`` names the branches as the constructor does (a tuple
+    or one size was refused as not a list)."""
     m, cfg = make_tiny_llada(), cls(max_new_tokens=16)
     out = m.generate(torch.tensor([PROMPT]), generation_config=cfg, return_dict_in_generate=True, **kwargs)
     direct = m.generate(torch.tensor([PROMPT]), generation_config=cls(max_new_tokens=16, **kwargs),

@@ -667,6 +667,14 @@ DRAFTED_CONTAINED: dict[str, Any] = {**DRAFTED, "lookahead_max_masks": 16, "look
 DRAFTED_CONTAINED.update(many_masks_threshold=0.85, many_masks=DRAFTED_CONTAINED["lookahead_max_masks"])
 
 
+def _as_block_sizes(sizes: Any) -> Any:
+    """BlockBatch's ``block_sizes`` as a list: one size is one branch (``--set blockbatch.block_sizes=8``), a tuple
+    is its sizes. Anything else is kept as given, for ``validate`` to refuse with the field's name."""
+    if isinstance(sizes, int) and not isinstance(sizes, bool):
+        return [sizes]
+    return list(sizes) if isinstance(sizes, (list, tuple)) else sizes
+
+
 def _check_beyond(cfg: Any) -> None:
     """The issue-16 options: types, ranges, and the parts they need."""
     k = cfg.prune_after_syncs
@@ -759,11 +767,7 @@ class BlockBatchConfig(DiffusionGenerationConfig):
 
     def __init__(self, **kwargs: Any) -> None:
         self.variant = kwargs.pop("variant", "ours")
-        sizes = kwargs.pop("block_sizes", (4, 8, 16, 32, 64, 128))
-        # one size is one branch (``--set blockbatch.block_sizes=8``); anything else but a list is
-        # kept as given, for validate() to refuse with the field's name
-        self.block_sizes = [sizes] if isinstance(sizes, int) and not isinstance(sizes, bool) else \
-            list(sizes) if isinstance(sizes, (list, tuple)) else sizes  # fmt: skip
+        self.block_sizes = _as_block_sizes(kwargs.pop("block_sizes", (4, 8, 16, 32, 64, 128)))
         self.threshold = kwargs.pop("threshold", 0.9 if "factor" not in kwargs else None)
         self.factor = kwargs.pop("factor", None)
         self.merge = kwargs.pop("merge", True)
@@ -794,6 +798,12 @@ class BlockBatchConfig(DiffusionGenerationConfig):
         10-14 points on code. The defaults stay the paper's algorithm; this is the point we
         recommend against a tuned baseline."""
         return cls(**{**LEAN, "block_sizes": list(LEAN["block_sizes"]), **kwargs})
+
+    def override(self, options: dict[str, Any]) -> None:
+        """As the constructor: ``generate(..., block_sizes=(4, 16, 64))`` or ``block_sizes=8`` names the branches too."""
+        super().override(options)
+        if "block_sizes" in options:
+            self.block_sizes = _as_block_sizes(self.block_sizes)
 
     def validate(self, **kwargs: Any) -> None:
         super().validate()
