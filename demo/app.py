@@ -277,6 +277,8 @@ class Settings:
         # the preset's draft options; its early stop and queries are the visitor's own switches
         preset = DRAFTED_CONTAINED if self.fast_contained else DRAFTED
         drafts = {k: v for k, v in preset.items() if k.startswith("lookahead")} if self.fast_drafts else {}
+        if not self.sparse:  # the drafts' own re-query radius is a sparse step's: dense drafts query their window
+            drafts.pop("lookahead_draft_radius", None)
         return hb.FastDLLMConfig(
             max_new_tokens=self.max_new_tokens, block_length=self.fast_block, threshold=self.threshold, cache="dual",
             temperature=self.temperature, early_stop=self.fast_early_stop, output_trace=True,
@@ -286,6 +288,8 @@ class Settings:
     def blockbatch_config(self) -> hb.BlockBatchConfig:
         guards = ({**LEAN_GUARDS, **({"requery_radius": LEAN["requery_radius"]} if self.sparse else {})}
                   if self.guarded else {})  # fmt: skip
+        if len(self.block_sizes) < 2:  # one branch: nothing to sync, so nothing to retire
+            guards.pop("prune_after_syncs", None)
         return hb.BlockBatchConfig(
             max_new_tokens=self.max_new_tokens, block_sizes=self.block_sizes, threshold=self.threshold,
             merge_threshold=self.merge_threshold, temperature=self.temperature, sync_threshold=self.sync_threshold,
@@ -435,6 +439,9 @@ def _eos_stop_line(stats: dict) -> str:
     hitters = [b for b in stats.get("branches", []) if b.get("eos_hit")]
     if len(hitters) < 2:
         return f"b={winner} finished a block holding EOS: the request stops, that branch wins"
+    if any(b.get("eos_probability") is None for b in hitters):  # the guards' widest-wins rule reads no probability
+        sizes = ", ".join(f"b={b['block_size']}" for b in hitters)
+        return f"{len(hitters)} branches finished a block holding EOS ({sizes}): the request stops, the widest, b={winner}, wins"
     ranked = sorted(hitters, key=lambda b: -b["eos_probability"])
     probs = ", ".join(f"b={b['block_size']} {b['eos_probability']:.2f}" for b in ranked)
     return f"{len(hitters)} branches finished a block holding EOS (p(EOS): {probs}): the request stops, b={winner} wins"

@@ -67,6 +67,12 @@ def test_eos_stop_line_explains_which_hitter_won() -> None:
     assert app._eos_stop_line(two) == (
         "2 branches finished a block holding EOS (p(EOS): b=16 0.93, b=8 0.71): the request stops, b=16 wins"
     )
+    # the guards' widest-wins rule ranks by block size and reads no probability (the line raised a TypeError)
+    widest = {**one, "branches": [{"block_size": 4, "eos_hit": True, "eos_probability": None},
+                                  {"block_size": 16, "eos_hit": True, "eos_probability": None}]}  # fmt: skip
+    assert app._eos_stop_line(widest) == (
+        "2 branches finished a block holding EOS (b=4, b=16): the request stops, the widest, b=16, wins"
+    )
 
 
 def test_check_settings_accepts_the_defaults_and_refuses_absurd_input() -> None:
@@ -232,6 +238,29 @@ def test_contained_drafts_are_a_second_switch(loaded) -> None:
     kinds = [kind for _, kind in fast.tokens]
     answer = kinds.index("eos") + 1 if "eos" in kinds else len(kinds)
     assert set(range(answer)) <= fast.frames[-1].branches[0].decoded <= {p for p, k in enumerate(kinds) if k != "mask"}
+
+
+@pytest.mark.parametrize("sizes", [["16"], ["4", "16", "64"]], ids=["one-size", "three-sizes"])
+def test_every_switch_combination_decodes(loaded, sizes) -> None:
+    """Every combination of the visitor's switches gives configs that validate and decode. The guards with one
+    block size keep what applies (one branch: nothing to retire); contained drafts without sparse queries keep the
+    preset's drafts but not its sparse re-query radius. Both failed before, with the library's message about
+    options the visitor cannot set."""
+    import itertools
+
+    for sparse, guarded, drafts, contained, early in itertools.product([False, True], repeat=5):
+        if contained and not drafts:
+            continue
+        settings = app.check_settings(PROMPT, max_new_tokens=16, fast_block="16", block_sizes=sizes, sparse=sparse,
+                                      guarded=guarded, fast_drafts=drafts, fast_contained=contained,
+                                      fast_early_stop=early)  # fmt: skip
+        fast, block = app.compare_once(loaded, settings)
+        assert len(fast.frames) == fast.nfe + 1 and len(block.frames) == block.nfe + 1
+        assert block.block_sizes == [int(b) for b in sizes]
+    one_guarded = app.check_settings("hi", block_sizes=sizes, guarded=True).blockbatch_config()
+    assert one_guarded.prune_after_syncs == (None if len(sizes) == 1 else 1) and one_guarded.merge_agreement == 2
+    dense_contained = app.check_settings("hi", fast_drafts=True, fast_contained=True).fast_config()
+    assert dense_contained.lookahead_draft_radius is None and dense_contained.lookahead_accept == "contained"
 
 
 def _compare_fn(demo):
