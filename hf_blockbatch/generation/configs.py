@@ -262,8 +262,9 @@ class DiffusionGenerationConfig(GenerationConfig):
 
     def override(self, options: dict[str, Any]) -> None:
         """Set ``generate()``'s keyword options, as the constructor would have: naming another
-        transfer rule (``factor``, ``steps``) without a ``threshold`` drops the default threshold.
-        Unknown names are kept, so that :meth:`validate` refuses them with a suggestion."""
+        transfer rule (``factor``, ``steps``) without a ``threshold`` drops the config's threshold, default or
+        not: the call names its rule. Unknown names are kept, so that :meth:`validate` refuses them with a
+        suggestion."""
         for key, value in options.items():
             setattr(self, key, value)
         other_rule = any(options.get(rule) is not None for rule in _RULES[1:])
