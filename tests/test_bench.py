@@ -728,6 +728,22 @@ def test_lm_eval_adapter_generate_until(tiny):
     assert van.overrides["vanilla"]["steps"] == 256
 
 
+def test_lm_eval_adapter_samples_where_the_task_asks(tiny):
+    """A task's ``temperature`` > 0 (with ``do_sample`` true or unset) samples: the method's config turns to
+    sampling as ``generate(temperature=...)`` does. (It was refused: the configs are greedy by default, and only
+    the temperature was set.) ``do_sample: False`` stays greedy whatever the temperature."""
+    from hf_blockbatch.eval.lm_eval_model import HFBlockBatchLM
+
+    model, tok, _ = tiny
+    lm = HFBlockBatchLM(pretrained=model, tokenizer=tok, method="fast_dllm", block_length=8)
+    sampled = {"until": ["\n"], "max_gen_toks": 16, "temperature": 0.8}
+    outs = lm.generate_until([_FakeInstance("Question: 1 + 2?\nAnswer:", sampled),
+                              _FakeInstance("Question: 1 + 2?\nAnswer:", {**sampled, "do_sample": False})])  # fmt: skip
+    assert len(outs) == 2 and len(lm.nfe) == 2
+    greedy = lm.generate_until([_FakeInstance("Question: 1 + 2?\nAnswer:", {**sampled, "temperature": 0.0})])
+    assert outs[1] == greedy[0]
+
+
 def test_lm_eval_adapter_refuses_a_bad_field_before_loading_the_model(monkeypatch):
     """``--model_args`` with a bad config field is said at once, not after loading the checkpoint."""
     import hf_blockbatch.hub as hub

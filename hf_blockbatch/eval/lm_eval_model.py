@@ -269,6 +269,7 @@ class HFBlockBatchLM(_LMBase):
         gen_length, temperature = self._settings_key(gen_kwargs)
         cfg = build_method_configs([self.method], gen_length, self.overrides)[self.method]
         cfg.temperature = temperature
+        cfg.follow_temperature()  # sampling when > 0: the method's config is greedy (do_sample False) by default
         bos = getattr(self.tokenizer, "bos_token", None)
         # a context rendered by a chat template already starts with BOS; a raw one gets it added
         add_special = not (bos and all(c.startswith(bos) for c in contexts))
