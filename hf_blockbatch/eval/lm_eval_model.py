@@ -25,8 +25,8 @@ A prompt longer than the model's context (minus the generation length) is cut fr
 a warning, as the harness's own ``hf`` model does, so one long few-shot prompt does not abort a
 run; ``model.generate`` itself refuses such a prompt.
 
-``model_args``: ``pretrained`` (default ``tiny-llada``), ``method`` (``vanilla``, ``fast_dllm``,
-``fast_dllm_early_stop``, ``blockbatch``), ``gen_length`` (default: the task's ``max_gen_toks``,
+``model_args``: ``pretrained`` (default ``tiny-llada``), ``method`` (any method of ``hf-blockbatch bench``:
+``vanilla``, ``fast_dllm``, ``fast_dllm_early_stop``, ``blockbatch``, ``fast_dllm_drafted``, ...), ``gen_length`` (default: the task's ``max_gen_toks``,
 else 256), ``dtype``, ``device_map``, and any field of the method's config (``threshold=0.9``,
 ``block_length=64``, ``block_sizes=4|8|16|32`` — ``|`` separates list items, since the harness
 splits ``model_args`` at commas). Data parallel: ``accelerate launch -m
