@@ -34,6 +34,13 @@ from hf_blockbatch.tasks import get_suite
 SUITES = ("arith", "code", "lists")
 
 
+def _some(rng: random.Random, options: dict, table) -> None:
+    """Each ``(name, p, values)`` of ``table``: with probability ``p``, one of ``values`` as option ``name``."""
+    for name, p, values in table:
+        if rng.random() < p:
+            options[name] = rng.choice(values)
+
+
 def _fast_dllm(rng: random.Random) -> dict:
     c = dict(max_new_tokens=rng.choice([1, 3, 16, 24, 33, 48, 64]), block_length=rng.choice([1, 4, 8, 16, 24, 32, 64]),
              cache=rng.choice(["dual", "dual", "prefix", "none"]), early_stop=rng.random() < 0.7,
@@ -53,11 +60,9 @@ def _fast_dllm(rng: random.Random) -> dict:
         c.update(many_masks_threshold=0.85, many_masks=rng.choice([0, 8, 16]))
     if rng.random() < 0.5:
         c["lookahead"] = rng.choice([1, 2, 3, 4, 6])
-        for name, p, values in (("lookahead_max_masks", 0.5, [2, 8, 16]), ("lookahead_accept", 0.4, ["contained"]),
-                                ("lookahead_draft_radius", 0.3, [0, 2]), ("lookahead_query_budget", 0.3, [1.0, 2.0]),
-                                ("lookahead_runner_up", 0.4, [True])):  # fmt: skip
-            if rng.random() < p:
-                c[name] = rng.choice(values)
+        _some(rng, c, (("lookahead_max_masks", 0.5, [2, 8, 16]), ("lookahead_accept", 0.4, ["contained"]),
+                       ("lookahead_draft_radius", 0.3, [0, 2]), ("lookahead_query_budget", 0.3, [1.0, 2.0]),
+                       ("lookahead_runner_up", 0.4, [True])))  # fmt: skip
     elif rng.random() < 0.25:
         c["refresh_after_commits"] = rng.choice([1, 4, 16])
     if rng.random() < 0.15:
@@ -69,14 +74,12 @@ def _fast_dllm(rng: random.Random) -> dict:
 def _blockbatch(rng: random.Random) -> dict:
     c = dict(max_new_tokens=rng.choice([1, 5, 16, 32, 64]),
              block_sizes=tuple(sorted(rng.sample([1, 2, 4, 8, 16, 32, 64, 128], rng.randint(1, 4)))))  # fmt: skip
-    for name, p, values in (("refresh", 0.3, ["none", "divergence"]), ("refresh_interval", 0.3, [1, 8, 32]),
-                            ("merge", 0.2, [False]), ("sync", 0.2, [False]), ("eos_confidence", 0.3, ["commit"]),
-                            ("merge_agreement", 0.3, [1, 2]), ("eos_prefer_widest", 0.3, [True]),
-                            ("prune_after_syncs", 0.3, [1, 2]), ("merge_source_confidence", 0.3, [0.7]),
-                            ("rule", 0.2, ["localleap"]), ("variant", 0.15, ["reference"]), ("early_stop", 0.2, [False]),
-                            ("skip_completed_block_step", 0.2, [True])):  # fmt: skip
-        if rng.random() < p:
-            c[name] = rng.choice(values)
+    _some(rng, c, (("refresh", 0.3, ["off", "divergence"]), ("refresh_interval", 0.3, [1, 8, 32]),
+                   ("merge", 0.2, [False]), ("sync", 0.2, [False]), ("eos_confidence", 0.3, ["commit"]),
+                   ("merge_agreement", 0.3, [1, 2]), ("eos_prefer_widest", 0.3, [True]),
+                   ("prune_after_syncs", 0.3, [1, 2]), ("merge_source_confidence", 0.3, [0.7]),
+                   ("rule", 0.2, ["localleap"]), ("variant", 0.15, ["reference"]), ("early_stop", 0.2, [False]),
+                   ("skip_completed_block_step", 0.2, [True])))  # fmt: skip
     if rng.random() < 0.4:
         c.update(window_queries="sparse", requery_radius=rng.choice([0, 6]))
     if rng.random() < 0.15:
