@@ -180,7 +180,7 @@ def test_random_option_combinations_keep_the_invariants(checkpoints):
 
 @pytest.mark.slow
 def test_random_option_combinations_sweep(checkpoints):
-    """200 more (10 seeds of 20 by default; about 30 s)."""
+    """200 more (10 seeds of 20 by default; about 40 s)."""
     first = int(os.environ.get("HB_COMBO_SEED", "100"))
     for seed in range(first, first + int(os.environ.get("HB_COMBO_SEEDS", "10"))):
         _run(checkpoints, seed, cases=20)
