@@ -9,7 +9,8 @@ decoding core:
 * the prompt untouched, no mask before the first end token;
 * each request decodes in the batch exactly as alone: tokens, NFE and query tokens (greedy, or sampled with a
   ``seed``; a repeated prompt draws its own numbers then, and is left out);
-* single-branch Fast-dLLM with a trace: NFE = 1 + block steps + refreshes;
+* with a trace (no drafts): every commit inside its window, none twice without a sync, merges only into masks,
+  the winner decoded what the output holds; single-row Fast-dLLM's NFE = 1 + block steps + refreshes;
 * exact lookahead drafts: the tokens of the same decoder without drafts, in that decoder's NFE less the steps
   the drafts stood in for (``lookahead_adopted``).
 
@@ -84,6 +85,7 @@ def _blockbatch(rng: random.Random) -> dict:
         c.update(window_queries="sparse", requery_radius=rng.choice([0, 6]))
     if rng.random() < 0.15:
         c.update(temperature=0.5, seed=rng.randrange(100))
+    c["output_trace"] = rng.random() < 0.5
     return c
 
 
@@ -132,9 +134,13 @@ def _check(model, tok, prompts: list[list[int]], cfg, options: dict) -> None:
         gen = seq[width:]
         first_end = next((k for k, t in enumerate(gen) if t in ends), G)
         assert mask_id not in gen[:first_end], options
-        if isinstance(cfg, hb.FastDLLMConfig) and cfg.output_trace and not cfg.lookahead:
-            block_steps, refresh_steps, _ = _replay(batch.stats[i]["trace"], G, 1)
-            assert batch.stats[i]["nfe"] == 1 + len(block_steps) + len(refresh_steps), options
+        if getattr(cfg, "output_trace", False) and not getattr(cfg, "lookahead", 0):  # (drafts are re-drafted
+            st = batch.stats[i]  # every step: their trace is not a branch replay; test_lookahead replays it)
+            block_steps, refresh_steps, decoded = _replay(st["trace"], G, len(st["branches"]))
+            if isinstance(cfg, hb.FastDLLMConfig):
+                assert st["nfe"] == 1 + len(block_steps) + len(refresh_steps), options
+            if st["stopped_by"] != "eos":  # the winner decoded what the output holds
+                assert decoded[st["winner_branch"]] == {k for k, t in enumerate(gen) if t != mask_id}, options
         if sampled_unkeyed or (cfg.temperature and p in prompts[:i]):
             continue
         alone = run_padded(model, [p], cfg)
