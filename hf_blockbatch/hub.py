@@ -19,7 +19,7 @@ from transformers import AutoModel, AutoTokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TINY_LLADA", "TINY_DREAM", "hub_unreachable", "load_model", "resolve_model_path"]
+__all__ = ["TINY_LLADA", "TINY_DREAM", "checked_dtype", "hub_unreachable", "load_model", "resolve_model_path"]
 
 _ASSETS = Path(__file__).resolve().parent / "assets"
 TINY_LLADA = str(_ASSETS / "tiny-llada")
@@ -96,10 +96,22 @@ def _check_device(device: str | torch.device | None) -> None:
         raise ValueError(f"device={str(device)!r} is not available in this PyTorch: use cpu, or cuda (cuda:0, ...).")
 
 
+def checked_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
+    """A floating torch dtype, given as one or by name (``"bfloat16"``, ``"torch.float16"``), ``None``, or ``"auto"``
+    (the checkpoint's own), or a one-line error: transformers' is an ``AttributeError`` on the ``torch`` module."""
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    named = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if isinstance(named, torch.dtype) and named.is_floating_point:
+        return named
+    raise ValueError(f"dtype={dtype!r} is not a floating-point torch dtype: use float32, bfloat16 or float16 "
+                     "(a torch.dtype or its name), or 'auto' for the checkpoint's own.")  # fmt: skip
+
+
 def load_model(
     name_or_path: str = "tiny-llada",
     device: str | torch.device | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     **kwargs,
 ):
     """Load a supported model and its tokenizer (``trust_remote_code`` is never needed: our own
@@ -119,6 +131,7 @@ def load_model(
 
     path = resolve_model_path(name_or_path)
     _check_device(device)
+    dtype = checked_dtype(dtype)
     local = Path(path).exists()
     if not local:
         if path.startswith((".", "/", "~")) or path.count("/") > 1:  # a path, not a Hub id

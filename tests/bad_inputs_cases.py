@@ -255,6 +255,11 @@ def _(**_):
     return _message(lambda: hb.load_model("tiny-llada", device="tpu"))
 
 
+@case("dtype-fp8")
+def _(**_):
+    return _message(lambda: hb.load_model("tiny-llada", dtype="fp8"))
+
+
 # ---------------------------------------------------------------------------------------- CLI
 
 

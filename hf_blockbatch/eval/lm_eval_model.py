@@ -133,9 +133,9 @@ class HFBlockBatchLM(_LMBase):
         if self._world_size > 1:
             partial_state(shard)  # joins the process group the harness's gathers use
         if isinstance(pretrained, str):
-            from hf_blockbatch.hub import load_model
+            from hf_blockbatch.hub import checked_dtype, load_model
 
-            torch_dtype = None if dtype == "auto" else getattr(torch, str(dtype))
+            torch_dtype = None if dtype == "auto" else checked_dtype(str(dtype))
             if device_map is not None:
                 self.model, self.tokenizer = load_model(pretrained, dtype=torch_dtype, device_map=device_map)
             else:
