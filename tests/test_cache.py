@@ -480,3 +480,66 @@ def test_skipped_row_copies_decode_the_same(family: str, monkeypatch) -> None:
     full = model.generate(prompts, generation_config=cfg, return_dict_in_generate=True)
     assert torch.equal(out.sequences, full.sequences) and torch.equal(out.nfe, full.nfe)
     assert int(out.stats[0]["syncs"]) > 0 and skipping < len(made)
+
+
+def _write_rows(cache: hb.BranchCache, plain: torch.Tensor, rows: list[int], gen: torch.Generator) -> None:
+    """Random K/V written over whole ``rows`` of every layer, in the cache and in ``plain`` alike."""
+    kv = torch.randn(2, 2, len(rows), cache.length, H, D, generator=gen)
+    for layer in range(2):
+        cache.write_rows(layer, torch.tensor(rows), kv[layer, 0], kv[layer, 1])
+    plain[:, :, rows] = kv
+
+
+def test_random_row_operations_match_plain_tensors() -> None:
+    """Random sequences of every row operation (whole-row and token writes, row copies with repeated sources and
+    overlaps, position copies, broadcasts, drops, reorders with repeats) on caches of random shapes: after each, the K/V
+    equal those of plain tensors put through the same operations. Copies between rows of one version move nothing
+    (above), so a version that outlived a write would show here as a stale row."""
+    import random
+
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        rows, length = rng.randint(2, 6), rng.randint(1, 4)
+        cache = hb.BranchCache(2, rows, length, H, D)
+        plain = torch.empty(2, 2, rows, length, H, D)  # [layer, K/V, row, position, H, D]
+        _write_rows(cache, plain, list(range(rows)), gen)
+        for _ in range(20):
+            n, op = cache.num_rows, rng.choice(["rows", "tokens", "copy", "copy", "copy", "positions", "positions",
+                                                 "broadcast", "broadcast", "keep", "reorder"])  # fmt: skip
+            if op == "rows":
+                _write_rows(cache, plain, sorted(rng.sample(range(n), rng.randint(1, n))), gen)
+            elif op == "tokens":
+                slots = rng.sample(range(n * length), rng.randint(1, n * length))
+                kv = torch.randn(2, 2, len(slots), H, D, generator=gen)
+                for layer in range(2):
+                    cache.write_tokens(layer, torch.tensor(slots), kv[layer, 0], kv[layer, 1])
+                flat = plain.view(2, 2, n * length, H, D)
+                flat[:, :, slots] = kv
+            elif op == "copy":
+                dst = rng.sample(range(n), rng.randint(1, n))
+                src = [rng.randrange(n) for _ in dst]
+                cache.copy_rows(src, dst, same_mask=True)
+                plain[:, :, dst] = plain[:, :, src].clone()
+            elif op == "positions" and n > 1:
+                order = rng.sample(range(n), n)
+                k = rng.randint(1, n // 2)
+                src, dst = order[:k], order[k : 2 * k]
+                where = torch.rand(k, length, generator=gen) < 0.5
+                cache.copy_positions(torch.tensor(src), torch.tensor(dst), where)
+                for i, (s, d) in enumerate(zip(src, dst)):
+                    plain[:, :, d, where[i]] = plain[:, :, s, where[i]]
+            elif op == "broadcast":
+                group = rng.choice([g for g in range(1, n + 1) if n % g == 0])
+                cache.broadcast_rows(group)
+                plain = plain[:, :, [r - r % group for r in range(n)]].clone()
+            elif op == "keep":
+                kept = sorted(rng.sample(range(n), rng.randint(1, n)))
+                cache.keep_rows(torch.tensor(kept))
+                plain = plain[:, :, kept].clone()
+            elif op == "reorder":
+                order = [rng.randrange(n) for _ in range(rng.randint(1, n))]
+                cache.reorder_cache(torch.tensor(order))
+                plain = plain[:, :, order].clone()
+            held = torch.stack([torch.stack([layer.keys, layer.values]) for layer in cache.layers])
+            assert torch.equal(held, plain), op
