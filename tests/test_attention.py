@@ -138,6 +138,46 @@ def test_grouped_backend_pads_rows_only_where_a_call_costs_more(monkeypatch, pad
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("backend", available_backends(torch.device("cpu"), torch.float32))
+def test_random_window_and_query_batches_match_brute_force(monkeypatch, backend) -> None:
+    """Random caches (1-9 rows, 1-20 positions, left padding, grouped-query heads), random row subsets and random
+    windows or query sets (a sparse step's layout), and for ``sdpa_grouped`` a random call cost, so its groups come
+    exact, merged and padded, gathered or strided: every backend attends as the brute force does."""
+    import random
+
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    shipped = metadata.GROUP_CALL_COST
+    for _ in range(200):
+        rows, length = rng.randint(1, 9), rng.randint(1, 20)
+        kv_heads = rng.choice([1, 2])
+        heads, dim = kv_heads * rng.choice([1, 2]), rng.choice([4, 8])
+        mask = torch.ones(rows, length, dtype=torch.long)
+        for r in range(rows):
+            mask[r, : rng.randrange(length)] = 0
+        cache = hb.BranchCache(1, rows, length, kv_heads, dim, attention_mask=mask)
+        cache.layers[0].keys.copy_(torch.randn(rows, length, kv_heads, dim, generator=gen) * 2)
+        cache.layers[0].values.copy_(torch.randn(rows, length, kv_heads, dim, generator=gen))
+        active = torch.tensor(sorted(rng.sample(range(rows), rng.randint(1, rows))))
+        if rng.random() < 0.5:
+            starts = torch.tensor([rng.randrange(length) for _ in active])
+            ends = torch.tensor([rng.randint(int(s) + 1, length) for s in starts])
+            wb = build_window_batch(cache, starts, ends, active)
+        else:
+            queries = torch.rand(len(active), length, generator=gen) < rng.random()
+            queries[torch.arange(len(active)), torch.randint(length, (len(active),), generator=gen)] = True
+            wb = metadata.build_query_batch(cache, queries, active)
+        # a call worth 0, 1, 3 or 8 padded slots (in slot x key x head-dimension units), the shipped cost, or any padding
+        slots = rng.choice([0, 1, 3, 8, None, float("inf")])
+        cost = shipped if slots is None else slots * length * heads * dim
+        monkeypatch.setattr(metadata, "GROUP_CALL_COST", cost)
+        q = torch.randn(wb.num_tokens, heads, dim, generator=gen) * 2
+        got = get_backend(backend, "cpu", torch.float32).window(q, cache.layers[0].keys, cache.layers[0].values, wb,
+                                                                dim**-0.5)  # fmt: skip
+        ref = brute_force_window(q, cache.layers[0].keys, cache.layers[0].values, wb.rows, wb.starts, wb.lengths,
+                                 cache.key_mask, dim**-0.5)  # fmt: skip
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
 def test_grouped_backend_keeps_a_call_per_query_count_at_a_realistic_width() -> None:
     """At an 8B model's width (32 heads of 128) over 600 keys one padded slot costs more than a call:
     the groups are the exact query counts, as before padding was considered. At the tiny models'
