@@ -829,3 +829,19 @@ def test_generate_options_override_a_copy_of_the_config():
     assert out.shape == (1, len(PROMPT) + 12)
     assert cfg.max_new_tokens == 8
     assert m.generate(torch.tensor([PROMPT]), generation_config=cfg).shape == (1, len(PROMPT) + 8)
+
+
+def test_answer_lengths_and_texts_stop_at_the_first_end_token():
+    """Tokens before each row's first end token (the row's length without one). An empty slice of new tokens gives
+    empty answers: argmax over zero columns raised torch's IndexError."""
+    from hf_blockbatch.generation.outputs import answer_lengths
+
+    class Decoder:
+        def batch_decode(self, rows, skip_special_tokens):
+            return [" ".join(map(str, row)) for row in rows]
+
+    new = torch.tensor([[5, 9, 7, 9], [5, 6, 7, 8], [9, 4, 1, 2]])
+    assert answer_lengths(new, [9, 4]).tolist() == [1, 4, 0]
+    assert hb.answer_texts(Decoder(), new, [9]) == ["5", "5 6 7 8", ""]
+    assert answer_lengths(new[:, :0], [9]).tolist() == [0, 0, 0]
+    assert hb.answer_texts(Decoder(), new[:, :0], [9]) == ["", "", ""]

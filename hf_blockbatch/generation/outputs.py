@@ -64,6 +64,8 @@ def answer_lengths(new_tokens: torch.Tensor, end_ids: Iterable[int]) -> torch.Te
     strategies unequally, since they fill that region differently.
     """
     is_end = torch.isin(new_tokens, torch.tensor(list(end_ids), dtype=new_tokens.dtype, device=new_tokens.device))
+    if not new_tokens.shape[-1]:  # no new token (an empty slice of the sequences): empty answers, where argmax fails
+        return torch.zeros(new_tokens.shape[:-1], dtype=torch.long, device=new_tokens.device)
     return torch.where(is_end.any(-1), is_end.int().argmax(-1), new_tokens.shape[-1])
 
 
