@@ -596,7 +596,8 @@ def test_model_generation_config_is_used_by_default():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_saved_generation_config_comes_back_with_the_model(family, tmp_path, caplog):
     """``save_pretrained`` writes the strategy config; ``from_pretrained`` (ours and the Auto class)
-    must load it as its class, or the reloaded model would silently decode with the defaults."""
+    must load it as its class, or the reloaded model would silently decode with the defaults; and the file read
+    back by ``GenerationConfig.from_pretrained`` decodes as the config it was saved from."""
     from transformers import AutoModel
 
     m = peaked(family)
@@ -609,6 +610,11 @@ def test_saved_generation_config_comes_back_with_the_model(family, tmp_path, cap
         got = loaded.generate(torch.tensor([PROMPT]), return_dict_in_generate=True)
         assert got.stats[0]["strategy"] == "fast_dllm"
         assert torch.equal(got.sequences, want.sequences) and torch.equal(got.nfe, want.nfe)
+    # the saved config read back as transformers' own class: generate() rebuilds ours from its strategy (was refused)
+    generic = GenerationConfig.from_pretrained(tmp_path / "fd")
+    assert type(generic) is GenerationConfig
+    got = m.generate(torch.tensor([PROMPT]), generation_config=generic, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, want.sequences) and torch.equal(got.nfe, want.nfe)
     override = AutoModel.from_pretrained(tmp_path / "fd", generation_config=BlockBatchConfig(max_new_tokens=8))
     assert type(override.generation_config) is BlockBatchConfig
     # a strategy file this version refuses (another version's option) does not stop the model loading

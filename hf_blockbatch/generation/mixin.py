@@ -46,6 +46,10 @@ def _resolve_config(model, generation_config, kwargs) -> DiffusionGenerationConf
     if cfg is None:
         own = getattr(model, "generation_config", None)
         cfg = own if isinstance(own, DiffusionGenerationConfig) else BlockBatchConfig()
+    if isinstance(cfg, GenerationConfig) and not isinstance(cfg, DiffusionGenerationConfig) and getattr(cfg, "strategy", None):
+        # one of ours read back as transformers' own class (GenerationConfig.from_pretrained of a saved config): its
+        # strategy names the class, as when a model loads its generation_config.json (a new object: the caller's is kept)
+        cfg = config_from_dict(cfg.to_dict())
     if not isinstance(cfg, DiffusionGenerationConfig):
         raise TypeError(
             f"generation_config must be a VanillaDiffusionConfig, FastDLLMConfig or BlockBatchConfig, got "
