@@ -26,8 +26,8 @@ a warning, as the harness's own ``hf`` model does, so one long few-shot prompt d
 run; ``model.generate`` itself refuses such a prompt.
 
 ``model_args``: ``pretrained`` (default ``tiny-llada``), ``method`` (any method of ``hf-blockbatch bench``:
-``vanilla``, ``fast_dllm``, ``fast_dllm_early_stop``, ``blockbatch``, ``fast_dllm_drafted``, ...), ``gen_length`` (default: the task's ``max_gen_toks``,
-else 256), ``dtype``, ``device_map``, and any field of the method's config (``threshold=0.9``,
+``vanilla``, ``fast_dllm``, ``fast_dllm_early_stop``, ``blockbatch``, ``fast_dllm_drafted``, ...),
+``gen_length`` (default: the task's ``max_gen_toks``, else 256), ``dtype``, ``device_map``, and any field of the method's config (``threshold=0.9``,
 ``block_length=64``, ``block_sizes=4|8|16|32`` — ``|`` separates list items, since the harness
 splits ``model_args`` at commas). Data parallel: ``accelerate launch -m
 hf_blockbatch.eval.lm_eval_model run ...`` (the harness splits requests by rank).
@@ -133,9 +133,10 @@ class HFBlockBatchLM(_LMBase):
         if self._world_size > 1:
             partial_state(shard)  # joins the process group the harness's gathers use
         if isinstance(pretrained, str):
-            from hf_blockbatch.hub import checked_dtype, load_model
+            from hf_blockbatch.hub import load_model
 
-            torch_dtype = None if dtype == "auto" else checked_dtype(str(dtype))
+            # "auto" here is the device's default (load_model's None); load_model checks any other name itself
+            torch_dtype = None if dtype == "auto" else dtype
             if device_map is not None:
                 self.model, self.tokenizer = load_model(pretrained, dtype=torch_dtype, device_map=device_map)
             else:
