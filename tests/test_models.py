@@ -612,6 +612,12 @@ def test_unknown_backend_name(family: str) -> None:
         ("llada", {"block_group_size": 2}),
         ("llada", {"include_bias": True, "bias_for_layer_norm": None}),
         ("llada", {"bias_for_layer_norm": True}),
+        ("llada", {"activation_type": "swiglu"}),  # the official llama block cannot run it
+        ("llada", {"n_kv_heads": 2, "multi_query_attention": True}),  # the official config refuses both
+        ("llada", {"n_kv_heads": 2, "multi_query_attention": False}),
+        ("llada", {"embedding_size": VOCAB - 8}),  # a table smaller than the vocabulary
+        ("llada", {"d_model": 60}),  # head dim 15: RoPE rotates pairs
+        ("dream", {"hidden_size": 60}),
         ("dream", {"use_sliding_window": True}),
         ("dream", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
         ("dream", {"hidden_act": "gelu"}),
@@ -632,6 +638,27 @@ def test_supported_llada_options_build() -> None:
     assert "model.transformer.ff_out.weight" not in model.state_dict()
     assert "model.transformer.blocks.0.q_proj.bias" in model.state_dict()
     assert model(canvas(1, 8)).logits.shape == (1, 8, VOCAB)
+
+
+@pytest.mark.parametrize(("family", "tied"), [("llada", False), ("llada", True), ("dream", False), ("dream", True)])
+@torch.no_grad()
+def test_resize_token_embeddings_resizes_the_head_and_saves(family: str, tied: bool, tmp_path) -> None:
+    """transformers' resize grows the embedding and the head together (an untied LLaDA head used to keep
+    the old vocabulary), keeps the old tokens' logits, and the resized model loads back."""
+    tie = {"weight_tying": tied} if family == "llada" else {"tie_word_embeddings": tied}
+    model = make(family, **tie)
+    ids = canvas(2, 12)
+    before = model(ids).logits
+    model.resize_token_embeddings(VOCAB + 32, mean_resizing=False)
+    assert model.get_input_embeddings().weight.shape[0] == VOCAB + 32
+    assert model.get_output_embeddings().weight.shape[0] == VOCAB + 32
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    assert torch.allclose(model(ids).logits[..., :VOCAB], before, atol=ATOL)
+    new_ids = torch.tensor([[1, 2, VOCAB + 31]])
+    assert model(new_ids).logits.shape == (1, 3, VOCAB + 32)
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path).eval()
+    assert torch.equal(loaded(new_ids).logits, model(new_ids).logits)
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])

@@ -131,6 +131,8 @@ class DreamConfig(PreTrainedConfig):
             problems.append("use_sliding_window")
         if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
             problems.append("hidden_size must divide by the heads, heads by the KV heads")
+        elif self.head_dim_ % 2:
+            problems.append(f"head dim hidden_size/num_attention_heads = {self.head_dim_} is odd (RoPE rotates pairs)")
         if problems:
             raise NotImplementedError("This Dream config uses unsupported options: " + "; ".join(problems))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -150,6 +151,14 @@ class LLaDAConfig(PreTrainedConfig):
         return self.n_kv_heads
 
     @property
+    def _kv_heads_disagree(self) -> bool:
+        """Whether ``n_kv_heads`` and ``multi_query_attention`` are both set and contradict each other,
+        which the official config refuses rather than letting one of them win."""
+        if self.n_kv_heads is None or self.multi_query_attention is None:
+            return False
+        return self.n_kv_heads != (1 if self.multi_query_attention else self.n_heads)
+
+    @property
     def head_dim_(self) -> int:
         return self.d_model // self.n_heads
 
@@ -185,7 +194,8 @@ class LLaDAConfig(PreTrainedConfig):
             problems.append(f"block_type {self.block_type!r} (only 'llama')")
         if self.layer_norm_type != "rms" or not self.layer_norm_with_affine:
             problems.append(f"layer_norm_type {self.layer_norm_type!r} (only affine 'rms')")
-        if self.activation_type not in ("silu", "swiglu"):
+        # 'swiglu' halves the hidden width in the official code, whose llama block cannot run it
+        if self.activation_type != "silu":
             problems.append(f"activation_type {self.activation_type!r} (only 'silu')")
         if self.attention_layer_norm:
             problems.append("attention_layer_norm (QK norms)")
@@ -194,8 +204,17 @@ class LLaDAConfig(PreTrainedConfig):
             problems.append("layer norm biases (bias_for_layer_norm, or include_bias with bias_for_layer_norm=None)")
         if self.block_group_size != 1:
             problems.append("block_group_size != 1")
+        if self._kv_heads_disagree:
+            problems.append(
+                f"n_kv_heads={self.n_kv_heads} contradicts multi_query_attention={self.multi_query_attention} "
+                "(set multi_query_attention to null)"
+            )
         if self.d_model % self.n_heads or self.n_heads % self.effective_n_kv_heads:
             problems.append("d_model must divide by n_heads, n_heads by n_kv_heads")
+        elif self.head_dim_ % 2:
+            problems.append(f"head dim d_model/n_heads = {self.head_dim_} is odd (RoPE rotates pairs)")
+        if self.embedding_size is not None and self.embedding_size < self.vocab_size:
+            problems.append(f"embedding_size {self.embedding_size} < vocab_size {self.vocab_size}")
         if problems:
             raise NotImplementedError("This LLaDA config uses unsupported options: " + "; ".join(problems))
 
@@ -275,6 +294,28 @@ class LLaDAModelLM(DiffusionLMMixin, BlockBatchGenerationMixin, LLaDAPreTrainedM
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.model.transformer.wte = value
+
+    def get_output_embeddings(self) -> nn.Module:
+        """The head's weight holder, as in the official code: ``wte`` when tied, else ``ff_out``.
+
+        transformers' ``resize_token_embeddings`` resizes the head through this pair; without it an
+        untied head kept the old vocabulary while the embedding grew.
+        """
+        t = self.model.transformer
+        return t.wte if self.config.weight_tying else t.ff_out
+
+    def set_output_embeddings(self, value: nn.Module) -> None:
+        if self.config.weight_tying:
+            self.model.transformer.wte = value
+        else:
+            self.model.transformer.ff_out = value
+
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Embedding:
+        """transformers' resize, keeping ``embedding_size`` (the row count ``from_pretrained`` builds the
+        tables with) in step, so that a resized model saves and loads back."""
+        out = super().resize_token_embeddings(*args, **kwargs)
+        self.config.embedding_size = self.get_input_embeddings().weight.shape[0]
+        return out
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.transformer.wte(input_ids)
