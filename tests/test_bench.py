@@ -608,6 +608,8 @@ def test_cli_bench_refuses_bad_numbers_before_loading(argv, message, capsys):
         (["--set", "fast_dllm.block_size=4"], "Did you mean 'block_length'"),
         (["--set", "fast_dllm.max_new_tokens=16"], "set for all methods by --gen-length"),
         (["--data", "arith=x.jsonl", "--data", "mbpp=y.jsonl"], "--data names mbpp, which --task does not run"),
+        (["--data", "arith=x.jsonl"], "a built-in suite generated in code"),
+        (["--set", "fast_dllm.strategy=blockbatch"], "given to FastDLLMConfig, which decodes 'fast_dllm'"),
         (["--device", "cuda"], "sees no CUDA device"),
     ],
 )
@@ -621,6 +623,38 @@ def test_cli_bench_errors_say_what_to_change(tiny, tmp_path, capsys, argv, messa
                "--output-dir", str(tmp_path), "--no-progress", "--no-plots", *argv])  # fmt: skip
     assert rc == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "samples.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--task", ",", "--methods", "fast_dllm"], "No task to run"),
+        (["--task", "arith", "--methods", ","], "No method to run"),
+        (["--task", "arith", "--methods", "fast_dllm", "--output-dir", "{tmp}/a_file"], "is a file: name a folder"),
+    ],
+)
+def test_cli_bench_refuses_an_empty_run_and_a_file_for_a_folder(tiny, tmp_path, capsys, argv, message):
+    from hf_blockbatch.cli import main
+
+    _, _, folder = tiny
+    (tmp_path / "a_file").write_text("not a folder")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    rc = main(["bench", "--model", str(folder), "--limit", "1", "--output-dir", str(tmp_path / "out"), "--no-progress",
+               "--no-plots", *argv])  # fmt: skip
+    assert rc == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and (tmp_path / "a_file").read_text() == "not a folder"
+
+
+def test_bench_runs_a_repeated_task_once(tiny, tmp_path):
+    """``--task arith arith`` decodes and counts each item once, as a repeated method is run once."""
+    model, tok, _ = tiny
+    settings = runner.BenchSettings(model="x", tasks=["arith", "arith"], methods=["fast_dllm", "fast_dllm"], limit=2,
+                                    gen_length=8, output_dir=str(tmp_path), progress=False, plots=False)  # fmt: skip
+    runner.run_bench(settings, model=model, tokenizer=tok)
+    rows = runner.read_samples(tmp_path)
+    assert [(r["task"], r["index"], r["method"]) for r in rows] == [("arith", 0, "fast_dllm"), ("arith", 1, "fast_dllm")]
+    meta = json.loads((tmp_path / "run.json").read_text())
+    assert meta["settings"]["tasks"] == ["arith"]
 
 
 def test_bench_without_plots_leaves_no_plot_of_an_earlier_run(tiny, tmp_path):

@@ -43,7 +43,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -783,6 +783,28 @@ def _tuned_block(rows: Sequence[Mapping[str, Any]], task: str, configs: Mapping[
     return int(cells[tuned_fast_dllm(cells)]["block"])
 
 
+def _checked_tasks(settings: BenchSettings) -> BenchSettings:
+    """The settings with each task once (a repeat would decode and count its items twice, as methods are
+    de-duplicated too), refusing an empty task or method list and data files no task reads."""
+    if not settings.tasks:
+        raise ValueError(f"No task to run: name one or more of {', '.join(ALL_TASKS)}.")
+    if not settings.methods:
+        raise ValueError(f"No method to run: name one or more of {', '.join(METHODS)}, or one defined in --configs.")
+    unknown = sorted(set(settings.data_paths) - set(settings.tasks))
+    if unknown:
+        raise ValueError(
+            f"--data names {', '.join(unknown)}, which --task does not run ({', '.join(settings.tasks)})."
+        )
+    built_in = sorted(set(settings.data_paths) & set(TINY_TASKS))
+    if built_in:
+        raise ValueError(
+            f"--data names {', '.join(built_in)}, a built-in suite generated in code: data files are for "
+            f"{', '.join(REAL_TASKS)}."
+        )
+    tasks = list(dict.fromkeys(settings.tasks))
+    return settings if tasks == list(settings.tasks) else replace(settings, tasks=tasks)
+
+
 def run_bench(
     settings: BenchSettings,
     model: Any = None,
@@ -801,7 +823,10 @@ def run_bench(
     n_alone = settings.latency_batch_1
     if not isinstance(n_alone, int) or isinstance(n_alone, bool) or n_alone < 0:
         raise ValueError(f"latency_batch_1 must be an integer >= 0 (items re-timed alone; 0: off), got {n_alone!r}.")
+    settings = _checked_tasks(settings)
     out_dir = Path(settings.output_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"output_dir {str(out_dir)!r} is a file: name a folder for the results.")
     out_dir.mkdir(parents=True, exist_ok=True)
     # tasks, items and configs first: a misspelt task or method is said before minutes of loading an 8B model
     plans: list[tuple[str, Task, list[EvalItem], int, dict[str, Any]]] = []

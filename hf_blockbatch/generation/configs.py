@@ -236,7 +236,13 @@ class DiffusionGenerationConfig(GenerationConfig):
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("max_new_tokens", 128)
         kwargs.setdefault("temperature", 0.0)
-        kwargs.pop("strategy", None)
+        given = kwargs.pop("strategy", None)
+        if given not in (None, type(self).strategy):
+            # a saved dict carries its own strategy back; any other would be silently dropped
+            raise ValueError(
+                f"strategy={given!r} given to {type(self).__name__}, which decodes {type(self).strategy!r}: use the "
+                f"config class of {given!r} (hf_blockbatch.config_from_dict picks it from the strategy), or drop strategy."
+            )
         self.remasking = kwargs.pop("remasking", "low_confidence")
         self.mask_token_id = kwargs.pop("mask_token_id", None)
         self.output_trace = kwargs.pop("output_trace", False)
