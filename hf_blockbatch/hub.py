@@ -141,12 +141,16 @@ def load_model(
             if not _cached_on_this_machine(path):
                 raise _not_found(name_or_path, f"the Hub cannot be reached to look for it ({why})")
             kwargs.setdefault("local_files_only", True)
+    if local and not Path(path).is_dir():
+        raise NotADirectoryError(f"Cannot load {name_or_path!r}: it is a file; pass the checkpoint's folder.")
     try:
         return _load(path, device, dtype, **kwargs)
+    except (FileNotFoundError, NotADirectoryError):  # ours, or with a message of its own
+        raise
     except OSError as err:
-        if local:
-            raise
         reason = (str(err).splitlines() or [""])[0]
+        if local:  # transformers' OSError names the missing or unreadable file
+            raise ValueError(f"Cannot load the folder {name_or_path!r}: {reason}") from err
         raise _not_found(name_or_path, f"the Hub did not serve it ({type(err).__name__}: {reason})") from err
     except Exception as err:
         # a damaged weights file (truncated download, disk full) fails inside safetensors without its name

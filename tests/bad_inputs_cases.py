@@ -250,6 +250,20 @@ def _(tmp_path, **_):
     return _message(lambda: hb.load_model(str(folder)))
 
 
+@case("model-is-a-file")
+def _(**_):
+    return _message(lambda: hb.load_model(str(Path(hb.TINY_LLADA) / "config.json")), NotADirectoryError)
+
+
+@case("folder-without-weights")
+def _(tmp_path, **_):
+    folder = tmp_path / "no-weights"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(hb.TINY_LLADA) / name, folder / name)
+    return _message(lambda: hb.load_model(str(folder)))
+
+
 @case("device-tpu")
 def _(**_):
     return _message(lambda: hb.load_model("tiny-llada", device="tpu"))
