@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -140,3 +141,59 @@ def test_train_saves_reloadable_checkpoint(family_tok, tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor([[1, 10, 11, 2]])).logits
     assert logits.shape[-1] == model.config.vocab_size and bool(torch.isfinite(logits).all())
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"batch_size": 0}, "batch_size must be an integer >= 1, got 0"),
+        ({"steps": 0}, "steps must be an integer >= 1"),
+        ({"eval_every": 0}, "eval_every must be an integer >= 1"),
+        ({"lr": float("nan")}, "lr must be a finite number > 0"),
+        ({"t_min": 1.5}, "t_min must be below 1"),
+        ({"min_lr_ratio": 2.0}, "min_lr_ratio must be at most 1"),
+        ({"gen_min": 100, "gen_max": 90}, r"gen_max \(90\) must be >= gen_min \(100\)"),
+        ({"n_heads": 3}, r"d_model \(32\) must divide by n_heads \(3\) into an even head dim"),
+        ({"n_kv_heads": 3}, "n_kv_heads must divide n_heads"),
+        ({"suites": {}}, "suites is empty"),
+        ({"suites": {"nosuch": 1.0}}, "suite 'nosuch' is unknown"),
+        ({"suites": {"lists": 0.0}}, "suite 'lists' needs a weight > 0"),
+        ({"init_from": "/nonexistent"}, "init_from '/nonexistent' is not a checkpoint folder"),
+        ({"family": "gpt"}, "family must be 'llada' or 'dream'"),
+    ],
+)
+def test_bad_settings_are_refused_before_training(tmp_path, options, message):
+    """Each used to fail inside torch, divide by zero, or (steps=0, t_min=1.5) train nothing or
+    something else than asked; the run now stops before writing anything, naming the option."""
+    with pytest.raises(ValueError, match="Bad training settings: .*" + message):
+        train(dataclasses.replace(_tiny("llada"), **options), tmp_path / "out", show_progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_settings_that_fit_no_data_are_refused(tmp_path):
+    small = dict(suites={"lists": 1.0}, train_items_per_suite=16, num_threads=1)
+    with pytest.raises(ValueError, match="No training item of lists fits gen_min=8 tokens"):
+        train(_tiny("llada", gen_min=8, gen_max=16, **small), tmp_path, show_progress=False)
+    with pytest.raises(ValueError, match="beyond the model's 16 positions: raise max_positions"):
+        train(_tiny("llada", max_positions=16, **small), tmp_path, show_progress=False)
+    assert not (tmp_path / "train_config.json").exists()
+
+
+def test_init_from_a_checkpoint_of_the_other_family_is_refused(tmp_path):
+    """A Dream checkpoint continued as LLaDA trained the Dream weights with LLaDA's tokenizer and prompts."""
+    import hf_blockbatch as hb
+
+    with pytest.raises(ValueError, match="holds a DreamModel, not a llada model"):
+        train(_tiny("llada", init_from=str(hb.TINY_DREAM)), tmp_path, show_progress=False)
+
+
+def test_the_command_line_says_what_to_change(capsys):
+    from hf_blockbatch.training.sft import main
+
+    for argv, message in (
+        (["--batch-size", "0"], "batch_size must be an integer >= 1"),
+        (["--suites", "lists:x"], "--suites takes name:weight pairs"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--family", "llada", "--out", "/nonexistent/out", *argv])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err

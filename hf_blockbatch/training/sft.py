@@ -96,6 +96,51 @@ class TrainConfig:
     decode_tokens_per_step: int = 4
     num_threads: int = 2
 
+    def validate(self) -> None:
+        """Refuse settings that would fail minutes into a run (or inside torch), or train nothing,
+        with one line naming the option (``--option`` at the command line) and what it must be."""
+        from hf_blockbatch.tasks import SUITES
+
+        problems = []
+        if self.family not in ("llada", "dream"):
+            problems.append(f"family must be 'llada' or 'dream', got {self.family!r}")
+        at_least = {"d_model": 1, "n_layers": 1, "n_heads": 1, "mlp_hidden": 1, "max_positions": 1, "batch_size": 1,
+                    "steps": 1, "train_items_per_suite": 1, "eval_items_per_suite": 1, "eval_every": 1, "log_every": 1,
+                    "decode_tokens_per_step": 1, "num_threads": 1, "warmup_steps": 0, "decode_items_per_suite": 0,
+                    "gen_min": 1}  # fmt: skip
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                problems.append(f"{name} must be an integer >= {low}, got {value!r}")
+        positive = ("lr", "grad_clip", "rope_theta")
+        for name in positive + ("min_lr_ratio", "weight_decay", "minutes", "t_min"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (name in positive and value == 0):
+                problems.append(f"{name} must be a finite number {'> 0' if name in positive else '>= 0'}, got {value!r}")
+        if isinstance(self.min_lr_ratio, (int, float)) and self.min_lr_ratio > 1:
+            problems.append(f"min_lr_ratio must be at most 1 (the floor of the LR schedule), got {self.min_lr_ratio!r}")
+        if isinstance(self.t_min, (int, float)) and self.t_min >= 1:
+            problems.append(f"t_min must be below 1 (the noise level is drawn from [t_min, 1)), got {self.t_min!r}")
+        if isinstance(self.gen_min, int) and isinstance(self.gen_max, int) and self.gen_max < self.gen_min:
+            problems.append(f"gen_max ({self.gen_max}) must be >= gen_min ({self.gen_min})")
+        if isinstance(self.d_model, int) and isinstance(self.n_heads, int) and self.n_heads >= 1:
+            kv = self.n_kv_heads
+            if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+                problems.append(f"d_model ({self.d_model}) must divide by n_heads ({self.n_heads}) into an even head dim")
+            if kv is not None and (not isinstance(kv, int) or kv < 1 or self.n_heads % kv):
+                problems.append(f"n_kv_heads must divide n_heads ({self.n_heads}), got {kv!r}")
+        if not self.suites:
+            problems.append("suites is empty: name one or more of " + ", ".join(SUITES))
+        for name, weight in self.suites.items():
+            if name not in SUITES:
+                problems.append(f"suite {name!r} is unknown; known: {', '.join(SUITES)}")
+            elif not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+                problems.append(f"suite {name!r} needs a weight > 0, got {weight!r}")
+        if self.init_from and not (Path(self.init_from) / "config.json").is_file():
+            problems.append(f"init_from {self.init_from!r} is not a checkpoint folder (no config.json in it)")
+        if problems:
+            raise ValueError("Bad training settings: " + "; ".join(problems) + ".")
+
 
 @dataclass
 class Example:
@@ -257,7 +302,10 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
     from hf_blockbatch.tasks import get_suite
     from hf_blockbatch.training.tokenizer import asset_dir, special_token_ids
 
+    config.validate()
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out {str(out)!r} is a file: name a folder for the checkpoints.")
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(config.num_threads)
     random.seed(config.seed)
@@ -270,15 +318,34 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
         from transformers import AutoModel
 
         model = AutoModel.from_pretrained(config.init_from, dtype=torch.float32).to(device)
+        from hf_blockbatch import DreamModel, LLaDAModelLM
+
+        if not isinstance(model, {"llada": LLaDAModelLM, "dream": DreamModel}[config.family]):
+            raise ValueError(
+                f"init_from {config.init_from!r} holds a {type(model).__name__}, not a {config.family} model: "
+                f"pass the family of the checkpoint (its tokenizer and prompts are the family's)."
+            )
         logger.info("continuing from %s", config.init_from)
     else:
         model = build_model(config, tokenizer).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("%s: %.2fM parameters on %s", config.family, n_params / 1e6, device)
-    (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
 
     t0 = time.time()
     train_data, test_items = _load_data(config, tokenizer, ids["eot"])
+    empty = [name for name, examples in train_data.items() if not examples]
+    if empty:
+        raise ValueError(
+            f"No training item of {', '.join(empty)} fits gen_min={config.gen_min} tokens (its target and end of "
+            "turn): raise gen_min."
+        )
+    longest = max(len(e.prompt) for examples in train_data.values() for e in examples) + config.gen_max
+    if longest > model.config.context_length:
+        raise ValueError(
+            f"The longest prompt plus gen_max is {longest} tokens, beyond the model's {model.config.context_length} "
+            "positions: raise max_positions or lower gen_max."
+        )
+    (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
     logger.info("data ready in %.1fs: %s", time.time() - t0, {k: len(v) for k, v in train_data.items()})
     suite_names = list(config.suites)
     weights = torch.tensor([config.suites[s] for s in suite_names], dtype=torch.float)
@@ -406,6 +473,13 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
     return best
 
 
+def _weight(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"--suites takes name:weight pairs, e.g. arith:0.5,code:0.25; got the weight {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``python -m hf_blockbatch.training.sft --family llada --out DIR --steps N [--minutes M]``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
@@ -428,11 +502,13 @@ def main(argv: list[str] | None = None) -> None:
         for f in dataclasses.fields(TrainConfig)
         if f.name not in ("family", "suites")
     }
-    suites = {
-        s.split(":")[0]: float(s.split(":")[1]) if ":" in s else 1.0 for s in args.suites.split(",") if s
-    }
-    config = TrainConfig(family=args.family, suites=suites, **kw)
-    best = train(config, args.out, show_progress=not args.no_progress)
+    try:
+        suites = {name: _weight(w) if sep else 1.0 for name, sep, w in (s.partition(":") for s in args.suites.split(",") if s)}
+        config = TrainConfig(family=args.family, suites=suites, **kw)
+        config.validate()
+        best = train(config, args.out, show_progress=not args.no_progress)
+    except ValueError as err:  # bad settings: one line that says what to change
+        p.error(str(err))
     print(json.dumps({k: v for k, v in best.items() if not k.startswith("sample")}, indent=2))
 
 
