@@ -252,10 +252,14 @@ def latency_runs(paths: Sequence[Path]) -> dict[str, dict[str, dict[str, Any]]]:
     rows = {(r["model"], r["suite"]): r for r in scorecard(latency=False)}
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for path in paths:
-        run = json.loads(Path(path).read_text())
-        bs, model = run.get("batch_size"), Path(run["model"]).name
-        if run.get("split") != "test" or bs is None or (run.get("rounds") or 1) < 2:
+        try:
+            run = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise SystemExit(f"{path}: cannot read it as a beyond_paper.py run ({err}).") from err
+        if (not isinstance(run, dict) or run.get("split") != "test" or run.get("batch_size") is None
+                or (run.get("rounds") or 1) < 2 or not {"model", "suites", "configs"} <= run.keys()):  # fmt: skip
             raise SystemExit(f"{path}: not a latency run on the test split (beyond_paper.py --split test --rounds 3).")
+        bs, model = run["batch_size"], Path(run["model"]).name
         for suite, results in run["suites"].items():
             row = rows.get((model, suite))
             if row is None:

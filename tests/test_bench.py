@@ -1281,6 +1281,16 @@ def test_the_committed_targets_scorecard_is_the_committed_runs_and_the_shipped_p
     assert all(row["met"]["cpu_time"] is not None and set(row["latency"]) == {"1", "32"} for row in card)
 
 
+@pytest.mark.parametrize("text", ["{}", "[1]", '{"split": "test", "batch_size": 1, "rounds": 3}', "not json"])
+def test_the_latency_reader_refuses_a_file_that_is_no_latency_run(tmp_path, text):
+    """``paper_table.py --targets --latency FILE`` says the file is not a latency run (it was a KeyError)."""
+    paper_table = load_benchmark("paper_table")
+    path = tmp_path / "run.json"
+    path.write_text(text)
+    with pytest.raises(SystemExit, match="run.json: (not a latency run|cannot read it)"):
+        paper_table.latency_runs([path])
+
+
 def test_the_heldout_pick_reads_only_the_sweeps_own_configs(tmp_path):
     """``paper_table.py --heldout-sweep``: the block picked on training items is ``tuned_fast_dllm``'s among runs
     whose config is a sweep point's (a sparse run at a block does not stand for it), and a sweep with a block
