@@ -150,6 +150,9 @@ def test_math_equivalent(pred: str, gold: str) -> None:
         ("[2,5]", "[2,5)"),
         (r"\frac{2}{3}", r"-\frac{2}{3}"),
         ("x+1", "x-1"),
+        ("0.0000668", ".0000672"),  # math-verify rounds both to 6 decimals; they differ in the second digit
+        ("0.000067", ".0000672"),
+        ("1450001", "1450000"),
         (None, "3"),
         ("", "3"),
     ],
@@ -164,6 +167,37 @@ def test_normalize_keeps_variables_and_equations() -> None:
     # "y = 2x+3" is an equation; only a constant right side loses its "y ="
     assert normalize_math_answer("y=2x+3") == "y=2x+3"
     assert normalize_math_answer(r"k = \frac{6}{4}") == r"\frac{3}{2}"
+
+
+def test_a_power_tower_is_not_evaluated_on_any_thread() -> None:
+    """sympy would build 10^(10^10) in one C call holding the interpreter lock: neither math-verify's alarm nor
+    our abandoned worker could stop it, and a scorer on a thread froze the process. It is left to the strings."""
+    out: list[bool] = []
+    cases = [(r"10^{10^{10}}", "5"), (r"9^{9^{9^{9}}}", "5"), (r"10^{10000000000}", "5"), (r"10^{10^{10}}", r"10^{10^{10}}")]
+    t = threading.Thread(target=lambda: out.extend(math_is_equivalent(p, g) for p, g in cases), daemon=True)
+    t.start()
+    t.join(60)
+    assert out == [False, False, False, True]
+    assert math_is_equivalent("2^{10}", "1024") and math_is_equivalent("e^{x^2}", "e^{x^{2}}")  # still evaluated
+
+
+def test_numbers_compare_by_exact_value() -> None:
+    """A float tolerance took 1450001 for 1450000 (2 of GSM8K's golds are that large), and a number past a
+    float's range ended in OverflowError; both now compare as exact rationals."""
+    assert not gsm8k_is_correct("#### 1450001", "#### 1450000").correct
+    assert not gsm8k_is_correct("#### 10000000000000001", "#### 10000000000000000").correct
+    assert gsm8k_is_correct("#### 1,450,000.00", "#### 1450000").correct
+    for digits in ("9" * 309, "9" * 400 + ".5", "9" * 5000):  # the last is past Python's digit limit
+        assert not gsm8k_is_correct("#### " + digits, "#### 5").correct
+        assert gsm8k_is_correct("#### " + digits, "#### " + digits).correct
+
+
+def test_the_minerva_answer_is_the_last_before_its_closing_sentence() -> None:
+    """Without the closing sentence the exact pattern is skipped (it scanned to the end for each "final answer
+    is $": quadratic in long completions); with it, the answer never spans an earlier "final answer is"."""
+    text = "The final answer is $x$ " * 2000
+    assert extract_math_answer(text) == "x"
+    assert extract_math_answer(text + "The final answer is $7$. I hope it is correct.") == "7"
 
 
 def test_math_equivalence_works_off_the_main_thread() -> None:

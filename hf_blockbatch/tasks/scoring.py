@@ -13,7 +13,6 @@ Nothing here executes untrusted code; code scoring lives in :mod:`hf_blockbatch.
 from __future__ import annotations
 
 import logging
-import math
 import re
 import threading
 from collections.abc import Sequence
@@ -86,25 +85,27 @@ def normalize_number(text: str) -> str | None:
     if value.denominator == 1:
         return str(value.numerator)
     # keep a short decimal form when it is exact (0.5, 2.25), else the fraction
-    as_float = float(value)
-    short = repr(as_float)
-    if Fraction(short) == value:
+    try:
+        short = repr(float(value))
+    except OverflowError:  # beyond a float (a run of digits from a decoder): the exact fraction
+        short = ""
+    if short and Fraction(short) == value:
         return short
     return f"{value.numerator}/{value.denominator}"
 
 
-def numbers_equal(a: str | None, b: str | None, rel_tol: float = 1e-6) -> bool:
-    """Numeric equality of two number strings, falling back to string equality."""
+def numbers_equal(a: str | None, b: str | None) -> bool:
+    """Equality of two number strings by exact value (``7.00`` equals ``7``; ``1450001`` does not equal
+    ``1450000``, which a float tolerance let through), falling back to string equality for what is no number."""
     if a is None or b is None:
         return False
     na, nb = normalize_number(a), normalize_number(b)
     if na is None or nb is None:
         return False
     try:
-        fa, fb = float(Fraction(na)), float(Fraction(nb))
-    except (ValueError, ZeroDivisionError):
+        return Fraction(na) == Fraction(nb)
+    except (ValueError, ZeroDivisionError):  # not a number (or past Python's digit limit): as written
         return na == nb
-    return math.isclose(fa, fb, rel_tol=rel_tol, abs_tol=1e-9)
 
 
 def extract_gsm8k_answer(text: str) -> str | None:
@@ -190,11 +191,15 @@ def remove_boxed(boxed: str | None) -> str | None:
 
 _FINAL_ANSWER_RES = (
     # minerva's exact target format (the few-shot examples end this way)
-    re.compile(r"final answer is\s*\$(.+?)\$\s*\.?\s*I hope it is correct", re.IGNORECASE | re.DOTALL),
+    # (the answer never spans another "final answer is": the last one before the closing sentence)
+    re.compile(r"final answer is\s*\$((?:(?!final answer is).)+?)\$\s*\.?\s*I hope it is correct", re.IGNORECASE | re.DOTALL),
     re.compile(r"final answer is\s*\$(.+?)\$", re.IGNORECASE | re.DOTALL),
     # unformatted: up to the end of the sentence or of the line ("3.5" keeps its point)
     re.compile(r"final answer is:?[ \t]*(.+?)[ \t]*(?:\.\s*I hope it is correct|\.?[ \t]*(?:\n|$)|\.\s)", re.IGNORECASE),
 )
+
+
+_MINERVA_TAIL = "hope it is correct"
 
 
 def extract_math_answer(text: str) -> str | None:
@@ -206,7 +211,10 @@ def extract_math_answer(text: str) -> str | None:
     """
     if not text:
         return None
-    for pattern in _FINAL_ANSWER_RES:
+    # minerva's exact format only where its closing sentence is: without it, each "final answer is $"
+    # would scan to the end of the text (quadratic in long completions)
+    minerva = _MINERVA_TAIL in text.lower()
+    for pattern in _FINAL_ANSWER_RES[0 if minerva else 1 :]:
         matches = pattern.findall(text)
         if matches:
             ans = matches[-1].strip()
@@ -360,6 +368,11 @@ def _as_rational(s: str) -> Fraction | None:
 # MATH: equivalence
 
 _MV_TIMEOUT_S = 5
+# a number raised to a power that itself holds a power of a number, or to a literal of 7+ digits
+_POWER_TOWER_RE = re.compile(r"\^\s*\{?\s*(?:[\d.]+\s*\^|\d{7,})")
+# two plain numbers that math-verify calls equal must also agree to this relative tolerance: it rounds
+# both to 6 decimals, which equates 0.0000668 and 0.0000672
+_MATH_REL_TOL = Fraction(1, 10**6)
 
 
 def _math_verify_equal(pred: str, gold: str, timeout_s: int) -> bool | None:
@@ -367,9 +380,14 @@ def _math_verify_equal(pred: str, gold: str, timeout_s: int) -> bool | None:
 
     math-verify guards itself with ``signal.alarm``, which only works in the main thread; in
     any other thread (a thread-pool scorer, a web demo) we run it with its own timeouts off, in
-    a daemon thread that we stop waiting for after ``timeout_s``: a pathological expression
-    then costs one abandoned thread, never a hung benchmark.
+    a daemon thread that we stop waiting for after ``2 * timeout_s`` (its parse and its verify):
+    a slow expression then costs one abandoned thread, never a hung benchmark. A numeric power
+    tower (``10^{10^{10}}``) is not handed to it at all: sympy would build the integer in one C call
+    that holds the interpreter lock, so neither the alarm nor the abandoned thread could stop it.
     """
+    if _POWER_TOWER_RE.search(pred) or _POWER_TOWER_RE.search(gold):
+        logger.warning("not evaluating the power tower in %r vs %r; using the string fallback", pred, gold)
+        return None
     try:
         from math_verify import parse, verify
     except ImportError:  # pragma: no cover - depends on the environment
@@ -425,8 +443,11 @@ def math_is_equivalent(pred: str | None, gold: str | None, timeout_s: int = _MV_
         return False
     if np_ == ng:
         return True
-    verdict = _math_verify_equal(pred, gold, timeout_s)
-    return bool(verdict)
+    verdict = bool(_math_verify_equal(pred, gold, timeout_s))
+    rp, rg = _as_rational(np_), _as_rational(ng)
+    if verdict and rp is not None and rg is not None:
+        return abs(rp - rg) <= _MATH_REL_TOL * abs(rg)
+    return verdict
 
 
 def math_is_correct(completion: str, gold_answer: str) -> Score:
