@@ -191,9 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name in names:
             records, tail, counts = decode_logged(model, tokenizer, prompts, configs[name], int(task.default_gen_length),
                                                   args.batch_size)  # fmt: skip
-            logged = sum(r.queries for r in records) - model.logit_shift * sum(
-                r.rows for r in records if r.kind == "windows"
-            )
+            logged = sum(r.queries for r in records)
             if logged != sum(counts["query_tokens"]):  # the log and the engine count the same positions
                 raise RuntimeError(f"{suite} {name}: the forwards carried {logged} query tokens, the engine counted "
                                    f"{sum(counts['query_tokens'])}")  # fmt: skip

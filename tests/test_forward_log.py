@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EOS_ID, MASK_ID, load_benchmark, make_tiny_llada
+from conftest import EOS_ID, MASK_ID, load_benchmark, make_tiny_dream, make_tiny_llada
 
 import hf_blockbatch as hb
 from hf_blockbatch.eval.forward_log import ForwardLog, is_sync
@@ -19,8 +19,9 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return ids.masked_fill(mask == 0, EOS_ID), mask
 
 
-def test_a_logged_decode_is_the_same_decode_and_counts_every_forward():
-    model = make_tiny_llada()
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_a_logged_decode_is_the_same_decode_and_counts_every_forward(family):
+    model = make_tiny_llada() if family == "llada" else make_tiny_dream()
     ids, mask = _prompts()
     for cfg, rows_per_request in (
         (hb.FastDLLMConfig(max_new_tokens=32, block_length=16, threshold=0.05, mask_token_id=MASK_ID), 1),
@@ -46,7 +47,7 @@ def test_a_logged_decode_is_the_same_decode_and_counts_every_forward():
             if alone:  # one request per forward: the log has exactly NFE forwards
                 assert len(log.records) == int(out_nfe.sum())
             queries = sum(st["query_tokens"] for o in outs for st in o.stats)
-            assert sum(r.queries for r in log.records) == queries  # LLaDA: no shifted window queries
+            assert sum(r.queries for r in log.records) == queries  # Dream's windows with the slot before them
             assert all(r.policy_ops > 0 for r in log.records) and log.tail_ops > 0
             assert log.policy_ops == sum(r.policy_ops for r in log.records) + log.tail_ops
             # what each decode kept resident: its requests' cache rows (a row per branch, and per draft) × canvas

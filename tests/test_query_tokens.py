@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from _generation_helpers import peaked, run_padded
-from conftest import make_tiny_llada
+from conftest import make_tiny_dream, make_tiny_llada
 
 import hf_blockbatch as hb
 from hf_blockbatch.generation.trace import CommitEvent
@@ -34,6 +34,20 @@ def test_prefix_and_vanilla_query_tokens_counted_by_hand():
     assert int(out.nfe[0]) == 4 and out.stats[0]["query_tokens"] == 4 * 12
 
 
+def test_a_shifted_models_windows_count_the_slot_before_them():
+    """Dream's logits at p predict p + 1, so a cached window [s, e) is fed from s - 1: that slot is a
+    position fed through the model like the window's own (a sparse step counted it; a dense one did not).
+    Dual cache, as above: 12 + (4 + 1) + 12 + (4 + 1) = 34; prefix cache: 12 + (8 + 1) + 12 + (4 + 1) = 38;
+    without a cache the canvas, as for LLaDA."""
+    model = make_tiny_dream()
+    dual = hb.FastDLLMConfig(max_new_tokens=8, block_length=4, threshold=None, steps=4, cache="dual")
+    assert run_padded(model, [[5, 6, 7, 8], [9, 10]], dual).stats[0]["query_tokens"] == 34
+    prefix = hb.FastDLLMConfig(max_new_tokens=8, block_length=4, threshold=None, steps=4, cache="prefix")
+    assert run_padded(model, [[5, 6, 7, 8]], prefix).stats[0]["query_tokens"] == 38
+    none = hb.FastDLLMConfig(max_new_tokens=8, block_length=4, threshold=None, steps=4, cache="none")
+    assert run_padded(model, [[5, 6, 7, 8]], none).stats[0]["query_tokens"] == 4 * 12
+
+
 @pytest.mark.parametrize("prune", [None, 1])
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_blockbatch_query_tokens_equal_the_trace(family, prune):
@@ -49,7 +63,8 @@ def test_blockbatch_query_tokens_equal_the_trace(family, prune):
     for p, st in zip(prompts, out.stats):
         length = len(p) + 24
         events = [e for e in st["trace"] if isinstance(e, CommitEvent)]
-        block = sum(e.window[1] - e.window[0] for e in events if e.phase == "block")
+        # a shifted model (Dream) feeds each window from the slot before it, whose logits predict its first position
+        block = sum(e.window[1] - e.window[0] + model.logit_shift for e in events if e.phase == "block")
         refresh = sum(length for e in events if e.phase == "refresh")
         assert st["query_tokens"] == block + refresh + length
         winner = st["winner_branch"]

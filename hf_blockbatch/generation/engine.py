@@ -147,9 +147,12 @@ class Run:
             starts, ends = s.take(s.win_start, rows), s.take(s.win_end, rows)
             lengths = ends - starts
             self._windows = (starts, ends, self.fwd.layout(starts, lengths))
-            queried = {"none": lambda: s.attention_mask[rows].sum(-1), "prefix": lambda: self.L - starts}
             if not self.plan.sparse_queries:  # a sparse step counts its own queries
-                self.fwd.new_layout(rows, queried[self.plan.cache]() if self.plan.cache in queried else lengths)
+                # what each row feeds: a cached window from one slot early on a shifted model (Dream), whose
+                # logits there predict the window's first position; without a cache the real canvas
+                shift = self.model.logit_shift
+                queried = {"none": lambda: s.attention_mask[rows].sum(-1), "prefix": lambda: self.L - starts + shift}
+                self.fwd.new_layout(rows, queried[self.plan.cache]() if self.plan.cache in queried else lengths + shift)
         starts, ends, layout = self._windows
         span = self.fwd.span(s, rows, layout, window_only=True)
         if self.cache is None:
