@@ -145,10 +145,10 @@ def load_model(
         raise NotADirectoryError(f"Cannot load {name_or_path!r}: it is a file; pass the checkpoint's folder.")
     try:
         return _load(path, device, dtype, **kwargs)
-    except (FileNotFoundError, NotADirectoryError):  # ours, or with a message of its own
-        raise
     except OSError as err:
         reason = (str(err).splitlines() or [""])[0]
+        if local and isinstance(err, (FileNotFoundError, NotADirectoryError)):  # ours (no tokenizer): says what to do
+            raise
         if local:  # transformers' OSError names the missing or unreadable file
             raise ValueError(f"Cannot load the folder {name_or_path!r}: {reason}") from err
         raise _not_found(name_or_path, f"the Hub did not serve it ({type(err).__name__}: {reason})") from err
