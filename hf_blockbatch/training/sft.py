@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "TrainConfig",
+    "TrainingSettingsError",
     "Example",
     "build_model",
     "encode_items",
@@ -50,6 +51,10 @@ __all__ = [
     "train",
     "main",
 ]
+
+
+class TrainingSettingsError(ValueError):
+    """A training setting that cannot work, said before (or instead of) a run."""
 
 
 @dataclass
@@ -139,7 +144,7 @@ class TrainConfig:
         if self.init_from and not (Path(self.init_from) / "config.json").is_file():
             problems.append(f"init_from {self.init_from!r} is not a checkpoint folder (no config.json in it)")
         if problems:
-            raise ValueError("Bad training settings: " + "; ".join(problems) + ".")
+            raise TrainingSettingsError("Bad training settings: " + "; ".join(problems) + ".")
 
 
 @dataclass
@@ -305,7 +310,7 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
     config.validate()
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"out {str(out)!r} is a file: name a folder for the checkpoints.")
+        raise TrainingSettingsError(f"out {str(out)!r} is a file: name a folder for the checkpoints.")
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(config.num_threads)
     random.seed(config.seed)
@@ -317,11 +322,11 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
     if config.init_from:
         from transformers import AutoModel
 
-        model = AutoModel.from_pretrained(config.init_from, dtype=torch.float32).to(device)
         from hf_blockbatch import DreamModel, LLaDAModelLM
 
+        model = AutoModel.from_pretrained(config.init_from, dtype=torch.float32).to(device)
         if not isinstance(model, {"llada": LLaDAModelLM, "dream": DreamModel}[config.family]):
-            raise ValueError(
+            raise TrainingSettingsError(
                 f"init_from {config.init_from!r} holds a {type(model).__name__}, not a {config.family} model: "
                 f"pass the family of the checkpoint (its tokenizer and prompts are the family's)."
             )
@@ -335,13 +340,13 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
     train_data, test_items = _load_data(config, tokenizer, ids["eot"])
     empty = [name for name, examples in train_data.items() if not examples]
     if empty:
-        raise ValueError(
+        raise TrainingSettingsError(
             f"No training item of {', '.join(empty)} fits gen_min={config.gen_min} tokens (its target and end of "
             "turn): raise gen_min."
         )
     longest = max(len(e.prompt) for examples in train_data.values() for e in examples) + config.gen_max
     if longest > model.config.context_length:
-        raise ValueError(
+        raise TrainingSettingsError(
             f"The longest prompt plus gen_max is {longest} tokens, beyond the model's {model.config.context_length} "
             "positions: raise max_positions or lower gen_max."
         )
@@ -477,7 +482,9 @@ def _weight(text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise ValueError(f"--suites takes name:weight pairs, e.g. arith:0.5,code:0.25; got the weight {text!r}") from None
+        raise TrainingSettingsError(
+            f"--suites takes name:weight pairs, e.g. arith:0.5,code:0.25; got the weight {text!r}"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -504,10 +511,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     try:
         suites = {name: _weight(w) if sep else 1.0 for name, sep, w in (s.partition(":") for s in args.suites.split(",") if s)}
-        config = TrainConfig(family=args.family, suites=suites, **kw)
-        config.validate()
-        best = train(config, args.out, show_progress=not args.no_progress)
-    except ValueError as err:  # bad settings: one line that says what to change
+        best = train(TrainConfig(family=args.family, suites=suites, **kw), args.out, show_progress=not args.no_progress)
+    except TrainingSettingsError as err:  # bad settings: one line that says what to change
         p.error(str(err))
     print(json.dumps({k: v for k, v in best.items() if not k.startswith("sample")}, indent=2))
 
