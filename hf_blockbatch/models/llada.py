@@ -151,14 +151,6 @@ class LLaDAConfig(PreTrainedConfig):
         return self.n_kv_heads
 
     @property
-    def _kv_heads_disagree(self) -> bool:
-        """Whether ``n_kv_heads`` and ``multi_query_attention`` are both set and contradict each other,
-        which the official config refuses rather than letting one of them win."""
-        if self.n_kv_heads is None or self.multi_query_attention is None:
-            return False
-        return self.n_kv_heads != (1 if self.multi_query_attention else self.n_heads)
-
-    @property
     def head_dim_(self) -> int:
         return self.d_model // self.n_heads
 
@@ -204,7 +196,9 @@ class LLaDAConfig(PreTrainedConfig):
             problems.append("layer norm biases (bias_for_layer_norm, or include_bias with bias_for_layer_norm=None)")
         if self.block_group_size != 1:
             problems.append("block_group_size != 1")
-        if self._kv_heads_disagree:
+        # both set and contradicting each other: the official config refuses it rather than let one win
+        mqa = self.multi_query_attention
+        if self.n_kv_heads is not None and mqa is not None and self.n_kv_heads != (1 if mqa else self.n_heads):
             problems.append(
                 f"n_kv_heads={self.n_kv_heads} contradicts multi_query_attention={self.multi_query_attention} "
                 "(set multi_query_attention to null)"

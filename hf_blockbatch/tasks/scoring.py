@@ -433,8 +433,9 @@ def math_is_equivalent(pred: str | None, gold: str | None, timeout_s: int = _MV_
 
     Order: (1) normalised-string equality (fast, and deterministic for the common cases);
     (2) math-verify (sympy + latex2sympy2_extended), which decides ``\\frac{1}{2}`` vs ``0.5``,
-    ``x=3`` vs ``3``, ``\\sqrt{2}/2`` vs ``\\frac{\\sqrt2}{2}``, intervals, sets and tuples. If
-    math-verify is missing or times out, the string verdict of (1) stands.
+    ``x=3`` vs ``3``, ``\\sqrt{2}/2`` vs ``\\frac{\\sqrt2}{2}``, intervals, sets and tuples; two plain numbers it
+    calls equal must also agree to a relative 1e-6 (it rounds to 6 decimals). If math-verify is missing or
+    times out, the string verdict of (1) stands.
     """
     if pred is None or gold is None:
         return False
