@@ -152,6 +152,26 @@ def _(**_):
     return _generate(input_ids=torch.tensor([[5, 6, 5000]]), max_new_tokens=8)
 
 
+@case("mask-id-outside-vocabulary")
+def _(**_):
+    return _generate(mask_token_id=5000)
+
+
+@case("token-id-not-integer")
+def _(**_):
+    return _generate(mask_token_id=1.5)
+
+
+@case("strategy-keyword")
+def _(**_):
+    return _generate(generation_config=hb.FastDLLMConfig(max_new_tokens=8), strategy="blockbatch")
+
+
+@case("generator-not-a-generator")
+def _(**_):
+    return _generate(generator=5)
+
+
 @case("empty-prompt-tensor")
 def _(**_):
     return _generate(input_ids=torch.zeros((1, 0), dtype=torch.long), max_new_tokens=8)

@@ -593,6 +593,43 @@ def test_model_generation_config_is_used_by_default():
     assert out.sequences.shape == (1, len(PROMPT) + 8)
 
 
+def test_a_plain_model_generation_config_gives_its_defaults(caplog):
+    """A checkpoint's generation_config.json without a strategy loads as transformers' plain class; what it
+    sets that means the same here is the default decode's, as transformers reads it (it was dropped whole:
+    ``model.generation_config.max_new_tokens = 16`` still decoded 128), and what it sets that cannot apply is
+    named in a warning."""
+    m = make_tiny_llada()
+    m.generation_config = GenerationConfig(max_new_tokens=8, eos_token_id=EOS_ID, pad_token_id=EOS_ID, use_cache=False)
+    out = m.generate(torch.tensor([PROMPT]), return_dict_in_generate=True)
+    want = m.generate(torch.tensor([PROMPT]), generation_config=BlockBatchConfig(max_new_tokens=8), return_dict_in_generate=True)
+    assert out.sequences.shape == (1, len(PROMPT) + 8) and out.stats[0]["strategy"] == "blockbatch"
+    assert torch.equal(out.sequences, want.sequences) and torch.equal(out.nfe, want.nfe)
+    m.generation_config.update(do_sample=True, temperature=0.9, top_k=5)
+    with caplog.at_level("WARNING", logger="hf_blockbatch.generation.mixin"):
+        got = m.generate(torch.tensor([PROMPT]), generator=torch.Generator().manual_seed(3))
+    sampled = BlockBatchConfig(max_new_tokens=8, do_sample=True, temperature=0.9)
+    assert torch.equal(got, m.generate(torch.tensor([PROMPT]), generation_config=sampled,
+                                       generator=torch.Generator().manual_seed(3)))  # fmt: skip
+    assert "top_k=5" in caplog.text and "does not use" in caplog.text
+
+
+def test_generate_refuses_a_strategy_keyword():
+    """``strategy=`` set on a config of another class decoded that class and only relabelled the stats."""
+    m = make_tiny_llada()
+    with pytest.raises(ValueError, match="strategy='blockbatch' is set on a FastDLLMConfig"):
+        m.generate(torch.tensor([PROMPT]), generation_config=FastDLLMConfig(max_new_tokens=8), strategy="blockbatch")
+
+
+def test_token_ids_as_tensors_and_numpy_integers():
+    """transformers passes eos_token_id as a tensor at times; it (and a numpy integer) reads as the same ids."""
+    import numpy as np
+
+    m, cfg = make_tiny_llada(), FastDLLMConfig(max_new_tokens=8, block_length=4, threshold=0.5)
+    want = m.generate(torch.tensor([PROMPT]), generation_config=cfg, eos_token_id=[EOS_ID])
+    for eos in (torch.tensor([EOS_ID]), np.int64(EOS_ID)):
+        assert torch.equal(m.generate(torch.tensor([PROMPT]), generation_config=cfg, eos_token_id=eos), want)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_saved_generation_config_comes_back_with_the_model(family, tmp_path, caplog):
     """``save_pretrained`` writes the strategy config; ``from_pretrained`` (ours and the Auto class)

@@ -291,6 +291,11 @@ class DiffusionGenerationConfig(GenerationConfig):
         standard ``GenerationConfig`` field with no meaning here (``top_p``, ``num_beams``,
         ``max_length``, ...) unless its value does nothing (``top_p=1.0``, ``num_beams=1``).
         """
+        if self.strategy != type(self).strategy:  # set after construction (generate(strategy=...)): it would only relabel
+            raise ValueError(
+                f"strategy={self.strategy!r} is set on a {type(self).__name__}, which decodes {type(self).strategy!r}: "
+                "pass the config class of that strategy as generation_config instead."
+            )
         self._check_options()
         _check_positive_int("max_new_tokens", self.max_new_tokens)
         if self.temperature is None or _check_real("temperature", self.temperature) < 0:

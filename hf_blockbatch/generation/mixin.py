@@ -15,6 +15,7 @@ import copy
 import functools
 import json
 import logging
+import operator
 import os
 import sys
 from typing import Any
@@ -35,17 +36,63 @@ __all__ = ["BlockBatchGenerationMixin", "custom_generate", "diffusion_generate",
 _CONTRACT = ("forward_windows", "new_cache", "logit_shift", "config", "device")
 
 
-def _as_list(value: Any) -> list[int]:
+def _as_list(value: Any, name: str = "eos_token_id") -> list[int]:
+    """Token ids as a list: one id, a list, tuple or tensor of them, or ``None`` (none). A value that is no
+    integer id is refused naming ``name``: ``int()`` would read ``1.5`` as 1, silently another token."""
     if value is None:
         return []
-    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    values = value if isinstance(value, (list, tuple)) else [value]
+    try:  # ints and numpy / torch integer scalars; not 1.5, "1" or True
+        if any(isinstance(v, bool) for v in values):
+            raise TypeError
+        return [operator.index(v) for v in values]
+    except TypeError:
+        raise ValueError(f"{name} must be an integer token id (or a list of them), got {value!r}.") from None
+
+
+#: fields of a model's plain ``generation_config`` that mean here what they mean to transformers
+_CARRIED = ("max_new_tokens", "num_return_sequences", "return_dict_in_generate", "bos_token_id", "eos_token_id",
+            "pad_token_id", "mask_token_id")
+#: and fields that do nothing either way (our checkpoints' generation_config.json sets use_cache false)
+_INERT = ("use_cache", "transformers_version")
+_warned_unused: set[tuple[str, ...]] = set()
+
+
+def _from_model_defaults(own: GenerationConfig | None) -> DiffusionGenerationConfig:
+    """The default decode (BlockBatch) for a model whose ``generation_config`` is transformers' plain class
+    (a checkpoint's ``generation_config.json`` without a strategy): what that config sets which means the same
+    here carries over, as transformers reads a model's generation defaults (``max_new_tokens``, the token ids,
+    ``do_sample`` with its ``temperature``); anything else it sets is named in a warning once, since this decode
+    cannot apply it (``top_p``, Dream's ``alg`` and ``steps``, ...). Before, the whole config was dropped."""
+    if own is None:
+        return BlockBatchConfig()
+    # switches set off (output_attentions=False, do_sample=False) ask for nothing this decode would not do
+    diff = {k: v for k, v in own.to_diff_dict().items()
+            if not k.startswith("_") and k not in _INERT and v is not None and v is not False}  # fmt: skip
+    carried = {k: diff.pop(k) for k in _CARRIED if k in diff}
+    if diff.pop("do_sample", None) is True:  # transformers samples at its temperature (1.0 unless set)
+        carried.update(do_sample=True, temperature=diff.pop("temperature", 1.0))
+    unused = tuple(sorted(diff))
+    if unused and unused not in _warned_unused:
+        _warned_unused.add(unused)
+        logger.warning(
+            "model.generation_config sets %s, which masked-diffusion decoding does not use; pass a "
+            "generation_config (hb.FastDLLMConfig, hb.BlockBatchConfig, ...) to choose the decode.",
+            ", ".join(f"{k}={diff[k]!r}" for k in unused),
+        )
+    return BlockBatchConfig(**carried)
 
 
 def _resolve_config(model, generation_config, kwargs) -> DiffusionGenerationConfig:
     cfg = generation_config
     if cfg is None:
         own = getattr(model, "generation_config", None)
-        cfg = own if isinstance(own, DiffusionGenerationConfig) else BlockBatchConfig()
+        if isinstance(own, DiffusionGenerationConfig) or getattr(own, "strategy", None):
+            cfg = own  # ours, or ours read back as transformers' class (rebuilt below)
+        else:
+            cfg = _from_model_defaults(own)
     if isinstance(cfg, GenerationConfig) and not isinstance(cfg, DiffusionGenerationConfig) and getattr(cfg, "strategy", None):
         # one of ours read back as transformers' own class (GenerationConfig.from_pretrained of a saved config): its
         # strategy names the class, as when a model loads its generation_config.json (a new object: the caller's is kept)
@@ -88,7 +135,22 @@ def _token_ids(cfg: DiffusionGenerationConfig, config: Any) -> tuple[int, list[i
     if not eos_ids:
         raise ValueError("No eos_token_id in the generation config or the model config: set one.")
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else getattr(config, "pad_token_id", None)
-    return int(mask_id), eos_ids, eos_ids[0] if pad_id is None else int(pad_id)
+    mask_ids, pad_ids = _as_list(mask_id, "mask_token_id"), _as_list(pad_id, "pad_token_id")
+    if len(mask_ids) != 1 or len(pad_ids) > 1:
+        raise ValueError(f"mask_token_id and pad_token_id are one id each, got {mask_id!r} and {pad_id!r}.")
+    return mask_ids[0], eos_ids, pad_ids[0] if pad_ids else eos_ids[0]
+
+
+def _check_ids_in_vocabulary(model, mask_id: int, eos_ids: list[int], pad_id: int) -> None:
+    """The mask id is written into the canvas and embedded, the padding id written into the output: one
+    outside the vocabulary failed deep in the embedding (or wrote a token no tokenizer reads)."""
+    size = _vocabulary_size(model)
+    if not size:
+        return
+    for name, ids in (("mask_token_id", [mask_id]), ("eos_token_id", eos_ids), ("pad_token_id", [pad_id])):
+        bad = [i for i in ids if not 0 <= i < size]
+        if bad:
+            raise ValueError(f"{name}={bad[0]} is outside this model's vocabulary of {size} ids (0..{size - 1}).")
 
 
 def _checked_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -144,7 +206,8 @@ def _checked_inputs(model, cfg: DiffusionGenerationConfig, input_ids: Any, atten
     if input_ids.shape[1] == 0:
         raise ValueError("The prompt is empty: a masked-diffusion model needs at least one prompt token.")
     _check_token_ids(model, input_ids, attention_mask)
-    _, eos_ids, pad_id = _token_ids(cfg, model.config)  # a missing mask or EOS id is said before the context check
+    mask_id, eos_ids, pad_id = _token_ids(cfg, model.config)  # a missing mask or EOS id is said before the context check
+    _check_ids_in_vocabulary(model, mask_id, eos_ids, pad_id)
     if attention_mask is None:
         attention_mask = _padding_without_a_mask(input_ids, pad_id, eos_ids)
     check_context(model.config, input_ids.shape[1], cfg.max_new_tokens)
@@ -154,6 +217,10 @@ def _checked_inputs(model, cfg: DiffusionGenerationConfig, input_ids: Any, atten
             f"seed={cfg.seed} hashes the sampling noise, so the generator would be ignored: pass one of them "
             "(seed for the same samples alone or in any batch, generator for the official samplers' stream)."
         )
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}: to seed the noise, pass seed=.")
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise ValueError("attention_mask must be a tensor of shape [batch, prompt_length], as the tokenizer returns it.")
     if generator is not None and generator.device.type != device.type:
         raise ValueError(
             f"The generator is on {generator.device.type} but the model on {device.type}: make it with "
@@ -194,7 +261,8 @@ def diffusion_generate(
     Args:
         input_ids: ``[B, Lp]`` prompts, left-padded when of different lengths.
         attention_mask: ``[B, Lp]``, 0 on left padding; required when prompts are padded.
-        generation_config: the strategy and its settings (default: the model's, else BlockBatch).
+        generation_config: the strategy and its settings (default: the model's; a plain transformers
+            ``GenerationConfig`` there gives BlockBatch with what it sets that means the same here).
         streamer: a transformers streamer (``put``/``end``); receives request 0's text as its
             agreed left-to-right prefix grows.
         generator: a ``torch.Generator`` for sampling (temperature > 0, random remasking).
@@ -351,15 +419,20 @@ def _pipeline_options(kwargs: dict[str, Any], depth: int = 2) -> dict[str, Any]:
     return {"pad_after_end": kwargs.get("pad_after_end", True), "tokenizer": kwargs.get("tokenizer") or caller.tokenizer}
 
 
-def _check_token_ids(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-    """Token ids outside the embedding table would fail deep in the embedding (an IndexError on CPU,
-    a device-side assert on CUDA); padding positions are checked too, since they are embedded.
-    One host read per call, before any forward."""
+def _vocabulary_size(model) -> int | None:
+    """The embedding table's rows (else the config's vocabulary size): the ids a forward can embed."""
     try:
         emb = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):  # a contract model without the accessor
         emb = None
-    size = getattr(emb, "num_embeddings", None) or getattr(model.config, "vocab_size", None)
+    return getattr(emb, "num_embeddings", None) or getattr(model.config, "vocab_size", None)
+
+
+def _check_token_ids(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """Token ids outside the embedding table would fail deep in the embedding (an IndexError on CPU,
+    a device-side assert on CUDA); padding positions are checked too, since they are embedded.
+    One host read per call, before any forward."""
+    size = _vocabulary_size(model)
     if not size:
         return
     low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()
