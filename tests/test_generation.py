@@ -620,6 +620,18 @@ def test_generate_refuses_a_strategy_keyword():
         m.generate(torch.tensor([PROMPT]), generation_config=FastDLLMConfig(max_new_tokens=8), strategy="blockbatch")
 
 
+def test_diffusion_generate_called_directly_has_generates_front_door():
+    """hb.diffusion_generate is public: transformers' arguments get the messages generate() gives (they were
+    "Unknown option(s)" there), and synced_gpus=False is accepted as by generate()."""
+    m, ids = make_tiny_llada(), torch.tensor([PROMPT])
+    with pytest.raises(ValueError, match="does not use logits_processor"):
+        hb.diffusion_generate(m, ids, max_new_tokens=8, logits_processor=[lambda input_ids, scores: scores])
+    with pytest.raises(ValueError, match="remove inputs_embeds"):
+        hb.diffusion_generate(m, ids, max_new_tokens=8, inputs_embeds=torch.zeros(1, 3, 8))
+    want = m.generate(ids, max_new_tokens=8)
+    assert torch.equal(hb.diffusion_generate(m, inputs=ids, max_new_tokens=8, synced_gpus=False), want)
+
+
 def test_token_ids_as_tensors_and_numpy_integers():
     """transformers passes eos_token_id as a tensor at times; it (and a numpy integer) reads as the same ids."""
     import numpy as np

@@ -246,7 +246,7 @@ def _answer_end_ids(eos_ids: list[int], eot_ids: list[int], config: Any, tokeniz
 @torch.no_grad()
 def diffusion_generate(
     model,
-    input_ids: torch.LongTensor,
+    input_ids: torch.LongTensor | None = None,
     attention_mask: torch.Tensor | None = None,
     generation_config: DiffusionGenerationConfig | None = None,
     streamer=None,
@@ -280,6 +280,10 @@ def diffusion_generate(
         prompt + new tokens ``[B * num_return_sequences, Lp + max_new_tokens]`` (each prompt's
         samples consecutive, as transformers), or a :class:`DiffusionGenerateOutput`.
     """
+    # every entry point comes through here: transformers' arguments with no meaning here are refused by name
+    input_ids = _front_door(input_ids, kwargs)
+    if input_ids is None:
+        raise ValueError("Pass the prompts as input_ids ([batch, prompt_length]).")
     cfg = _resolve_config(model, generation_config, kwargs)
     input_ids, attention_mask = _checked_inputs(model, cfg, input_ids, attention_mask, generator)
     config = model.config
@@ -324,7 +328,8 @@ _BUILT_FROM_INPUT_IDS = ("inputs_embeds", "past_key_values", "position_ids", "ca
 def _front_door(input_ids: Any, kwargs: dict[str, Any]) -> Any:
     """The prompts, from ``input_ids`` or transformers' name for them, ``inputs``; and the arguments of
     transformers' ``generate`` that have no meaning here refused with what to do, rather than
-    reported as unknown config options or ignored. Every ``generate`` entry point calls it."""
+    reported as unknown config options or ignored. :func:`diffusion_generate`, where every entry point
+    arrives, calls it first."""
     inputs = kwargs.pop("inputs", None)
     if inputs is not None:
         if input_ids is not None:
@@ -365,10 +370,7 @@ def custom_generate(inputs: torch.LongTensor | None = None, *, model, **kwargs: 
     ``trust_remote_code=True``, binds it as ``generate`` with ``model=``); the model must implement
     the forward contract. The rest is :func:`diffusion_generate`.
     """
-    input_ids = _front_door(inputs if inputs is not None else kwargs.pop("input_ids", None), kwargs)
-    if input_ids is None:
-        raise ValueError("Pass the prompts as input_ids ([batch, prompt_length]).")
-    return diffusion_generate(model, input_ids, **kwargs)
+    return diffusion_generate(model, inputs if inputs is not None else kwargs.pop("input_ids", None), **kwargs)
 
 
 def enable(model):
@@ -391,7 +393,7 @@ def enable(model):
 
     def generate(input_ids=None, attention_mask=None, **kwargs):
         kwargs.update(_pipeline_options(kwargs))
-        return diffusion_generate(model, _front_door(input_ids, kwargs), attention_mask, **kwargs)
+        return diffusion_generate(model, input_ids, attention_mask, **kwargs)
 
     model.generate = generate
     return model
@@ -453,7 +455,7 @@ def _generate_with_hub_arguments(model, input_ids, attention_mask, kwargs: dict[
     custom = kwargs.pop("custom_generate", None)
     trust = kwargs.pop("trust_remote_code", None)
     if custom is None:
-        return diffusion_generate(model, _front_door(input_ids, kwargs), attention_mask, **kwargs)
+        return diffusion_generate(model, input_ids, attention_mask, **kwargs)
     if not isinstance(custom, str):
         raise ValueError(
             f"custom_generate={custom!r}: a callable replaces transformers' left-to-right decoding loop, which "
@@ -478,7 +480,7 @@ class BlockBatchGenerationMixin:
         kwargs.update(_pipeline_options(kwargs))
         if kwargs.get("custom_generate") is not None or "trust_remote_code" in kwargs:
             return _generate_with_hub_arguments(self, input_ids, attention_mask, kwargs)
-        return diffusion_generate(self, _front_door(input_ids, kwargs), attention_mask, **kwargs)
+        return diffusion_generate(self, input_ids, attention_mask, **kwargs)
 
     def can_generate(self) -> bool:  # transformers asks before loading a generation config
         return True
