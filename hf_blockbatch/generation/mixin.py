@@ -370,7 +370,7 @@ def custom_generate(inputs: torch.LongTensor | None = None, *, model, **kwargs: 
     ``trust_remote_code=True``, binds it as ``generate`` with ``model=``); the model must implement
     the forward contract. The rest is :func:`diffusion_generate`.
     """
-    return diffusion_generate(model, inputs if inputs is not None else kwargs.pop("input_ids", None), **kwargs)
+    return diffusion_generate(model, kwargs.pop("input_ids", None), inputs=inputs, **kwargs)  # the front door picks
 
 
 def enable(model):
