@@ -182,6 +182,16 @@ def _(**_):
     return _generate(input_ids=torch.tensor([[5, 6, 7]]), attention_mask=torch.tensor([[1, 1, 0]]), max_new_tokens=8)
 
 
+@case("attention-mask-not-binary")
+def _(**_):
+    return _generate(input_ids=torch.tensor([[5, 6, 7]]), attention_mask=torch.tensor([[0.5, 1.0, 1.0]]), max_new_tokens=8)
+
+
+@case("return-dict-string")
+def _(**_):
+    return _generate(return_dict_in_generate="no", max_new_tokens=8)
+
+
 @case("prompt-longer-than-context")
 def _(**_):
     return _generate(input_ids=torch.full((1, 250), 5), max_new_tokens=16)

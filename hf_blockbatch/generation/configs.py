@@ -301,6 +301,9 @@ class DiffusionGenerationConfig(GenerationConfig):
         if self.temperature is None or _check_real("temperature", self.temperature) < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}.")
         _check_bool("output_trace", self.output_trace)
+        for name in ("return_dict_in_generate", "do_sample"):  # None: unset (do_sample then follows the temperature)
+            if getattr(self, name) is not None:
+                _check_bool(name, getattr(self, name))
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**64):  # fmt: skip
             raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}.")

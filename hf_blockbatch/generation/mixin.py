@@ -24,7 +24,12 @@ import torch
 from transformers import GenerationConfig
 from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
-from hf_blockbatch.generation.configs import BlockBatchConfig, DiffusionGenerationConfig, config_from_dict
+from hf_blockbatch.generation.configs import (
+    BlockBatchConfig,
+    DiffusionGenerationConfig,
+    _check_bool,
+    config_from_dict,
+)
 from hf_blockbatch.generation.engine import run_plan
 from hf_blockbatch.generation.outputs import DiffusionGenerateOutput, answer_lengths, end_token_ids
 from hf_blockbatch.generation.plans import check_model, plan_from_config
@@ -158,6 +163,11 @@ def _checked_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torc
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}.")
     am = attention_mask.bool()
+    if bool((am != attention_mask).any()):  # 0.5 or 2 would read as 1: a weighting, not a padding mask
+        raise ValueError(
+            "attention_mask must hold 0 (left padding) and 1 (prompt) only, as the tokenizer returns it; got "
+            f"{sorted(set(attention_mask[am != attention_mask].tolist()))[:3]}."
+        )
     if bool((am[:, 1:] < am[:, :-1]).any()):
         raise ValueError("Prompts must be left-padded (tokenizer.padding_side = 'left').")
     empty = (~am.any(1)).nonzero().flatten().tolist()
@@ -285,6 +295,7 @@ def diffusion_generate(
     if input_ids is None:
         raise ValueError("Pass the prompts as input_ids ([batch, prompt_length]).")
     cfg = _resolve_config(model, generation_config, kwargs)
+    _check_bool("pad_after_end", pad_after_end)
     input_ids, attention_mask = _checked_inputs(model, cfg, input_ids, attention_mask, generator)
     config = model.config
     mask_id, eos_ids, pad_id = _token_ids(cfg, config)
@@ -303,6 +314,8 @@ def diffusion_generate(
         new = result.sequences[:, input_ids.shape[1] :]
         after = torch.arange(new.shape[1], device=new.device) > answer_lengths(new, end_ids)[:, None]
         result.sequences[:, input_ids.shape[1] :] = new.masked_fill(after, pad_id)
+    if return_dict_in_generate is not None:
+        _check_bool("return_dict_in_generate", return_dict_in_generate)
     return_dict = cfg.return_dict_in_generate if return_dict_in_generate is None else return_dict_in_generate
     if return_dict:
         return DiffusionGenerateOutput(sequences=result.sequences, nfe=result.nfe, stats=result.stats)
