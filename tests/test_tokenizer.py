@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from hf_blockbatch.training.tokenizer import (
     BOS_ID,
@@ -53,6 +53,8 @@ def test_loads_offline_with_standard_files(family_tok, monkeypatch):
     assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= names
     cfg = json.loads((asset_dir(family) / "tokenizer_config.json").read_text())
     assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    model_config = AutoConfig.from_pretrained(str(asset_dir(family)))
+    assert again.model_max_length == model_config.context_length  # was 4096: truncation=True ran past the context
 
 
 def test_special_token_ids(family_tok):

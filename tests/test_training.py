@@ -128,6 +128,7 @@ def test_train_saves_reloadable_checkpoint(family_tok, tmp_path):
     cfg = _tiny(
         family, steps=3, batch_size=4, warmup_steps=1, eval_every=3, log_every=1, suites={"lists": 1.0},
         train_items_per_suite=64, eval_items_per_suite=4, decode_items_per_suite=0, gen_min=40, gen_max=48,
+        max_positions=384,
     )  # fmt: skip
     best = train(cfg, tmp_path, show_progress=False)
     assert best["step"] == 3 and best["heldout_loss"] == best["heldout_loss"]  # finite, not NaN
@@ -138,6 +139,7 @@ def test_train_saves_reloadable_checkpoint(family_tok, tmp_path):
     assert (tmp_path / "model.safetensors").exists()
     tok = AutoTokenizer.from_pretrained(tmp_path)
     assert special_token_ids(tok)["mask"] == model.config.mask_token_id
+    assert tok.model_max_length == model.config.context_length == 384  # truncation=True stops at the context
     with torch.no_grad():
         logits = model(torch.tensor([[1, 10, 11, 2]])).logits
     assert logits.shape[-1] == model.config.vocab_size and bool(torch.isfinite(logits).all())

@@ -38,6 +38,7 @@ import torch
 
 from hf_blockbatch.training.eval_quick import decode_accuracy, masked_token_accuracy
 from hf_blockbatch.training.objective import apply_noise, sft_loss
+from hf_blockbatch.training.tokenizer import TINY_CONTEXT
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class TrainConfig:
     #: None: all heads (LLaDA), half the heads (Dream, grouped-query attention as in Qwen2)
     n_kv_heads: int | None = None
     mlp_hidden: int = 384
-    max_positions: int = 512
+    max_positions: int = TINY_CONTEXT
     rope_theta: float = 10000.0
     # optimisation
     lr: float = 1.5e-3
@@ -318,6 +319,7 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     tokenizer = AutoTokenizer.from_pretrained(str(asset_dir(config.family)))
+    tokenizer.model_max_length = config.max_positions  # saved with the checkpoint: truncation stops at its context
     ids = special_token_ids(tokenizer)
     if config.init_from:
         from transformers import AutoModel

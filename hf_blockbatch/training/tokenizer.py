@@ -90,6 +90,8 @@ CHAT_TEMPLATES: dict[str, str] = {
 }
 
 DEFAULT_VOCAB_SIZE = 1024
+#: the tiny models' context (positions): the tokenizers' ``model_max_length``, so ``truncation=True`` stops there
+TINY_CONTEXT = 512
 #: training items per suite in the BPE corpus
 DEFAULT_PER_SUITE = 4000
 #: where the shipped tokenizers live (``tiny-llada/``, ``tiny-dream/``)
@@ -276,7 +278,7 @@ def _wrap(spec: dict[str, Any], family: str) -> Any:
         bos_token=specials[BOS_ID],
         mask_token=specials[MASK_ID],
         additional_special_tokens=[t for i, t in enumerate(specials) if i not in (EOS_ID, BOS_ID, MASK_ID)],
-        model_max_length=4096,
+        model_max_length=TINY_CONTEXT,
         # diffusion decoders append the masked canvas after the prompt: batches are left-padded
         padding_side="left",
         clean_up_tokenization_spaces=False,
