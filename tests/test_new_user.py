@@ -300,6 +300,36 @@ def test_lm_eval_reports_nfe_per_task_and_per_sample():
     assert results["config"]["device"] == "cpu" and results["config"]["hf_blockbatch_tasks"]["a"]["requests"] == 2
 
 
+def test_lm_eval_data_parallel_results_count_every_process_s_requests(monkeypatch):
+    """Under data parallelism each process decodes its share; process 0's results carry every process's NFE (its
+    own share alone was 3 of 6 requests), and every process joins the gather, process 0 or not."""
+    import accelerate.utils
+
+    from hf_blockbatch.eval.lm_eval_model import annotate_results
+
+    lm = _adapter(method="fast_dllm", block_length=8)
+    kwargs = {"until": ["\n"], "max_gen_toks": 8, "do_sample": False}
+    lm.generate_until([_Request("1 + 2 =", kwargs, "a", 0)])
+    other = [{**r, "doc_id": 1, "nfe": r["nfe"] + 10} for r in lm.records]  # what the other process decoded
+    calls = []
+
+    def gather_object(objects):  # accelerate's: every process's list, concatenated in rank order
+        calls.append(objects)
+        return [*objects, (other, objects[0][1])]
+
+    monkeypatch.setattr(accelerate.utils, "gather_object", gather_object)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert annotate_results(None, lm) is None and len(calls) == 1  # not process 0: joins, returns nothing
+    monkeypatch.setenv("RANK", "0")
+    results = {"results": {"a": {}}, "samples": {"a": [{"doc_id": 0}, {"doc_id": 1}]}}
+    annotate_results(results, lm)
+    own = lm.records[0]["nfe"]
+    assert results["config"]["hf_blockbatch_tasks"]["a"]["requests"] == 2
+    assert results["results"]["a"]["mean_nfe,none"] == own + 5
+    assert [s["hf_blockbatch"][0]["nfe"] for s in results["samples"]["a"]] == [own, own + 10]
+
+
 def test_hf_blockbatch_lm_eval_is_the_harness_cli(tmp_path, capsys, monkeypatch):
     """``hf-blockbatch lm-eval`` takes the harness's own arguments, ``--model hf_blockbatch`` works,
     and the printed table, the results JSON and every logged sample carry NFE; the device recorded

@@ -30,7 +30,9 @@ run; ``model.generate`` itself refuses such a prompt.
 ``gen_length`` (default: the task's ``max_gen_toks``, else 256), ``dtype``, ``device_map``, and any field of the method's config (``threshold=0.9``,
 ``block_length=64``, ``block_sizes=4|8|16|32`` — ``|`` separates list items, since the harness
 splits ``model_args`` at commas). Data parallel: ``accelerate launch -m
-hf_blockbatch.eval.lm_eval_model run ...`` (the harness splits requests by rank).
+hf_blockbatch.eval.lm_eval_model run ...`` on GPUs, ``torchrun --nproc_per_node N -m hf_blockbatch.eval.lm_eval_model
+run ...`` on CPUs (accelerate starts one process without a GPU); the harness splits requests by rank, and
+process 0's results count every process's NFE.
 
 Log-likelihood requests (multiple-choice tasks) are refused: a masked diffusion model has no
 cheap left-to-right log-likelihood (LLaDA estimates it by Monte Carlo over masking ratios, with
@@ -342,6 +344,16 @@ def task_summaries(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _every_process_runs(runs: list[tuple[list[dict[str, Any]], str]]) -> list[tuple[list[dict[str, Any]], str]]:
+    """Every process's decoding records (a collective: every process calls it). Process 0 alone annotated the
+    results with its own share, so its NFE figures covered 1/N of the requests."""
+    if shard_info().world_size == 1:
+        return runs
+    from accelerate.utils import gather_object
+
+    return [(list(records), device) for records, device in gather_object(list(runs))]
+
+
 def annotate_results(results: dict[str, Any] | None, lm: HFBlockBatchLM | None = None) -> dict[str, Any] | None:
     """Add to an lm-eval results dict what the harness cannot know about our decoding.
 
@@ -353,11 +365,14 @@ def annotate_results(results: dict[str, Any] | None, lm: HFBlockBatchLM | None =
     * ``results["config"]["device"]``: where the model ran (the harness records what it passed).
 
     ``lm``: the adapter that decoded (default: those created since the last call, as the harness
-    builds its own from ``model="hf_blockbatch"``).
+    builds its own from ``model="hf_blockbatch"``). Under data parallelism (several processes) every
+    process must call it: each decoded its share of the requests, and process 0, which holds the
+    harness's results, gathers them all (other processes get ``None`` back).
     """
     runs = [(lm.records, str(lm._device))] if lm is not None else list(_RUNS)
     if lm is None:
         _RUNS.clear()
+    runs = _every_process_runs(runs)
     if results is None:
         return None
     records: dict[tuple[str, Any], list[dict[str, Any]]] = defaultdict(list)
