@@ -164,8 +164,20 @@ def _names(values: list[str]) -> list[str]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from hf_blockbatch.eval.runner import BASE_METHODS, TINY_TASKS, BenchSettings, parse_overrides, run_bench
+    from hf_blockbatch.eval.runner import (
+        BASE_METHODS,
+        TINY_TASKS,
+        BenchSettings,
+        default_barrier,
+        parse_overrides,
+        run_bench,
+        shard_info,
+    )
 
+    # several processes: accelerate sets its own thread count when it joins them (OMP_NUM_THREADS unset), so
+    # they are joined first and --threads applied after
+    shard = shard_info()
+    barrier = default_barrier(shard)
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = BenchSettings(
@@ -177,7 +189,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         chat=False if args.no_chat else None, data_paths=dict(args.data),
         progress=not args.no_progress, plots=not args.no_plots, latency_batch_1=args.latency_batch_1,
     )  # fmt: skip
-    summary = run_bench(settings)
+    summary = run_bench(settings, shard=shard, barrier=barrier)
     if summary is not None:  # process 0
         print((Path(settings.output_dir) / "summary.md").read_text(encoding="utf-8"))
         print(f"written to {settings.output_dir}/: samples.jsonl summary.md summary.json run.json"
@@ -233,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="all methods on task suites / benchmarks: per-sample JSONL, a Markdown table, plots",
         description="Run vanilla, Fast-dLLM (dual, block 32, τ 0.9; with and without early stop) and "
-        "BlockBatch on tasks. Several processes: accelerate launch --num_processes N -m hf_blockbatch.cli bench ...",
+        "BlockBatch on tasks. Several processes: torchrun --nproc_per_node N -m hf_blockbatch.cli bench ..., or on "
+        "GPUs accelerate launch --num_processes N -m hf_blockbatch.cli bench ... (on a machine without a GPU accelerate "
+        "starts one process).",
     )
     bench.add_argument("--model", default="tiny-llada", help="tiny-llada, tiny-dream, a Hub id or a local folder")
     bench.add_argument("--task", nargs="+", action="extend", default=None, metavar="TASK",

@@ -562,6 +562,70 @@ def test_sharded_equals_single_process(tiny, tmp_path):
     assert json.loads((tmp_path / "sharded" / "run.json").read_text())["processes"] == 2
 
 
+def test_sharded_runs_retime_the_items_one_process_retimes(tiny, tmp_path):
+    """``latency_batch_1=N`` re-times the task's first N items alone, whichever shards hold them: each process
+    re-timed the first N of its own shard, so the summary's batch-1 figures depended on the process count."""
+    model, tok, _ = tiny
+    common = dict(model="random", tasks=["arith"], methods=["fast_dllm"], limit=5, gen_length=16, batch_size=2,
+                  latency_batch_1=2, progress=False, plots=False, warmup=False)  # fmt: skip
+    run_bench(BenchSettings(output_dir=str(tmp_path / "single"), **common), model, tok, shard=ShardInfo())
+    sharded = BenchSettings(output_dir=str(tmp_path / "sharded"), **common)
+    for rank in (2, 1, 0):  # shards of 2, 2 and 1 items: the first two items are both on rank 0
+        run_bench(sharded, model, tok, shard=ShardInfo(rank, 3, rank), barrier=lambda: None)
+    for run in ("single", "sharded"):
+        rows = runner.read_jsonl(tmp_path / run / "samples.jsonl")
+        assert [r["index"] for r in rows if r["latency_b1_s"] is not None] == [0, 1], run
+        assert json.loads((tmp_path / run / "summary.json").read_text())["tasks"]["arith"]["methods"]["fast_dllm"]["n_b1"] == 2
+
+
+def test_the_summary_holds_every_task_s_methods(tiny, tmp_path):
+    """A later task's extra sweep points (block 96 under ``--sweep-blocks auto`` for a 96-token task after a 64-token
+    one) are in the summary, in their own task's order: the first task's methods alone set the order."""
+    model, tok, _ = tiny
+    settings = BenchSettings(model="random", tasks=["lists", "arith"], methods=["fast_dllm_early_stop"],
+                             sweep_blocks="auto:32", limit=1, progress=False, plots=False, warmup=False,
+                             output_dir=str(tmp_path / "b"))  # fmt: skip
+    summary = run_bench(settings, model, tok, shard=ShardInfo())
+    assert list(summary["tasks"]["lists"]["methods"]) == ["fast_dllm_early_stop", "fast_dllm_b32", "fast_dllm_b64"]
+    assert list(summary["tasks"]["arith"]["methods"]) == ["fast_dllm_early_stop", "fast_dllm_b32", "fast_dllm_b64",
+                                                         "fast_dllm_b96"]  # fmt: skip
+    assert runner._method_order([["a", "b", "d"], ["a", "b", "c", "d", "e"], ["x", "a"]]) == ["x", "a", "b", "c", "d", "e"]
+
+
+def test_threads_hold_when_accelerate_joins_the_processes(tiny, tmp_path, monkeypatch):
+    """accelerate sets its own thread count when it joins the processes without OMP_NUM_THREADS (as a launch from
+    environment variables does): the bench joins them first, so --threads holds (run.json said 2 for --threads 1)."""
+    from hf_blockbatch.cli import main
+
+    def joining(shard):  # what accelerate's PartialState does to the thread count on joining
+        torch.set_num_threads(2)
+        return lambda: None
+
+    monkeypatch.setattr(runner, "default_barrier", joining)
+    before = torch.get_num_threads()
+    try:
+        rc = main(["bench", "--model", str(tiny[2]), "--task", "arith", "--methods", "fast_dllm", "--limit", "1",
+                   "--gen-length", "8", "--threads", "1", "--output-dir", str(tmp_path), "--no-progress", "--no-plots",
+                   "--device", "cpu"])  # fmt: skip
+        assert rc == 0
+        assert json.loads((tmp_path / "run.json").read_text())["torch_threads"] == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_world_size_without_a_rank_is_refused(monkeypatch):
+    """Every process would have taken rank 0 and waited for the others, for the collective timeout of two days."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="WORLD_SIZE=2 but RANK is unset: start the processes with torchrun --nproc_per_node 2"):
+        runner.shard_info()
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="WORLD_SIZE='two' is not an integer"):
+        runner.shard_info()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert runner.shard_info() == ShardInfo()
+
+
 def test_cli_bench(tiny, tmp_path, capsys):
     from hf_blockbatch.cli import main
 

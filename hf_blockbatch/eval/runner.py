@@ -401,9 +401,19 @@ class ShardInfo:
 def shard_info() -> ShardInfo:
     """Read the launcher's environment (``accelerate launch`` and ``torchrun`` set ``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK``); a plain ``python`` run is rank 0 of 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    env = {}
+    for name, default in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", os.environ.get("RANK", "0"))):
+        value = os.environ.get(name, default)
+        try:
+            env[name] = int(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not an integer: the launcher (torchrun, accelerate launch) sets it.") from None
+    world, rank, local = env["WORLD_SIZE"], env["RANK"], env["LOCAL_RANK"]
+    if world > 1 and "RANK" not in os.environ:  # every process would take rank 0 and wait for the others for days
+        raise ValueError(
+            f"WORLD_SIZE={world} but RANK is unset: start the processes with torchrun --nproc_per_node {world} (or, on "
+            f"GPUs, accelerate launch --num_processes {world}), which set both, or unset WORLD_SIZE for one process."
+        )
     if not 0 <= rank < world:
         raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}")
     return ShardInfo(rank=rank, world_size=world, local_rank=local)
@@ -439,7 +449,7 @@ def partial_state(shard: ShardInfo) -> Any:
     return state
 
 
-def _default_barrier(shard: ShardInfo) -> Callable[[], None]:
+def default_barrier(shard: ShardInfo) -> Callable[[], None]:
     """A barrier over the launched processes (a no-op for one process)."""
     if shard.world_size == 1:
         return lambda: None
@@ -609,7 +619,7 @@ class BenchSettings:
     plots: bool = True
     #: with batch_size > 1: decode the first N items of each task and method again alone, to report
     #: latency at batch 1 next to the run's batch size (0: off; at batch size 1 every item is alone).
-    #: Several processes: each re-times the first N items of its own shard
+    #: Several processes: each re-times those of the first N items its shard holds (the same N items in all)
     latency_batch_1: int = 0
     #: methods (of ``methods``, each with a ``block_length``) decoded last, at each task's tuned Fast-dLLM block: the
     #: most accurate of this run's sweep points and ``fast_dllm_early_stop`` (:func:`tuned_fast_dllm`), as issue 16
@@ -725,9 +735,24 @@ def _decode(
     return out, answer_texts(tokenizer, new, end_ids), answer_lengths(new, end_ids).tolist(), seconds
 
 
-def _count_timed(n_items: int, retimed: int) -> int:
-    """Decodes of one method on a shard of ``n_items``: every item, plus the first ``retimed`` again alone."""
-    return n_items + min(retimed, n_items)
+def _count_timed(mine: range, retimed: int) -> int:
+    """Decodes of one method on the shard ``mine``: every item, plus those of the first ``retimed`` items of the
+    task that the shard holds, again alone."""
+    return len(mine) + len(range(mine.start, min(mine.stop, retimed)))
+
+
+def _method_order(orders: Sequence[Sequence[str]]) -> list[str]:
+    """Every task's methods in one order, for the summary and the rows: a method an earlier task lacks (an extra
+    sweep point of a longer task, e.g. block 96 under ``--sweep-blocks auto``) goes right after the one before it
+    in its own task's order. The first task's order alone dropped the other tasks' extra points from the summary."""
+    order: list[str] = []
+    for methods in orders:
+        before = -1
+        for m in methods:
+            if m not in order:
+                order.insert(before + 1, m)
+            before = order.index(m)
+    return order
 
 
 def _time_alone(
@@ -819,7 +844,7 @@ def run_bench(
     multi-process run one after another in one process.
     """
     shard = shard or shard_info()
-    barrier = barrier or _default_barrier(shard)
+    barrier = barrier or default_barrier(shard)
     n_alone = settings.latency_batch_1
     if not isinstance(n_alone, int) or isinstance(n_alone, bool) or n_alone < 0:
         raise ValueError(f"latency_batch_1 must be an integer >= 0 (items re-timed alone; 0: off), got {n_alone!r}.")
@@ -858,7 +883,7 @@ def run_bench(
                 seen.setdefault(key, m)
 
     retimed = settings.latency_batch_1 if settings.batch_size > 1 else 0
-    total = sum(_count_timed(len(shard_range(len(items), shard.rank, shard.world_size)), retimed)
+    total = sum(_count_timed(shard_range(len(items), shard.rank, shard.world_size), retimed)
                 * (len(cfgs) - len(aliases[n])) for n, _t, items, _g, cfgs in plans)  # fmt: skip
     from tqdm.auto import tqdm
 
@@ -912,9 +937,9 @@ def run_bench(
                     "same_output_b1": None, "batch_reduced": size < settings.batch_size,
                 })  # fmt: skip
             bar.update(len(idx))
-        if settings.batch_size > 1 and settings.latency_batch_1:
-            _time_alone(model, tokenizer, cfg, rows[first_row : first_row + settings.latency_batch_1], device, end_ids)
-            bar.update(min(settings.latency_batch_1, len(mine)))
+        if retimed:  # the task's first N items, whichever shards hold them: as one process re-times them
+            _time_alone(model, tokenizer, cfg, [r for r in rows[first_row:] if r["index"] < retimed], device, end_ids)
+            bar.update(_count_timed(mine, retimed) - len(mine))
 
     deferred = set(settings.at_tuned_block)
     for name, task, items, gen_length, configs, mine, prompts in work:
@@ -938,7 +963,7 @@ def run_bench(
     bar.close()
     logger.info("process %d: %d rows in %.1f s", shard.rank, len(rows), time.perf_counter() - started)
 
-    method_order = list(next(iter(plans))[4]) if plans else list(settings.methods)
+    method_order = _method_order([list(cfgs) for _n, _t, _i, _g, cfgs in plans]) if plans else list(settings.methods)
     if shard.world_size > 1:
         _write_jsonl(_shard_path(out_dir, shard.rank, shard.world_size), rows)
         barrier()
