@@ -33,10 +33,12 @@ class DiffusionGenerateOutput(ModelOutput):
     syncs, refreshes, the NFE split, timings (with early stop and several branches, each branch's
     ``eos_hit`` and the ``eos_probability`` that ranked it), and with ``output_trace=True`` a
     replayable trace:
-    ``stats[i]["trace"]`` lists events ``{"step", "phase": "init"|"block"|"refresh", "branch",
+    ``stats[i]["trace"]`` lists events ``{"step", "phase": "init"|"block"|"refresh"|"adopt", "branch",
     "window": [s, e], "committed": [positions], "tokens": [ids]}``, ``{"phase": "merge", "branch",
     "positions", "tokens"}`` and ``{"phase": "sync", "branch", "leader"}``; positions count from the
-    start of the generated region; ``step`` is the request's NFE when the event happened."""
+    start of the generated region; ``step`` is the request's NFE when the event happened. With
+    ``lookahead``, each adopted draft is a sync of branch 0 to the draft's branch followed by an
+    ``adopt`` commit of the tokens it gained (a chain: one pair per draft, in turn)."""
 
     sequences: torch.Tensor | None = None
     nfe: torch.Tensor | None = None

@@ -85,7 +85,7 @@ import torch
 
 from hf_blockbatch.generation.forward import neighbourhood
 from hf_blockbatch.generation.policies import StepContext
-from hf_blockbatch.generation.state import canvas_positions, in_window
+from hf_blockbatch.generation.state import DecodeState, canvas_positions, in_window
 
 if TYPE_CHECKING:
     from hf_blockbatch.generation.engine import Run
@@ -288,6 +288,24 @@ class Lookahead:
         return changed
 
     @staticmethod
+    def _trace_adoptions(ctx: StepContext, s: DecodeState, rounds_taken: list, start: torch.Tensor) -> None:
+        """One ``SyncEvent`` of a main row to the draft it adopted, then a commit (phase ``adopt``) of the tokens
+        that adoption gained, per round of the step's chain: a chain recorded as one sync to its last draft hid
+        the forwards its earlier adoptions saved. The gained tokens are recorded as a commit because a replay
+        cannot rebuild a draft's canvas (drafted tokens are written, not committed)."""
+        at = canvas_positions(s.length, start.device)
+        before = start
+        for hit, source, canvas in rounds_taken:
+            requests = hit.nonzero().squeeze(1)
+            dst = requests * s.branches
+            leaders = torch.arange(s.num_rows, device=dst.device).index_copy_(0, dst, dst + source[requests])
+            synced = torch.zeros(s.num_rows, dtype=torch.bool, device=dst.device).index_fill_(0, dst, True)
+            ctx.recorder.sync(s, synced, leaders)
+            gained = canvas[requests] != before[requests]
+            ctx.recorder.commit(s, dst, at.expand(dst.shape[0], -1), gained, "adopt")
+            before = canvas
+
+    @staticmethod
     def _main_completed(s) -> bool:
         """Whether some main row that is not done holds a window with no mask left (after this step's adoptions)."""
         left = s.per_request(s.window_mask_count(s.win_start, s.win_end))[:, 0]
@@ -373,6 +391,9 @@ class Lookahead:
             rounds = K if parents is None else self.depth
             cand = live if parents is None else live & (parents == 0)  # drafts that may stand for the next step
             hit, adopted = None, False  # which requests adopted a draft in the last round; whether any did
+            # traced: each round's adoptions and the main rows' canvas before the first (a chain is several
+            # adoptions); a copy, since ``current`` is a view of the canvas the adoption rewrites
+            rounds_taken, start = [], current.clone() if ctx.recorder.tracing else None
             for level in range(rounds):
                 if level:
                     # a request whose canvas did not move in the last round compares as it did then (no
@@ -411,6 +432,8 @@ class Lookahead:
                 current = torch.where(hit[:, None], merged.gather(1, j[:, None, None].expand(B, 1, s.length)).squeeze(1), current)
                 source = torch.where(hit, j + 1, source)
                 took += hit
+                if ctx.recorder.tracing:
+                    rounds_taken.append((hit, j + 1, current))
                 if level + 1 < rounds:  # the adopted draft leaves the candidates
                     live = live & (branch != (j + 1).masked_fill(~hit, 0)[:, None])
             if adopted:
@@ -435,14 +458,8 @@ class Lookahead:
                     s.kv_dirty[src] = False
                 s.committed.index_add_(0, dst, gained.sum(-1))
                 s.adopted.index_add_(0, dst, took[requests])
-                if ctx.recorder.tracing:
-                    leaders = torch.arange(s.num_rows, device=dst.device).index_copy_(0, dst, src)
-                    synced = torch.zeros(s.num_rows, dtype=torch.bool, device=dst.device).index_fill_(0, dst, True)
-                    ctx.recorder.sync(s, synced, leaders)
-                    # and the tokens it gained, as a commit: a replay cannot rebuild a draft's canvas
-                    # (drafted tokens are written, not committed)
-                    at = canvas_positions(s.length, dst.device).expand(dst.shape[0], -1)
-                    ctx.recorder.commit(s, dst, at, gained, "adopt")
+                if ctx.recorder.tracing:  # each adoption of a chain as a sync to its draft and the tokens it gained
+                    self._trace_adoptions(ctx, s, rounds_taken, start)
             if ctx.completed:  # only a main row's complete window moves anything now (see the docstring)
                 ctx.completed = self._main_completed(s)
         _park(s)
