@@ -195,6 +195,28 @@ def test_the_readme_example_prompt_is_one_the_tiny_models_answer():
 
 
 @needs_weights
+@pytest.mark.parametrize("card", ["tiny-llada", "tiny-dream"])
+def test_a_tiny_model_card_s_example_is_a_suite_question_it_answers(card, monkeypatch):
+    """Each tiny checkpoint's model card shows a Python example: it runs as printed, and its prompt is a suite's
+    test question that the checkpoint answers right by the suite's scorer (tiny-dream's card asked a lists question
+    its checkpoint got wrong)."""
+    import ast
+
+    text = (ROOT / "model_cards" / f"{card}.md").read_text(encoding="utf-8")
+    code = re.search(r"^```python\n(.*?)^```", text, re.M | re.S).group(1)
+    prompt = next(ast.literal_eval(node.values[node.keys.index(key)]) for node in ast.walk(ast.parse(code))
+                  if isinstance(node, ast.Dict) for key in node.keys if isinstance(key, ast.Constant) and key.value == "content")  # fmt: skip
+    found = [(get_suite(s), it) for s in ("arith", "code", "lists") for it in get_suite(s).items("test") if it.question == prompt]
+    assert found, f"{card}'s example prompt is not a suite question"
+    printed = []
+    exec(compile(code, f"model_cards/{card}.md", "exec"), {"print": lambda *a: printed.append(a)})  # noqa: S102
+    (answers, nfe), = printed
+    task, item = found[0]
+    assert task.score(item, answers[0]).correct, answers[0]
+    assert int(nfe[0]) > 0
+
+
+@needs_weights
 def test_the_cli_default_prompt_is_answered_right_by_every_decoder(capsys):
     """``hf-blockbatch generate`` with no options (the README's first command) shows five right answers:
     the paper's baseline, BlockBatch, the early-stop baseline and its drafts (exact, and contained),
