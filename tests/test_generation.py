@@ -580,20 +580,22 @@ def test_padded_prompts_without_a_mask(caplog):
     assert f"row(s) [0] end with the padding id {EOS_ID}: right padding" in caplog.text
 
 
-def test_switches_and_masks_take_their_own_values():
+def test_switches_and_masks_take_their_own_values(monkeypatch):
     """On/off arguments take True or False (a string such as "no" is truthy: it returned a dict), and the
-    attention mask 0 and 1 (0.5 or 2 read as 1); a boolean mask, as some pipelines build it, is the same
-    mask as its integers."""
+    attention mask 0 and 1 (0.5 or 2 read as 1), each refused before any forward; a boolean mask, as some
+    pipelines build it, is the same mask as its integers."""
     model, cfg = make_tiny_llada(), FastDLLMConfig(max_new_tokens=8, block_length=4)
     ids = torch.tensor([[EOS_ID, 3, 4, 5], [1, 2, 3, 4]])
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
-    for name, value in (("return_dict_in_generate", "no"), ("return_dict_in_generate", 1), ("do_sample", "yes"),
-                        ("pad_after_end", "no")):  # fmt: skip
-        with pytest.raises(ValueError, match=f"^{name} must be true or false, got {value!r}"):
-            model.generate(ids, mask, generation_config=cfg, **{name: value})
-    for bad in (mask * 2, mask * 0.5, -mask):
-        with pytest.raises(ValueError, match="attention_mask must hold 0 .left padding. and 1 .prompt. only"):
-            model.generate(ids, bad, generation_config=cfg)
+    with monkeypatch.context() as patch:
+        patch.setattr(type(model), "forward", lambda *a, **k: pytest.fail("a forward ran before the refusal"))
+        for name, value in (("return_dict_in_generate", "no"), ("return_dict_in_generate", 1), ("do_sample", "yes"),
+                            ("pad_after_end", "no")):  # fmt: skip
+            with pytest.raises(ValueError, match=f"^{name} must be true or false, got {value!r}"):
+                model.generate(ids, mask, generation_config=cfg, **{name: value})
+        for bad in (mask * 2, mask * 0.5, -mask):
+            with pytest.raises(ValueError, match="attention_mask must hold 0 .left padding. and 1 .prompt. only"):
+                model.generate(ids, bad, generation_config=cfg)
     assert torch.equal(model.generate(ids, mask.bool(), generation_config=cfg), model.generate(ids, mask, generation_config=cfg))
     assert torch.equal(model.generate(ids, mask.float(), generation_config=cfg), model.generate(ids, mask, generation_config=cfg))
 

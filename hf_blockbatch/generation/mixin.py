@@ -296,6 +296,8 @@ def diffusion_generate(
         raise ValueError("Pass the prompts as input_ids ([batch, prompt_length]).")
     cfg = _resolve_config(model, generation_config, kwargs)
     _check_bool("pad_after_end", pad_after_end)
+    if return_dict_in_generate is not None:  # before any forward, as every bad input
+        _check_bool("return_dict_in_generate", return_dict_in_generate)
     input_ids, attention_mask = _checked_inputs(model, cfg, input_ids, attention_mask, generator)
     config = model.config
     mask_id, eos_ids, pad_id = _token_ids(cfg, config)
@@ -314,8 +316,6 @@ def diffusion_generate(
         new = result.sequences[:, input_ids.shape[1] :]
         after = torch.arange(new.shape[1], device=new.device) > answer_lengths(new, end_ids)[:, None]
         result.sequences[:, input_ids.shape[1] :] = new.masked_fill(after, pad_id)
-    if return_dict_in_generate is not None:
-        _check_bool("return_dict_in_generate", return_dict_in_generate)
     return_dict = cfg.return_dict_in_generate if return_dict_in_generate is None else return_dict_in_generate
     if return_dict:
         return DiffusionGenerateOutput(sequences=result.sequences, nfe=result.nfe, stats=result.stats)

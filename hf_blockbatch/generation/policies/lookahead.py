@@ -288,7 +288,8 @@ class Lookahead:
         return changed
 
     @staticmethod
-    def _trace_adoptions(ctx: StepContext, s: DecodeState, rounds_taken: list, start: torch.Tensor) -> None:
+    def _trace_adoptions(ctx: StepContext, s: DecodeState, rounds_taken: list[tuple[torch.Tensor, ...]],
+                         start: torch.Tensor) -> None:
         """One ``SyncEvent`` of a main row to the draft it adopted, then a commit (phase ``adopt``) of the tokens
         that adoption gained, per round of the step's chain: a chain recorded as one sync to its last draft hid
         the forwards its earlier adoptions saved. The gained tokens are recorded as a commit because a replay
