@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from hf_blockbatch.eval.script_args import positive_int
+
 __all__ = ["main"]
 
 # an item of the arith suite's test split (never trained on) that the embedded tiny-llada answers
@@ -137,13 +139,6 @@ def _sweep_blocks(text: str) -> list[int] | str:
     return blocks
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _threads(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -233,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", type=_prompt, default=DEFAULT_PROMPT,
                      help="the question (default: an arith test item; the tiny models answer the suites' kinds: "
                      "arith word problems, small Python functions, list questions)")  # fmt: skip
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=96)
+    gen.add_argument("--max-new-tokens", type=positive_int, default=96)
     gen.add_argument("--threshold", type=_finite_float, default=0.9, help="confidence to commit a token, in (0, 1]")
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template (base models)")
@@ -260,12 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "(fast_dllm overrides also apply to fast_dllm_early_stop and the sweep)")  # fmt: skip
     bench.add_argument("--configs", default=None, metavar="JSON",
                        help='a JSON file {"method": {"field": value}}; a new name with "strategy" adds a method')  # fmt: skip
-    bench.add_argument("--limit", type=_positive_int, default=None, help="first N items of each task")
-    bench.add_argument("--batch-size", type=_positive_int, default=1, help="requests per generate call (left padding)")
+    bench.add_argument("--limit", type=positive_int, default=None, help="first N items of each task")
+    bench.add_argument("--batch-size", type=positive_int, default=1, help="requests per generate call (left padding)")
     bench.add_argument("--seed", type=int, default=0,
                        help="seed of the sampling noise (temperature > 0): keyed, so an item samples the same answer at any "
                             "batch size")  # fmt: skip
-    bench.add_argument("--gen-length", type=_positive_int, default=None, help="new tokens (default: the task's own)")
+    bench.add_argument("--gen-length", type=positive_int, default=None, help="new tokens (default: the task's own)")
     bench.add_argument("--sweep-blocks", type=_sweep_blocks, default=None, metavar="B1,B2,...|auto[:S]",
                        help="also run Fast-dLLM with early stop at these block sizes (the fixed-block frontier the tuned "
                             "baseline is picked from), e.g. 16,32,64; auto: every multiple of 16 (auto:S: of S) up to "
@@ -284,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=_threads, default=0, help="torch CPU threads (default: torch's choice)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
-    bench.add_argument("--latency-batch-1", type=_positive_int, default=0, metavar="N",
+    bench.add_argument("--latency-batch-1", type=positive_int, default=0, metavar="N",
                        help="with --batch-size > 1, also time the first N items of each task and method alone, "
                        "for the batch-1 latency column")  # fmt: skip
     bench.set_defaults(func=cmd_bench)
@@ -295,9 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
     demo.add_argument("--port", type=port_number, default=None, help="port (default 7860 or the next free one)")
     demo.add_argument("--share", action="store_true", help="also open a public gradio.live link")
-    demo.add_argument("--concurrency", type=_positive_int, default=1, help="decodes at once (the model is shared)")
-    demo.add_argument("--max-new-tokens", type=_positive_int, default=None, help="upper limit of the slider (256; 512 on GPU)")
-    demo.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    demo.add_argument("--concurrency", type=positive_int, default=1, help="decodes at once (the model is shared)")
+    demo.add_argument("--max-new-tokens", type=positive_int, default=None, help="upper limit of the slider (256; 512 on GPU)")
+    demo.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     demo.add_argument("--app", default=None, help="path of the app (default: demo/app.py of this checkout)")
     demo.set_defaults(func=cmd_demo)
 

@@ -517,6 +517,9 @@ def load_for_benchmark(name: str, threads: int, device: str = "cpu", dtype: torc
     ``benchmarks/RESULTS.md`` are measured on one), and the model and tokenizer (:func:`hub.load_model`)."""
     from hf_blockbatch.hub import load_model
 
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        # torch.set_num_threads(0) fails deep inside torch, and a negative count is an error it words its own way
+        raise ValueError(f"threads must be >= 1 (torch CPU threads), got {threads!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(threads)
     return load_model(name, device=device, dtype=dtype)
@@ -525,8 +528,14 @@ def load_for_benchmark(name: str, threads: int, device: str = "cpu", dtype: torc
 def write_report(stem: str | os.PathLike[str], result: Mapping[str, Any], markdown: str) -> Path:
     """Write a benchmark script's result as ``<stem>.json`` (every figure, for tables and later
     reads) beside ``<stem>.md`` (the table a reader quotes), creating the folder; returns the
-    stem. One writer, so that every script's pair of files has the same form."""
+    stem. One writer, so that every script's pair of files has the same form. A folder under a file is refused
+    with a ``NotADirectoryError`` that names it (the scripts check their ``--out`` before their work, with the same
+    :func:`~hf_blockbatch.eval.script_args.folder_problem`)."""
+    from hf_blockbatch.eval.script_args import folder_problem
+
     stem = Path(stem)
+    if problem := folder_problem(stem.parent):
+        raise NotADirectoryError(problem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_name(stem.name + ".json").write_text(json.dumps(_jsonable(result), indent=1) + "\n", encoding="utf-8")
     stem.with_name(stem.name + ".md").write_text(markdown.rstrip("\n") + "\n", encoding="utf-8")

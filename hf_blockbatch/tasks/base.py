@@ -136,7 +136,11 @@ class SyntheticTask(Task):
         return out
 
     def items(self, split: str = "test", limit: int | None = None) -> list[EvalItem]:
-        """``test`` (500 fixed items) or ``train`` (``DEFAULT_TRAIN_SIZE`` unless ``limit``)."""
+        """``test`` (500 fixed items) or ``train`` (``DEFAULT_TRAIN_SIZE`` unless ``limit``): the first ``limit``
+        items (0: none). A negative ``limit`` is refused: as a slice it would drop items from the end and decode
+        nearly all of them."""
+        if limit is not None and limit < 0:
+            raise ValueError(f"{self.name}: limit must be >= 0 (or None: every item), got {limit}")
         if split == "test":
             out = self.test_items()
             return list(out if limit is None else out[:limit])

@@ -1,0 +1,161 @@
+"""What the benchmark scripts (``benchmarks/*.py``) and the command line share to refuse bad input in one line.
+
+Why one module: a count of 0 or -3, an output path under a file, a JSON file of the wrong shape were each met by
+some script with a hang, an empty table that exits 0 or a traceback from deep inside torch. Each check is written
+once here and called by every script that needs it, so that the same mistake gets the same message everywhere:
+
+* argparse types for counts and sizes (:func:`positive_int`, :func:`nonnegative_int`), rates and probabilities
+  (:func:`positive_float`, :func:`nonnegative_float`, :func:`probability`) and output paths (:func:`out_folder`,
+  :func:`out_file`): argparse turns their refusal into its own ``error:`` line, before any model loads;
+* :func:`read_json`, a JSON file of the expected shape, or a ``ValueError`` that names the file;
+* :func:`run_main`, a script's ``main`` with its bad-input exceptions turned into ``error: <message>`` on stderr and
+  exit status 2, as :func:`hf_blockbatch.cli.main` does for the package's command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "folder_problem",
+    "nonnegative_float",
+    "nonnegative_int",
+    "out_file",
+    "out_folder",
+    "positive_float",
+    "positive_int",
+    "probability",
+    "read_json",
+    "run_main",
+]
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A count or a size of at least 1 (items, rows, repeats, a block, threads)."""
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """A count where 0 means none (warm-up passes, callers listed)."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite rate or size above 0 (a bandwidth, a temperature that samples)."""
+    value = _float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value:g}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite number where 0 means none (a temperature, where 0 is greedy; a host time per operation)."""
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A threshold or an efficiency in (0, 1]: 0 would commit (or do) nothing, above 1 nothing ever reaches it."""
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value:g}")
+    return value
+
+
+def folder_problem(folder: str | os.PathLike[str]) -> str | None:
+    """Why files cannot be written into ``folder`` (created where missing), or None: the folder, or the nearest of
+    its parents that exists, is a file. Said before a run's work, not when its report is written after it."""
+    folder = Path(folder)
+    for at in (folder, *folder.parents):
+        if at.exists():
+            if at.is_dir():
+                return None
+            return f"{at} is a file, not a folder: name a folder for {folder}"
+    return None
+
+
+def out_folder(text: str) -> Path:
+    """An argparse type: a folder to write into, created if missing (:func:`folder_problem`)."""
+    problem = folder_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return Path(text)
+
+
+def out_file(text: str) -> Path:
+    """An argparse type: a file (or a file stem, ``<stem>.json`` and ``.md``) to write, its folder created if
+    missing; not an existing folder, nor under a file."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a folder: name a file in it, e.g. {path / 'results.json'}")
+    problem = folder_problem(path.parent)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return path
+
+
+def read_json(path: str | os.PathLike[str], expect: type = dict, what: str = "a JSON file") -> Any:
+    """The JSON value in ``path``, which must be of type ``expect`` (``dict``: an object; ``list``: an array).
+    Raises ``ValueError`` naming the file and ``what`` it should be when it is missing, unreadable, not JSON or of
+    another shape, so that a script says it in one line (:func:`run_main`) rather than failing further on."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file (expected {what})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: cannot read it ({err.strerror if isinstance(err, OSError) else err}); expected {what}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not JSON ({err}); expected {what}") from None
+    if not isinstance(value, expect):
+        shape = {dict: "an object {...}", list: "an array [...]"}.get(expect, expect.__name__)
+        raise ValueError(f"{path}: holds {type(value).__name__} JSON, expected {what}: {shape}")
+    return value
+
+
+def run_main(main: Callable[[], Any]) -> int:
+    """Run a script's ``main`` and return its exit status: what it returns (0 for None). Bad input it raises,
+    ``ValueError``, ``OSError`` (a missing file, a folder under a file, ...) or ``KeyError`` (an unknown name), is
+    said as ``error: <message>`` on stderr with status 2, as argparse says a bad option, instead of a traceback;
+    the traceback goes to the log at DEBUG level."""
+    try:
+        result = main()
+    except (ValueError, OSError, KeyError) as err:
+        logging.getLogger(__name__).debug("bad input", exc_info=True)
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    return 0 if result is None else int(result)
