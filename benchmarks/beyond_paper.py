@@ -33,6 +33,7 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from hf_blockbatch.eval.runner import (
     samples,
     write_report,
 )
+from hf_blockbatch.eval.script_args import nonnegative_int, out_folder, positive_int, read_json, run_main
 from hf_blockbatch.eval.stats import paired_difference, paired_time_ratio
 from hf_blockbatch.generation.configs import DRAFTED, DRAFTED_CONTAINED, config_from_dict
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
@@ -209,6 +211,25 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+def read_config_file(path: str | os.PathLike[str] | None) -> dict[str, dict[str, Any]]:
+    """The named configs of a ``--config-file`` (``{"name": {"strategy": ..., option: value}}``; none without one),
+    each built and validated here, so that a file that is missing, not JSON, not an object, or holds an entry that
+    is no config is said in one line before the model loads, not as a traceback once the decoding reaches it. The
+    one reader of this script's and ``gpu_projection.py``'s ``--config-file``."""
+    if path is None:
+        return {}
+    form = 'an object {"name": {"strategy": "fast_dllm", option: value, ...}}'
+    configs = read_json(path, dict, form)
+    for name, cfg in configs.items():
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{path}: entry {name!r} is {json.dumps(cfg)}, not a config: expected {form}")
+        try:
+            config_from_dict({"max_new_tokens": 256, **cfg}).validate()
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{path}: entry {name!r}: {err}") from None
+    return configs
+
+
 def _sampled(cfg: dict[str, Any]) -> bool:
     return samples(config_from_dict({"max_new_tokens": 1, **cfg}))
 
@@ -355,6 +376,14 @@ def option_markdown(res: dict[str, Any], title: str, intro: str, same_answers: b
     return lines
 
 
+def grid_cell(text: str) -> tuple[str, int]:
+    """An argparse type: an :func:`option_grid` cell, ``suite:block`` with a block of at least 1."""
+    suite, sep, block = text.partition(":")
+    if not sep or not suite or not block.isdigit() or int(block) < 1:
+        raise argparse.ArgumentTypeError(f"expected suite:block with a block >= 1, e.g. arith:96 or lists:64, got {text!r}")
+    return suite, int(block)
+
+
 def option_grid_main(argv: list[str] | None, doc: str, out: Path, extra: Callable[[argparse.ArgumentParser], None],
                      run: Callable[[Any, Any, list[tuple[str, int]], argparse.Namespace], dict[str, Any]],
                      markdown: Callable[[str, int, dict[str, Any]], str]) -> None:  # fmt: skip
@@ -362,18 +391,18 @@ def option_grid_main(argv: list[str] | None, doc: str, out: Path, extra: Callabl
     ``run(model, tokenizer, cells, args)``, written as ``<out>/<model>_<limit>.json`` and ``.md``."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llada")
-    p.add_argument("--cells", nargs="+", default=["arith:96", "code:96", "lists:64"],
+    p.add_argument("--cells", nargs="+", type=grid_cell, default=[("arith", 96), ("code", 96), ("lists", 64)],
+                   metavar="SUITE:BLOCK",
                    help="suite:block, the block each suite's tuned Fast-dLLM uses (RESULTS §35)")
-    p.add_argument("--limit", type=int, default=1000, help="training items per suite")
+    p.add_argument("--limit", type=positive_int, default=1000, help="training items per suite")
     extra(p)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=str(out), help="folder of the report")
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--out", type=out_folder, default=str(out), help="folder of the report")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     model, tokenizer = load_for_benchmark(args.model, args.threads)
-    cells = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cells]
-    res = run(model, tokenizer, cells, args)
+    res = run(model, tokenizer, args.cells, args)
     name = Path(args.model).name
     print(write_report(Path(args.out) / f"{name}_{args.limit}", {"model": args.model, "limit": args.limit, "cells": res},
                        markdown(name, args.limit, res)))  # fmt: skip
@@ -441,18 +470,18 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llada")
     p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
-    p.add_argument("--limit", type=int, default=120, help="items per suite (the first of the split)")
+    p.add_argument("--limit", type=positive_int, default=120, help="items per suite (the first of the split)")
     p.add_argument("--split", choices=("train", "test"), default="train",
                    help="train: choose configs on training items; test: report on the test split (never to choose)")
     p.add_argument("--configs", nargs="+", default=["fd_es_b32", "fd_es_b64", "fd_es_b96", "bb_default"],
                    help=f"named configs ({', '.join(CONFIGS)}) or entries of --config-file")
     p.add_argument("--config-file", help='JSON {"name": {"strategy": ..., option: value}} of extra candidates')
     p.add_argument("--baseline", default="fd_es_b64")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="benchmarks/results/beyond_paper")
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--out", type=out_folder, default="benchmarks/results/beyond_paper")
     p.add_argument("--fresh", action="store_true", help="ignore cached results")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--rounds", type=positive_int, default=1,
                    help="decode each config this many times, round-robin, and report the median time (latency "
                         "runs; more than 1 re-decodes every config, cached or not)")
     p.add_argument("--interleave", action="store_true",
@@ -460,12 +489,10 @@ def main(argv: list[str] | None = None) -> None:
                         "(rotating which goes first), so that both sides of a time ratio are timed side by side batch "
                         "by batch, not a whole pass apart (RESULTS §50); re-decodes every config, cached or not")
     p.add_argument("--tag", default="", help="suffix of the output files' names")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=nonnegative_int, default=0,
                    help="the seed of sampled configs' keyed noise (temperature > 0); it keys their results")
     args = p.parse_args(argv)
-    configs = dict(CONFIGS)
-    if args.config_file:
-        configs.update(json.loads(Path(args.config_file).read_text(encoding="utf-8")))
+    configs = {**CONFIGS, **read_config_file(args.config_file)}
     unknown = [c for c in args.configs if c not in configs]
     if unknown:
         p.error(f"unknown config(s) {unknown}; known: {', '.join(configs)}")
@@ -534,4 +561,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

@@ -49,7 +49,6 @@ Decodes training items (``task.items("train")``, as ``beyond_paper.py``), writes
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -59,9 +58,18 @@ from typing import Any
 
 import torch
 
+from hf_blockbatch.attention.backends import BACKENDS
 from hf_blockbatch.eval.forward_log import ForwardLog, ForwardRecord
 from hf_blockbatch.eval.roofline import Geometry, Hardware, kv_residency, project
 from hf_blockbatch.eval.runner import _encode, load_for_benchmark, load_task, write_report
+from hf_blockbatch.eval.script_args import (
+    nonnegative_float,
+    out_folder,
+    positive_float,
+    positive_int,
+    probability,
+    run_main,
+)
 from hf_blockbatch.generation.configs import config_from_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # a sibling script: its named configs
@@ -132,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llada")
     p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
-    p.add_argument("--limit", type=int, default=64, help="training items per suite")
+    p.add_argument("--limit", type=positive_int, default=64, help="training items per suite")
     p.add_argument(
         "--configs",
         nargs="+",
@@ -141,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument("--config-file", help='JSON {"name": {"strategy": ..., option: value}} of extra configs')
     p.add_argument("--baseline", default="fd_es_b64")
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batch-size", type=positive_int, default=1)
     p.add_argument(
         "--geometry",
         choices=["auto", "llada-8b", "dream-7b"],
@@ -149,22 +157,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="the large model to price at (auto: the checkpoint's family)",
     )
     for field, default in asdict(Hardware()).items():
-        if field != "name":
-            p.add_argument("--" + field.replace("_", "-"), type=float, default=default)
-    p.add_argument("--backend", default="sdpa",
+        if field != "name":  # rates and sizes above 0, efficiencies in (0, 1], a host time per operation >= 0
+            kind = probability if field.endswith("_eff") else nonnegative_float if field == "op_us" else positive_float
+            p.add_argument("--" + field.replace("_", "-"), type=kind, default=default)
+    p.add_argument("--backend", default="sdpa", choices=["auto", *BACKENDS],
                    help="window attention backend of the logged decodes: the padded one issues the same operations "
                         "per layer whatever the windows, as a GPU's varlen kernel does (the CPU's default, "
                         "sdpa_grouped, calls attention once per group of query counts)")  # fmt: skip
-    p.add_argument("--kv-length", type=int, default=1024,
+    p.add_argument("--kv-length", type=positive_int, default=1024,
                    help="canvas length (prompt + generated) at which to state the resident K/V per request and the "
                         "largest batch whose K/V fit beside the weights (the tiny suites' canvases are 100-160)")  # fmt: skip
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="benchmarks/results/gpu_projection")
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--out", type=out_folder, default="benchmarks/results/gpu_projection")
     p.add_argument("--tag", default="", help="suffix of the output files' names")
     args = p.parse_args(argv)
-    configs = dict(beyond_paper.CONFIGS)
-    if args.config_file:
-        configs.update(json.loads(Path(args.config_file).read_text(encoding="utf-8")))
+    configs = {**beyond_paper.CONFIGS, **beyond_paper.read_config_file(args.config_file)}
     names = list(dict.fromkeys([args.baseline, *args.configs]))
     unknown = [c for c in names if c not in configs]
     if unknown:
@@ -209,4 +216,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

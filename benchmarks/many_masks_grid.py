@@ -24,6 +24,7 @@ from typing import Any
 
 from beyond_paper import _FD, option_grid, option_grid_main, option_markdown
 
+from hf_blockbatch.eval.script_args import nonnegative_int, probability, run_main
 from hf_blockbatch.generation.configs import DRAFTED_CONTAINED
 
 OUT = Path(__file__).resolve().parent / "results" / "many_masks"
@@ -69,8 +70,8 @@ def markdown(model: str, limit: int, res: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     def thresholds(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--thresholds", type=float, nargs="+", default=[0.85, 0.8, 0.7])
-        p.add_argument("--masks", type=int, nargs="+", default=[8, 16, 32])
+        p.add_argument("--thresholds", type=probability, nargs="+", default=[0.85, 0.8, 0.7])
+        p.add_argument("--masks", type=nonnegative_int, nargs="+", default=[8, 16, 32])
 
     option_grid_main(argv, __doc__, OUT, thresholds,
                      lambda model, tok, cells, a: grid(model, tok, cells, a.limit, a.thresholds, a.masks, a.batch_size),
@@ -78,4 +79,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

@@ -21,6 +21,7 @@ from typing import Any
 
 from beyond_paper import _FD, option_grid, option_grid_main, option_markdown
 
+from hf_blockbatch.eval.script_args import run_main
 from hf_blockbatch.generation.configs import DRAFTED, DRAFTED_CONTAINED
 
 OUT = Path(__file__).resolve().parent / "results" / "runner_up"
@@ -57,4 +58,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

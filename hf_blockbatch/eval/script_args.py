@@ -141,13 +141,14 @@ def read_json(path: str | os.PathLike[str], expect: type = dict, what: str = "a 
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not JSON ({err}); expected {what}") from None
     if not isinstance(value, expect):
-        shape = {dict: "an object {...}", list: "an array [...]"}.get(expect, expect.__name__)
-        raise ValueError(f"{path}: holds {type(value).__name__} JSON, expected {what}: {shape}")
+        kinds = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+        raise ValueError(f"{path}: holds {kinds.get(type(value), 'null')}, expected {what}")
     return value
 
 
 def run_main(main: Callable[[], Any]) -> int:
-    """Run a script's ``main`` and return its exit status: what it returns (0 for None). Bad input it raises,
+    """Run a script's ``main`` and return its exit status: the int it returns, else 0 (a script's ``main`` may return
+    its report, for the tests that call it). Bad input it raises,
     ``ValueError``, ``OSError`` (a missing file, a folder under a file, ...) or ``KeyError`` (an unknown name), is
     said as ``error: <message>`` on stderr with status 2, as argparse says a bad option, instead of a traceback;
     the traceback goes to the log at DEBUG level."""
@@ -158,4 +159,4 @@ def run_main(main: Callable[[], Any]) -> int:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"error: {message}", file=sys.stderr)
         return 2
-    return 0 if result is None else int(result)
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
