@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -74,6 +75,14 @@ from hf_blockbatch.eval.runner import (
     load_for_benchmark,
     load_task,
     write_report,
+)
+from hf_blockbatch.eval.script_args import (
+    nonnegative_int,
+    out_folder,
+    positive_int,
+    probability,
+    run_main,
+    torch_device,
 )
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
 from hf_blockbatch.generation.rules.entropy import entropy_select
@@ -162,25 +171,37 @@ class Rule:
 
     @classmethod
     def parse(cls, spec: str, tau_back: float = 0.9) -> Rule:
+        """The rule ``spec`` names, its value checked: a threshold or a probability in (0, 1] (0 or less would
+        commit every mask, above 1 only the best one), a gap in [0, 1], an entropy bound >= 0 (below 0 no prefix
+        fits it and the loop never ends), and the shadows' ``tau_back`` in [0, 1] (0: nothing is masked again)."""
         name, _, value = spec.partition(":")
         try:
             x = float(value)
         except ValueError:
             raise ValueError(f"Rule {spec!r}: write name:number, e.g. threshold:0.8 or wino:0.7.") from None
+
+        def within(what: str, low: float, high: float, low_open: bool = True) -> float:
+            if not math.isfinite(x) or x > high or (x <= low if low_open else x < low):
+                span = f">= {low:g}" if high == math.inf else f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+                raise ValueError(f"Rule {spec!r}: {what} must be {span}, got {value}.")
+            return x
+
         if name == "threshold":
-            return cls(spec, x)
+            return cls(spec, within("the threshold", 0, 1))
         if name in ("allin-min", "allin-mean"):
-            return cls(spec, 0.9, allin=name.split("-")[1], gap=x)
+            return cls(spec, 0.9, allin=name.split("-")[1], gap=within("the gap of two probabilities", 0, 1, False))
         if name == "entropy":
-            return cls(spec, 1.0, entropy_bound=x)
+            return cls(spec, 1.0, entropy_bound=within("the entropy bound (nats)", 0, math.inf, False))
         if name == "learned":
-            return cls(spec, 0.9, learned=x)
+            return cls(spec, 0.9, learned=within("the filter's probability", 0, 1))
         if name.startswith("isolated") and name[8:].isdigit() and int(name[8:]) >= 1:
-            return cls(spec, 0.9, isolation=int(name[8:]), tau_lone=x)
+            return cls(spec, 0.9, isolation=int(name[8:]), tau_lone=within("the lone masks' threshold", 0, 1))
         base, *mods = name.split("-")
         if base == "wino" and set(mods) <= {"loo", "extras", "nocap"} and len(set(mods)) == len(mods):
-            return cls(spec, x, tau_back, shadows_see_shadows="loo" not in mods, extras_only="extras" in mods,
-                       cap="nocap" not in mods)  # fmt: skip
+            if not 0 <= tau_back <= 1:
+                raise ValueError(f"Rule {spec!r}: tau_back must be in [0, 1], got {tau_back!r}.")
+            return cls(spec, within("the threshold", 0, 1), tau_back, shadows_see_shadows="loo" not in mods,
+                       extras_only="extras" in mods, cap="nocap" not in mods)  # fmt: skip
         raise ValueError(f"Unknown rule {spec!r}: threshold, wino with any of -loo, -extras, -nocap (e.g. wino-loo-extras), "
                          "allin-min, allin-mean, entropy, isolated<d> with d >= 1, learned (each :value).")  # fmt: skip
 
@@ -389,8 +410,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The probes' model options: which checkpoint (a tiny one, a folder or a repo), on how many CPU threads,
     where and in which dtype (``--device cuda --dtype bfloat16`` for a real LLaDA or Dream)."""
     p.add_argument("--model", default="tiny-llada")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--device", default="cpu", help="where the model runs (cuda for a real checkpoint)")
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--device", type=torch_device, default="cpu", help="where the model runs (cuda for a real checkpoint)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
@@ -403,19 +424,22 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(p)
     p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
-    p.add_argument("--limit", type=int, default=200, help="items per suite")
-    p.add_argument("--split", default="train", help="the tiny suites' training items by default; the real benchmarks "
+    p.add_argument("--limit", type=positive_int, default=200, help="items per suite")
+    p.add_argument("--split", default="train", choices=("train", "test"), help="the tiny suites' training items by default; the real benchmarks "
                    "(gsm8k, math, humaneval, mbpp) ship their test split only: a check of a claim, not a place to tune")
-    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--block", type=positive_int, default=64)
     p.add_argument("--rules", nargs="+", default=["threshold:0.8", "wino:0.8", "allin-min:0.7"],
                    help=f"name:value each (see the module docstring); {BASELINE} always runs, as the baseline")
-    p.add_argument("--tau-back", type=float, default=0.9, help="the leave-one-out check's threshold")
-    p.add_argument("--fit-limit", type=int, default=300,
+    p.add_argument("--tau-back", type=probability, default=0.9, help="the leave-one-out check's threshold")
+    p.add_argument("--fit-limit", type=nonnegative_int, default=300,
                    help="learned:p rules: training items per suite the filter is fitted on, after the --limit judged ones")
-    p.add_argument("--out", default="benchmarks/results/commit_rules")
+    p.add_argument("--out", type=out_folder, default="benchmarks/results/commit_rules")
     p.add_argument("--tag", default="", help="appended to the files' names (several rule sets per model)")
     args = p.parse_args(argv)
-    rules = [Rule.parse(BASELINE)] + [Rule.parse(s, args.tau_back) for s in args.rules if s != BASELINE]
+    try:  # a bad rule is said before the model loads
+        rules = [Rule.parse(BASELINE)] + [Rule.parse(s, args.tau_back) for s in args.rules if s != BASELINE]
+    except ValueError as err:
+        p.error(str(err))
     if args.fit_limit < 1 and any(rule.learned is not None for rule in rules):
         p.error("--fit-limit must be at least 1: a learned rule's filter is fitted on that many items per suite")
     model, tokenizer = load_from_arguments(args)
@@ -457,4 +481,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

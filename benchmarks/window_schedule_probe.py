@@ -44,6 +44,7 @@ from commit_rules_probe import (
 from commit_rules_probe import decode as fixed_decode
 
 from hf_blockbatch.eval.runner import write_report
+from hf_blockbatch.eval.script_args import out_folder, positive_int, run_main
 from hf_blockbatch.generation.rules.threshold import threshold_select
 from hf_blockbatch.generation.sampling import sample_tokens
 
@@ -128,11 +129,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(p)
     p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
-    p.add_argument("--limit", type=int, default=100, help="items per suite")
-    p.add_argument("--split", default="train")
+    p.add_argument("--limit", type=positive_int, default=100, help="items per suite")
+    p.add_argument("--split", default="train", choices=("train", "test"))
     p.add_argument("--schedules", nargs="+", default=["fixed:64", "sliding:64", "masks:64"],
                    help="mode:block[:cap] each; the first is the baseline the others are compared with")
-    p.add_argument("--out", default="benchmarks/results/window_schedules")
+    p.add_argument("--out", type=out_folder, default="benchmarks/results/window_schedules")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     try:
@@ -158,4 +159,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

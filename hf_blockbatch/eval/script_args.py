@@ -5,8 +5,8 @@ some script with a hang, an empty table that exits 0 or a traceback from deep in
 once here and called by every script that needs it, so that the same mistake gets the same message everywhere:
 
 * argparse types for counts and sizes (:func:`positive_int`, :func:`nonnegative_int`), rates and probabilities
-  (:func:`positive_float`, :func:`nonnegative_float`, :func:`probability`) and output paths (:func:`out_folder`,
-  :func:`out_file`): argparse turns their refusal into its own ``error:`` line, before any model loads;
+  (:func:`positive_float`, :func:`nonnegative_float`, :func:`probability`), devices (:func:`torch_device`) and output
+  paths (:func:`out_folder`, :func:`out_file`): argparse turns their refusal into its own ``error:`` line, before any model loads;
 * :func:`read_json`, a JSON file of the expected shape, or a ``ValueError`` that names the file;
 * :func:`run_main`, a script's ``main`` with its bad-input exceptions turned into ``error: <message>`` on stderr and
   exit status 2, as :func:`hf_blockbatch.cli.main` does for the package's command line.
@@ -35,6 +35,7 @@ __all__ = [
     "probability",
     "read_json",
     "run_main",
+    "torch_device",
 ]
 
 
@@ -93,6 +94,18 @@ def probability(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value:g}")
     return value
+
+
+def torch_device(text: str) -> str:
+    """A device torch knows (``cpu``, ``cuda``, ``cuda:1``, ``mps``): a misspelt one is said here, not as torch's
+    error from inside the model's loading."""
+    import torch
+
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r} (e.g. cpu, cuda, cuda:1)") from None
+    return text
 
 
 def folder_problem(folder: str | os.PathLike[str]) -> str | None:
