@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 import hf_blockbatch.generation.mixin as mixin
 from hf_blockbatch.eval.runner import _encode, load_for_benchmark, load_task, write_report
+from hf_blockbatch.eval.script_args import out_folder, positive_int, run_main
 from hf_blockbatch.generation.configs import FastDLLMConfig
 from hf_blockbatch.generation.engine import Run
 from hf_blockbatch.generation.policies.lookahead import DRAFT_SHAPES, Lookahead
@@ -212,7 +213,7 @@ def heldout_block(model: str, suite: str) -> int:
     try:
         return int(picked[Path(model).name][suite]["block"])
     except KeyError:
-        raise SystemExit(f"No block picked on training items for {model} {suite} in {HELDOUT.name} "
+        raise ValueError(f"No block picked on training items for {model} {suite} in {HELDOUT.name} "
                          f"(it has {', '.join(picked)}): pass --block.") from None
 
 
@@ -220,17 +221,18 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llada")
     p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
-    p.add_argument("--limit", type=int, default=200, help="training items per suite")
-    p.add_argument("--block", type=int, default=None, help="one block for every suite (default: each suite's block "
+    p.add_argument("--limit", type=positive_int, default=200, help="training items per suite")
+    p.add_argument("--block", type=positive_int, default=None, help="one block for every suite (default: each suite's block "
                    "picked on training items, results/targets/heldout_blocks.json)")  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="benchmarks/results/lookahead")
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--out", type=out_folder, default="benchmarks/results/lookahead")
     args = p.parse_args(argv)
+    # every suite's block before the model loads (a checkpoint without picked blocks is said first)
+    blocks = {suite: args.block if args.block is not None else heldout_block(args.model, suite) for suite in args.suites}
     model, tokenizer = load_for_benchmark(args.model, args.threads)
     result = {"model": args.model, "limit": args.limit, "suites": {}}
-    for suite in args.suites:
-        block = args.block or heldout_block(args.model, suite)
+    for suite, block in blocks.items():
         result["suites"][suite] = count(model, tokenizer, suite, args.limit, block, args.batch_size)
         logger.info("%s %s", suite, json.dumps(result["suites"][suite]))
     shown = [c for c in CLASSES if any(r["per_item"][c] for r in result["suites"].values())]
@@ -256,4 +258,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from hf_blockbatch.eval.runner import _encode, load_for_benchmark, load_task, write_report
+from hf_blockbatch.eval.script_args import nonnegative_int, out_folder, positive_int, run_main
 from hf_blockbatch.generation.configs import FastDLLMConfig
 from hf_blockbatch.generation.trace import CommitEvent
 
@@ -101,12 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llada")
     p.add_argument("--suites", nargs="+", default=["code"])
-    p.add_argument("--limit", type=int, default=200, help="training items per suite")
-    p.add_argument("--block", type=int, default=64)
-    p.add_argument("--radius", type=int, default=6, help="sparse Fast-dLLM's re-query radius (the presets' 6)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="benchmarks/results/lookahead")
+    p.add_argument("--limit", type=positive_int, default=200, help="training items per suite")
+    p.add_argument("--block", type=positive_int, default=64)
+    p.add_argument("--radius", type=nonnegative_int, default=6, help="sparse Fast-dLLM's re-query radius (the presets' 6)")
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--out", type=out_folder, default="benchmarks/results/lookahead")
     args = p.parse_args(argv)
     model, tokenizer = load_for_benchmark(args.model, args.threads)
     result = {"model": args.model, "limit": args.limit, "block": args.block, "radius": args.radius, "suites": {}}
@@ -127,4 +128,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

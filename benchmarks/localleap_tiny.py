@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from hf_blockbatch.eval.runner import _encode, _score_all, load_for_benchmark, load_task, write_report
+from hf_blockbatch.eval.script_args import out_file, positive_int, run_main
 from hf_blockbatch.generation.configs import FastDLLMConfig
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
 
@@ -58,11 +59,12 @@ def run(model, tokenizer, suite: str, items: int, block: int, batch_size: int) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=150, help="test items per suite, from the first")
-    parser.add_argument("--block", type=int, default=32)
-    parser.add_argument("--batch-size", type=int, default=16, help="requests per generate call (a padded batch decodes as alone)")
+    parser.add_argument("--items", type=positive_int, default=150, help="test items per suite, from the first")
+    parser.add_argument("--block", type=positive_int, default=32)
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="requests per generate call (a padded batch decodes as alone)")
     parser.add_argument("--models", nargs="+", default=["tiny-llada", "tiny-dream"])
-    parser.add_argument("--out", default="benchmarks/results/localleap_tiny")
+    parser.add_argument("--out", type=out_file, default="benchmarks/results/localleap_tiny",
+                        help="the report's stem: <out>.json and <out>.md")
     args = parser.parse_args(argv)
     result: dict[str, Any] = {"items": args.items, "block": args.block, "models": {}}
     lines = ["| model | suite | " + " | ".join(f"{r}: correct, NFE" for r in RULES) + " |",
@@ -80,4 +82,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from hf_blockbatch.eval.runner import _encode, load_for_benchmark, load_task, write_report
+from hf_blockbatch.eval.script_args import out_folder, positive_int, run_main
 from hf_blockbatch.generation.configs import FastDLLMConfig
 from hf_blockbatch.generation.policies.lookahead import DRAFT_SHAPES
 from hf_blockbatch.generation.trace import SyncEvent
@@ -59,11 +60,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llada")
     p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
-    p.add_argument("--limit", type=int, default=200, help="training items per suite")
-    p.add_argument("--block", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="benchmarks/results/lookahead")
+    p.add_argument("--limit", type=positive_int, default=200, help="training items per suite")
+    p.add_argument("--block", type=positive_int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--out", type=out_folder, default="benchmarks/results/lookahead")
     args = p.parse_args(argv)
     model, tokenizer = load_for_benchmark(args.model, args.threads)
     result = {"model": args.model, "limit": args.limit, "block": args.block, "suites": {}}
@@ -83,4 +84,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

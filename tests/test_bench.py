@@ -1255,7 +1255,7 @@ def test_draft_misses_sorts_every_block_step_into_one_class(tmp_path):
     assert cls([5, 5, M, 7, M, M, 1, 0]) == "one_r2_other"
     assert cls([5, 5, M, M, M, 3, 1, 0]) == "one_r3_top1"
     assert cls([5, 5, 3, 3, M, M, 1, 0]) == "several"
-    with pytest.raises(SystemExit, match="pass --block"):
+    with pytest.raises(ValueError, match="pass --block"):
         dm.heldout_block("my-llada", "code")
     # the drafts on an adopted chain: the adopted draft's row and, through each row's parent branch, the drafts it
     # extends (4 rows a request: request 1 holds rows 4-7; row 7's draft extends branch 1's, rows 5 and 6 the main row's)
