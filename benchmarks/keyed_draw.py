@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 import hf_blockbatch as hb
+from hf_blockbatch.eval.script_args import nonnegative_int, out_file, positive_float, positive_int, run_main
 from hf_blockbatch.generation import noise, sampling
 from hf_blockbatch.tasks import get_suite
 
@@ -127,17 +128,32 @@ def replay_parser(description: str, repeats: int, out: str) -> argparse.Argument
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--models", nargs="+", default=["tiny-llada", "tiny-dream"])
     p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
-    p.add_argument("--items", type=int, default=16, help="training items per suite")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--temperatures", nargs="+", type=float, default=[0.5, 1.0])
-    p.add_argument("--repeats", type=int, default=repeats)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--synthetic-vocab", type=int, default=126464, help="0: no synthetic row")
-    p.add_argument("--synthetic-rows", type=int, default=32)
-    p.add_argument("--flat-vocabs", nargs="*", type=int, default=[8192, 126464],
+    p.add_argument("--items", type=positive_int, default=16, help="training items per suite")
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    # a keyed draw samples: at temperature 0 the decodes are greedy and draw nothing to time
+    p.add_argument("--temperatures", nargs="+", type=positive_float, default=[0.5, 1.0])
+    p.add_argument("--repeats", type=positive_int, default=repeats)
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--synthetic-vocab", type=nonnegative_int, default=126464, help="0: no synthetic row")
+    p.add_argument("--synthetic-rows", type=positive_int, default=32)
+    p.add_argument("--flat-vocabs", nargs="*", type=positive_int, default=[8192, 126464],
                    help="also flat rows (an untrained model's) at these vocabularies, --synthetic-rows each")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / out))
+    p.add_argument("--out", type=out_file, default=str(Path(__file__).parent / "results" / out),
+                   help="the results' stem: <out>.json and <out>.md")
     return p
+
+
+def parse_replay(p: argparse.ArgumentParser, argv: list[str] | None = None, vocab_multiple: int = 1) -> argparse.Namespace:
+    """:func:`replay_parser`'s arguments, with what one option cannot say alone refused as argparse's error: a
+    synthetic vocabulary holds the five ids of its head (:func:`synthetic`), and a design that splits the ids into
+    blocks of ``vocab_multiple`` needs vocabularies that are multiples of it."""
+    args = p.parse_args(argv)
+    if 0 < args.synthetic_vocab < 5:
+        p.error(f"--synthetic-vocab must be 0 (no synthetic rows) or at least 5, its head's ids; got {args.synthetic_vocab}")
+    uneven = [v for v in [args.synthetic_vocab, *args.flat_vocabs] if v % vocab_multiple]
+    if uneven:
+        p.error(f"vocabularies {uneven} are not multiples of {vocab_multiple} ids: this design draws blocks of that many")
+    return args
 
 
 def replay(args: argparse.Namespace, timed_draws) -> list[dict]:
@@ -174,8 +190,8 @@ def write(args: argparse.Namespace, rows: list[dict], head: list[str], line) -> 
     logger.info("\n".join(lines))
 
 
-def main() -> None:
-    args = replay_parser(__doc__.split("\n\n")[0], repeats=10, out="keyed_draw").parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_replay(replay_parser(__doc__.split("\n\n")[0], repeats=10, out="keyed_draw"), argv)
     rows = replay(args, timed)
     head = ["# Keyed sampled draws: the whole vocabulary against the pruned draw", "",
             f"`benchmarks/keyed_draw.py`; the draws of seeded sparse Fast-dLLM decodes of {args.items} training items per "
@@ -201,4 +217,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

@@ -29,8 +29,9 @@ import statistics
 import time
 
 import torch
-from keyed_draw import replay, replay_parser, write
+from keyed_draw import parse_replay, replay, replay_parser, write
 
+from hf_blockbatch.eval.script_args import run_main
 from hf_blockbatch.generation import noise, sampling
 
 #: ids per block of the block-maxima design
@@ -130,8 +131,8 @@ def timed(draws: list[tuple], temperature: float, repeats: int) -> dict:
             "block_ms": block, "block_full_ms": block_full, "block_pruned": pruned, "block_same_tokens": same}  # fmt: skip
 
 
-def main() -> None:
-    args = replay_parser(__doc__.split("\n\n")[0], repeats=5, out="noise_designs").parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_replay(replay_parser(__doc__.split("\n\n")[0], repeats=5, out="noise_designs"), argv, BLOCK)
     rows = replay(args, timed)
     head = ["# Keyed noise: the shipped draw against two other designs", "",
             f"`benchmarks/noise_designs.py`; the draws of seeded sparse Fast-dLLM decodes of {args.items} training items "
@@ -155,4 +156,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))
