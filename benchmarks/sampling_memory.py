@@ -26,6 +26,11 @@ from pathlib import Path
 
 import torch
 
+from hf_blockbatch.eval.script_args import nonnegative_float, out_file, positive_int, run_main
+
+#: the exit status of a child the kernel killed for want of memory (SIGKILL): a result, not a failure
+KILLED = -9
+
 
 def one(rows: int, vocab: int, temperature: float, chunked: bool, repeats: int, keyed: bool = False) -> dict:
     """In this process: the peak resident memory that proposing from ``rows`` x ``vocab`` bf16 logits added, and the
@@ -47,23 +52,26 @@ def one(rows: int, vocab: int, temperature: float, chunked: bool, repeats: int, 
         del out
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"rows": rows, "vocab": vocab, "temperature": temperature, "chunked": chunked, "keyed": keyed,
-            "chunk_rows": max(1, sampling.SAMPLE_CHUNK_ELEMENTS // vocab) if chunked else rows,
+            "chunk_rows": min(rows, max(1, sampling.SAMPLE_CHUNK_ELEMENTS // vocab)) if chunked else rows,
             "logits_mb": logits.numel() * 2 / 2**20, "peak_above_logits_mb": (peak - before) / 1024,
             "median_s": statistics.median(times)}  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", type=int, default=4096)
-    parser.add_argument("--vocab", type=int, default=126464)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--rows", type=positive_int, default=4096)
+    parser.add_argument("--vocab", type=positive_int, default=126464, help="ids per row, at least 2 (the last is the mask)")
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--temperatures", type=nonnegative_float, nargs="+", default=[0.0, 1.0], help="0: greedy")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process's setting, as JSON
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "sampling_memory"))
-    args = parser.parse_args()
+    parser.add_argument("--out", type=out_file, default=str(Path(__file__).parent / "results" / "sampling_memory"),
+                        help="the results' stem: <out>.json and <out>.md")
+    args = parser.parse_args(argv)
+    if args.vocab < 2:  # a child would fail on it, and its failure read as a result
+        parser.error(f"--vocab must be at least 2: the last id is the mask, which is never proposed; got {args.vocab}")
     if args.one:
         print(json.dumps(one(**json.loads(args.one))))
-        return
+        return 0
     results = []
     # sampled, the shipped (chunked) step is also timed with keyed noise
     settings = [(t, chunked, keyed) for t in args.temperatures for chunked in (False, True)
@@ -75,7 +83,8 @@ def main() -> None:
                              text=True)  # fmt: skip
         if run.returncode:  # e.g. killed by the kernel for want of memory: that is the result
             results.append({**setting, "chunk_rows": None, "logits_mb": args.rows * args.vocab * 2 / 2**20,
-                            "error": f"exit status {run.returncode}", "stderr": run.stderr[-500:]})  # fmt: skip
+                            "error": f"exit status {run.returncode}", "exit_status": run.returncode,
+                            "stderr": run.stderr[-500:]})  # fmt: skip
         else:
             results.append(json.loads(run.stdout.strip().splitlines()[-1]))
         print(results[-1], flush=True)
@@ -86,7 +95,8 @@ def main() -> None:
         kind = (f"sampled, T {r['temperature']:g}" + (", keyed noise" if r.get("keyed") else "")
                 if r["temperature"] else "greedy")  # fmt: skip
         if "error" in r:
-            lines.append(f"| {kind} | {args.rows} | failed: {r['error']} (-9: killed, out of memory) | — |")
+            why = " (killed, out of memory)" if r["exit_status"] == KILLED else ""
+            lines.append(f"| {kind} | {args.rows} | failed: {r['error']}{why} | — |")
         else:
             lines.append(f"| {kind} | {r['chunk_rows']} | {r['peak_above_logits_mb']:.0f} | {r['median_s']:.2f} |")
     out = Path(args.out)
@@ -94,7 +104,12 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    failed = [r for r in results if "error" in r and r["exit_status"] != KILLED]
+    if failed:  # not the memory this measures: a fault, said with the child's last line
+        print(f"error: {len(failed)} setting(s) failed, e.g. {failed[0]['stderr'].strip().splitlines()[-1:]}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))
