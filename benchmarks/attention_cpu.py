@@ -34,6 +34,13 @@ import torch.nn.functional as F
 
 from hf_blockbatch.attention import build_window_batch, get_backend, metadata
 from hf_blockbatch.cache import BranchCache
+from hf_blockbatch.eval.script_args import positive_int, run_main
+
+#: the windows compared, each a BlockBatch block size; they start WINDOWS_FROM positions before the cache's end
+SIZES = (4, 8, 16, 32, 64, 128)
+WINDOWS_FROM = 256
+#: ``--groups``' windows start this many positions before the cache's end
+GROUPS_FROM = 64
 
 
 def report(results: dict, name: str) -> None:
@@ -53,25 +60,34 @@ def timed(fn, repeats: int) -> float:
     return (time.perf_counter() - t) / repeats * 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--length", type=int, default=384)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--length", type=positive_int, default=384,
+                        help=f"cache positions: at least {WINDOWS_FROM} ({GROUPS_FROM} with --groups)")
+    parser.add_argument("--heads", type=positive_int, default=4)
+    parser.add_argument("--head-dim", type=positive_int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=200)
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--groups", action="store_true", help="fit the grouped backend's cost of a call (RESULTS §27)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    # the windows sit at fixed offsets from the cache's end: a shorter cache fails inside the window batch
+    least = GROUPS_FROM if args.groups else WINDOWS_FROM
+    if args.length < least:
+        parser.error(f"--length must be at least {least}{' with --groups' if args.groups else ''}: the windows start "
+                     f"{least} positions before the cache's end; got {args.length}")  # fmt: skip
+    if args.groups and args.heads % max(1, args.heads // 2):
+        parser.error(f"--groups attends {args.heads} query heads to {args.heads // 2} K/V heads, which must divide them: "
+                     "give 1 to 3 or an even number of heads")  # fmt: skip
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.groups:
         return group_costs(args)
-    sizes = [4, 8, 16, 32, 64, 128]
+    sizes = list(SIZES)
     R, L, H, D = len(sizes), args.length, args.heads, args.head_dim
     cache = BranchCache(1, R, L, H, D)
     cache.layers[0].keys.normal_()
     cache.layers[0].values.normal_()
-    starts = torch.full((R,), L - 256)
+    starts = torch.full((R,), L - WINDOWS_FROM)
     ends = starts + torch.tensor(sizes)
     wb = build_window_batch(cache, starts, ends)
     q = torch.randn(wb.num_tokens, H, D)
@@ -122,7 +138,7 @@ def group_costs(args) -> None:
     for n in (1, 4, 16):
         cache, k, v = cache_of(n)
         for w in (1, 8, 16, 32, 64):
-            starts = torch.full((n,), L - 64)
+            starts = torch.full((n,), L - GROUPS_FROM)
             wb = build_window_batch(cache, starts, starts + w)
             q = torch.randn(n * w, H, D)
             samples.append((n, w, timed(functools.partial(grouped.window, q, k, v, wb, scale), args.repeats)))
@@ -134,7 +150,7 @@ def group_costs(args) -> None:
     try:
         for G in (2, 4, 8, 12):
             cache, k, v = cache_of(G)
-            starts = torch.full((G,), L - 64)
+            starts = torch.full((G,), L - GROUPS_FROM)
             wb = build_window_batch(cache, starts, starts + 8 + torch.arange(G))
             q = torch.randn(wb.num_tokens, H, D)
             calls.append((G, timed(functools.partial(grouped.window, q, k, v, wb, scale), args.repeats)))
@@ -157,5 +173,6 @@ def group_costs(args) -> None:
     }
     report(results, "attention_cpu_groups.json")
 
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))
