@@ -37,13 +37,28 @@ import torch
 
 import hf_blockbatch as hb
 from hf_blockbatch.eval.forward_log import ForwardLog
+from hf_blockbatch.eval.script_args import (
+    nonnegative_float,
+    nonnegative_int,
+    out_file,
+    positive_int,
+    run_main,
+)
+
+#: a random model's prompts are ids below its vocabulary's last RESERVED (the mask and the end token among them)
+RESERVED = 8
+
+
+def random_heads(d_model: int) -> int:
+    """The attention heads of ``--random``'s model of width ``d_model`` (64 wide, at least 4)."""
+    return max(4, d_model // 64)
 
 
 def build_model(args):
     if args.random:
         torch.manual_seed(0)
         d, v = args.d_model, args.vocab
-        cfg = hb.LLaDAConfig(d_model=d, n_heads=max(4, d // 64), n_kv_heads=max(4, d // 64), n_layers=args.layers,
+        cfg = hb.LLaDAConfig(d_model=d, n_heads=random_heads(d), n_kv_heads=random_heads(d), n_layers=args.layers,
                              mlp_hidden_size=3 * d, vocab_size=v, embedding_size=v, max_sequence_length=1024,
                              mask_token_id=v - 1, eos_token_id=v - 2, pad_token_id=v - 2, rope_theta=10000.0)  # fmt: skip
         return hb.LLaDAModelLM(cfg).eval(), None
@@ -105,39 +120,52 @@ def timed_pass(model, prompts, masks, cfg, batch_size: int) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tiny-llada")
     parser.add_argument("--random", action="store_true")
-    parser.add_argument("--d-model", type=int, default=128, help="random model width (tiny checkpoints: 128)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--d-model", type=positive_int, default=128,
+                        help="random model width (tiny checkpoints: 128), a multiple of twice its heads (64 wide, at least 4)")
+    parser.add_argument("--layers", type=positive_int, default=4)
+    parser.add_argument("--vocab", type=positive_int, default=1024, help=f"random model ids, more than {RESERVED}")
     parser.add_argument("--out", default="policy_overhead.json",
                         help="a file name (written under benchmarks/results/) or a path")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per strategy; the median run is reported")
-    parser.add_argument("--warmup", type=int, default=1,
+    parser.add_argument("--prompts", type=positive_int, default=16)
+    parser.add_argument("--batch-size", type=positive_int, default=1)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=96)
+    parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=3, help="runs per strategy; the median run is reported")
+    parser.add_argument("--warmup", type=nonnegative_int, default=1,
                         help="untimed passes over the prompts per strategy before its timed runs (0: none, as before §44)")
     parser.add_argument("--sparse", action="store_true", help="the strategies with window_queries='sparse'")
-    parser.add_argument("--lookahead", type=int, default=0,
+    parser.add_argument("--lookahead", type=nonnegative_int, default=0,
                         help="also Fast-dLLM dual b32 with this many lookahead draft rows (issue 16)")
     parser.add_argument("--lookahead-accept", default="exact", choices=["exact", "contained"],
                         help="which drafts are adopted (FastDLLMConfig.lookahead_accept; RESULTS §16)")
-    parser.add_argument("--callers", type=int, default=0, metavar="N",
+    parser.add_argument("--callers", type=nonnegative_int, default=0, metavar="N",
                         help="also the N functions running most of the policy's operations, with their operations "
                              "and host syncs per forward (exact; RESULTS §26), and the N whose operations take the "
                              "most time, with their share of the policy's operation time (RESULTS §40)")
     parser.add_argument("--presets", action="store_true",
                         help="also FastDLLMConfig.drafted() and drafted(exact=False) at block 32, and the latter "
                              "without its query budget (RESULTS §17)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (0: greedy)")
-    parser.add_argument("--seed", type=int, default=None, help="with --temperature: keyed noise of this seed")
-    args = parser.parse_args()
+    parser.add_argument("--temperature", type=nonnegative_float, default=0.0, help="sample at this temperature (0: greedy)")
+    parser.add_argument("--seed", type=nonnegative_int, default=None, help="with --temperature: keyed noise of this seed")
+    args = parser.parse_args(argv)
+    if args.seed is not None and not args.temperature:  # a greedy decode draws nothing: the seed would be recorded, unused
+        parser.error("--seed keys the sampling noise: give --temperature T > 0 with it, or leave it out")
+    if args.random and args.vocab <= RESERVED:
+        parser.error(f"--vocab must be more than {RESERVED} with --random: its prompts are ids below the last {RESERVED}; "
+                     f"got {args.vocab}")  # fmt: skip
+    if args.random and args.d_model % (2 * random_heads(args.d_model)):
+        parser.error(f"--d-model must be a multiple of twice its {random_heads(args.d_model)} heads (RoPE rotates pairs "
+                     f"of each head's dimensions), e.g. 128 or 512; got {args.d_model}")  # fmt: skip
     # a bare name goes under benchmarks/results/, a path where it says; its folder exists before the run
     out_path = Path(args.out) if Path(args.out).parent != Path() else Path(__file__).parent / "results" / args.out
+    try:
+        out_file(str(out_path))
+    except argparse.ArgumentTypeError as err:
+        parser.error(f"argument --out: {err}")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     model, tokenizer = build_model(args)
@@ -151,7 +179,7 @@ def main() -> None:
         enc = tokenizer(texts, add_special_tokens=False, return_tensors="pt", padding=True)
         prompts, masks = enc.input_ids, enc.attention_mask
     else:
-        prompts = torch.randint(0, vocab - 8, (args.prompts, 24))
+        prompts = torch.randint(0, vocab - RESERVED, (args.prompts, 24))
         masks = torch.ones_like(prompts)
     threshold = 0.9 if not args.random else 0.02
     # --sparse: the same two with sparse window queries (issue 16); --temperature, --seed: every strategy samples
@@ -191,4 +219,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))
