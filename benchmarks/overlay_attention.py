@@ -52,6 +52,7 @@ from step_anatomy import _batches as step_anatomy_batches
 from hf_blockbatch.attention.backends import AttentionBackend, GroupedSDPABackend
 from hf_blockbatch.attention.metadata import GROUP_CALL_COST, WindowBatch
 from hf_blockbatch.eval.runner import load_for_benchmark, load_task, write_report
+from hf_blockbatch.eval.script_args import out_folder, positive_int, run_main
 from hf_blockbatch.generation.configs import FastDLLMConfig
 
 logger = logging.getLogger("overlay_attention")
@@ -328,20 +329,18 @@ def markdown(args: argparse.Namespace, result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-dream")
     p.add_argument("--suite", default="lists")
-    p.add_argument("--block", type=int, default=48, help="the block length (the tuned block)")
-    p.add_argument("--limit", type=int, default=64, help="training items")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--steps", type=int, default=40, help="captured steps with drafts, at most")
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "overlay_attention"))
-    args = p.parse_args()
-    if min(args.limit, args.batch_size, args.steps, args.repeats, args.block) < 1:
-        p.error("--limit, --batch-size, --steps, --repeats and --block must be at least 1")
+    p.add_argument("--block", type=positive_int, default=48, help="the block length (the tuned block)")
+    p.add_argument("--limit", type=positive_int, default=64, help="training items")
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--steps", type=positive_int, default=40, help="captured steps with drafts, at most")
+    p.add_argument("--repeats", type=positive_int, default=20)
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--out", type=out_folder, default=str(Path(__file__).parent / "results" / "overlay_attention"))
+    args = p.parse_args(argv)
     try:
         load_task(args.suite)  # a misspelt suite is said before the model loads
     except ValueError as err:
@@ -353,14 +352,15 @@ def main() -> None:
     with torch.inference_mode():
         steps, decoded = capture(model, batches, config, args.steps)
         if not steps:
-            raise SystemExit("No step carried a draft: try more items or another suite.")
+            raise ValueError("No step carried a draft: try more items (--limit) or another suite.")
         per_step = [measure_step(c, args.repeats) for c in steps]
     result = {"model": args.model, "suite": args.suite, "block": args.block, "limit": args.limit, "decoded": decoded,
               "batch_size": args.batch_size, "repeats": args.repeats, "summary": summarize(per_step), "steps": per_step}  # fmt: skip
-    stem = Path(args.out) / f"{args.model}_{args.suite}_b{args.batch_size}_{args.limit}"
+    # the checkpoint's name, not its path: a --model folder would put the report beside the checkpoint, not under --out
+    stem = Path(args.out) / f"{Path(args.model).name}_{args.suite}_b{args.batch_size}_{args.limit}"
     write_report(stem, result, markdown(args, result))
     print(markdown(args, result))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

@@ -33,6 +33,7 @@ from typing import Any
 
 from hf_blockbatch import cache as cache_mod
 from hf_blockbatch.eval.runner import _encode, load_for_benchmark, load_task, write_report
+from hf_blockbatch.eval.script_args import nonnegative_int, out_folder, positive_int, run_main
 from hf_blockbatch.generation import engine, forward
 from hf_blockbatch.generation.configs import FastDLLMConfig
 from hf_blockbatch.generation.policies import lookahead
@@ -189,23 +190,23 @@ def markdown(model: str, result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llada")
     p.add_argument("--suite", default="code")
-    p.add_argument("--limit", type=int, default=64, help="training items")
-    p.add_argument("--block", type=int, default=64, help="the block length of every decoder (the tuned block)")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--decoders", nargs="+", default=["tuned", "sparse r6", "drafted(exact=False)"], choices=list(DECODERS))
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "step_anatomy"))
+    p.add_argument("--limit", type=positive_int, default=64, help="training items")
+    p.add_argument("--block", type=positive_int, default=64, help="the block length of every decoder (the tuned block)")
+    p.add_argument("--batch-size", type=positive_int, default=1)
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--threads", type=positive_int, default=1)
+    # a metavar: argparse's usage line drops the parentheses of choices such as drafted(), naming a spelling it refuses
+    p.add_argument("--decoders", nargs="+", default=["tuned", "sparse r6", "drafted(exact=False)"], choices=list(DECODERS),
+                   metavar="DECODER", help="of " + ", ".join(f"'{name}'" for name in DECODERS) + " (quote them in a shell)")
+    p.add_argument("--out", type=out_folder, default=str(Path(__file__).parent / "results" / "step_anatomy"))
     p.add_argument("--tag", default="")
-    p.add_argument("--ops", type=int, default=0, metavar="N",
+    p.add_argument("--ops", type=nonnegative_int, default=0, metavar="N",
                    help="also one round under torch.profiler: the N costliest operators of each decoder, for every decoder")
-    args = p.parse_args()
-    if args.limit < 1 or args.batch_size < 1 or args.rounds < 1:
-        p.error("--limit, --batch-size and --rounds must be at least 1")
+    args = p.parse_args(argv)
     try:  # a misspelt suite is said before the model loads
         load_task(args.suite)
     except ValueError as err:
@@ -216,10 +217,11 @@ def main() -> None:
         result["operators"] = operators(model, tokenizer, args.suite, args.limit, args.block, args.batch_size,
                                         args.decoders, args.ops)  # fmt: skip
     result["model"] = args.model
-    stem = Path(args.out) / f"{args.model}_{args.suite}_b{args.batch_size}_{args.limit}{args.tag}"
+    # the checkpoint's name, not its path: a --model folder would put the report beside the checkpoint, not under --out
+    stem = Path(args.out) / f"{Path(args.model).name}_{args.suite}_b{args.batch_size}_{args.limit}{args.tag}"
     write_report(stem, result, markdown(args.model, result))
     print(markdown(args.model, result))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))
