@@ -160,6 +160,9 @@ def _items(family: str, suites: list[str], limit: int) -> tuple[str, list[dict],
 
 
 def main(argv: list[str] | None = None) -> int:
+    # here, not at the top: the worker runs this file in the reference venv, which cannot import our package
+    from hf_blockbatch.eval.script_args import nonnegative_int, out_file, positive_int, probability, read_json
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reference-repo", type=Path, help="the user's checkout of Laurence-Wu/BlockBatch")
     p.add_argument(
@@ -172,13 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--family", choices=["llada", "dream"], default="llada")
     p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
-    p.add_argument("--items", type=int, default=20, help="first N test items of each suite")
-    p.add_argument("--gen-length", type=int, default=64)
-    p.add_argument("--block-sizes", type=int, nargs="+", default=DEFAULTS["block_sizes"])
-    p.add_argument("--threshold", type=float, default=DEFAULTS["threshold"], help="the threshold rule's tau")
+    p.add_argument("--items", type=positive_int, default=20, help="first N test items of each suite")
+    p.add_argument("--gen-length", type=positive_int, default=64)
+    p.add_argument("--block-sizes", type=positive_int, nargs="+", default=DEFAULTS["block_sizes"])
+    p.add_argument("--threshold", type=probability, default=DEFAULTS["threshold"], help="the threshold rule's tau")
     p.add_argument("--merge-threshold", type=float, default=DEFAULTS["merge_threshold"])
-    p.add_argument("--sync-threshold", type=int, default=DEFAULTS["sync_threshold"])
-    p.add_argument("--refresh-interval", type=int, default=DEFAULTS["refresh_interval"])
+    p.add_argument("--sync-threshold", type=nonnegative_int, default=DEFAULTS["sync_threshold"])
+    p.add_argument("--refresh-interval", type=positive_int, default=DEFAULTS["refresh_interval"])
     p.add_argument(
         "--no-float32",
         dest="float32",
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         help="leave the authors' bf16 attention casts in place",
     )
     p.add_argument("--eos-softmax", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--out", type=Path, help="write per-item results and the agreement here (JSON)")
+    p.add_argument("--out", type=out_file, help="write per-item results and the agreement here (JSON)")
     p.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.reference_repo / args.family / "generate_blockBatching_original_bulk.py").is_file():
             p.error(f"{args.reference_repo} has no {args.family}/generate_blockBatching_original_bulk.py: point "
                     "--reference-repo to the folder holding the authors' llada/ and dream/")  # fmt: skip
-    bad = [b for b in args.block_sizes if b <= 0 or args.gen_length % b]
+    bad = [b for b in args.block_sizes if args.gen_length % b]
     if bad:
         p.error(
             f"block sizes {bad} do not divide --gen-length {args.gen_length} (the authors' code requires it)"
@@ -209,10 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "tests"))
     from _reference_blockbatch import reference_blockbatch
 
-    if not 0.0 < args.threshold <= 1.0 or not 0.0 <= args.merge_threshold <= 1.0:
-        p.error("--threshold must lie in (0, 1] and --merge-threshold in [0, 1]")
-    if args.sync_threshold < 0 or args.refresh_interval <= 0:
-        p.error("--sync-threshold must be >= 0 and --refresh-interval > 0")
+    if not 0.0 <= args.merge_threshold <= 1.0:
+        p.error(f"--merge-threshold must lie in [0, 1], got {args.merge_threshold:g}")
+    theirs = None
+    if args.reference_results is not None:  # a file that is no worker output is said before the model loads
+        theirs = read_json(args.reference_results, list, "a worker's output: a list of {\"key\": ..., \"tokens\": ...}")
+        if not all(isinstance(r, dict) and {"key", "tokens", "nfe_authors"} <= r.keys() for r in theirs):
+            raise ValueError(f"{args.reference_results}: an entry lacks key, tokens or nfe_authors: not a worker's output")
     settings = dict(
         block_sizes=sorted(args.block_sizes), gen_length=args.gen_length, threshold=args.threshold,
         merge_threshold=args.merge_threshold, sync_threshold=args.sync_threshold,
@@ -220,9 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     checkpoint, items, model, tokenizer = _items(args.family, args.suites, args.items)
 
-    if args.reference_results is not None:
-        theirs = json.loads(args.reference_results.read_text())
-    else:
+    if theirs is None:
         with tempfile.TemporaryDirectory() as tmp:
             job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
             job.write_text(json.dumps({"reference_repo": str(args.reference_repo.resolve()), "family": args.family,
@@ -266,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_theirs": ref["tokens"], "tokens_restated": tokens, "restated_stats": stats,
         })  # fmt: skip
 
+    if not rows:  # an empty table that exits 0 would read as a comparison that found nothing wrong
+        raise ValueError(f"no reference result matches an item decoded here ({len(items)} items, keys such as "
+                         f"{items[0]['key'] if items else 'arith/0'!r}; the results hold {len(theirs)}): give the "
+                         "--suites and --items they were decoded for")  # fmt: skip
     summary = {}
     for suite in args.suites + ["all"]:
         sel = [r for r in rows if suite == "all" or r["suite"] == suite]
@@ -302,4 +310,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["--worker"]:  # the reference venv: nothing of ours is imported there
+        _worker(*sys.argv[2:4])
+        raise SystemExit(0)
+    from hf_blockbatch.eval.script_args import run_main
+
+    raise SystemExit(run_main(main))
