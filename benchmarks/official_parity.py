@@ -60,6 +60,7 @@ from pathlib import Path
 import torch
 
 import hf_blockbatch as hb
+from hf_blockbatch.eval.script_args import out_file, positive_int, run_main, torch_device
 
 __all__ = [
     "ENV_DREAM",
@@ -316,13 +317,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llada-dir", default=os.environ.get(ENV_LLADA), help=f"(default: ${ENV_LLADA})")
     parser.add_argument("--dream-dir", default=os.environ.get(ENV_DREAM), help=f"(default: ${ENV_DREAM})")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--seeds", type=int, default=3, help="random models per family and dtype")
-    parser.add_argument("--json", dest="json_path", help="also write the results here")
+    parser.add_argument("--device", type=torch_device, default="cpu")
+    parser.add_argument("--seeds", type=positive_int, default=3, help="random models per family and dtype")
+    # checked when parsed: a path under a file failed only once every comparison had run
+    parser.add_argument("--json", dest="json_path", type=out_file, help="also write the results here")
     args = parser.parse_args(argv)
     dirs = {"llada": args.llada_dir, "dream": args.dream_dir}
     if not any(dirs.values()):
         parser.error(f"give --llada-dir / --dream-dir (or set {ENV_LLADA} / {ENV_DREAM}).")
+    for kind, directory in dirs.items():
+        if directory and not Path(directory).is_dir():
+            parser.error(f"--{kind}-dir {directory}: no such folder (a folder holding the official modeling code, e.g. a Hub snapshot)")
     dtypes = [torch.float32, torch.bfloat16]
     results = []
     for kind, directory in dirs.items():
@@ -345,4 +350,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main))
