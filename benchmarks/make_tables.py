@@ -13,31 +13,41 @@ and at batch 1, and tokens per second; one row per folder, suite and method, as 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from hf_blockbatch.eval.runner import headline_markdown
+from hf_blockbatch.eval.script_args import read_json, run_main
 
 
 def _summary(folder: Path) -> dict:
+    """A bench folder's ``summary.json``, refused in one line (a ``ValueError``) when it is absent, not JSON, or
+    holds no tasks with methods: a bench wrote none there."""
     path = folder / "summary.json"
     if not path.is_file():
-        raise SystemExit(f"{path} is absent: pass bench output folders (each holds summary.json).")
-    return json.loads(path.read_text())
+        raise ValueError(f"{path} is absent: pass bench output folders (each holds summary.json).")
+    summary = read_json(path, dict, "a bench's summary.json")
+    tasks = summary.get("tasks")
+    if not isinstance(tasks, dict) or not all(isinstance(t, dict) and isinstance(t.get("methods"), dict) for t in tasks.values()):
+        raise ValueError(f"{path}: no tasks with methods in it: not a summary.json that hf-blockbatch bench wrote.")
+    return summary
 
 
 def rows(folder: Path) -> list[str]:
     summary = _summary(folder)
     out = []
     for task, data in summary["tasks"].items():
-        for method in data["methods"].values():
+        for name, method in data["methods"].items():
             if method.get("alias_of"):
                 continue
-            lo, hi = method["ci95"]
-            out.append(
-                f"| {task} | {method['label']} | {100 * method['accuracy']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}] "
-                f"| {method['n']} | {method['nfe_mean']:.1f} | {method['latency_mean_s']:.3f} |"
-            )
+            try:
+                lo, hi = method["ci95"]
+                out.append(
+                    f"| {task} | {method['label']} | {100 * method['accuracy']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}] "
+                    f"| {method['n']} | {method['nfe_mean']:.1f} | {method['latency_mean_s']:.3f} |"
+                )
+            except (KeyError, TypeError, ValueError) as err:
+                raise ValueError(f"{folder / 'summary.json'}: {task} {name} lacks a figure of the table ({err!r}): "
+                                 "not a summary.json that hf-blockbatch bench wrote.") from None
     return out
 
 
@@ -53,7 +63,7 @@ def headline(folders: list[Path]) -> list[str]:
         for task, data in summary["tasks"].items():
             table = data.get("headline_table")
             if table is None:
-                raise SystemExit(f"{folder}/summary.json has no headline table: it predates it; re-run its bench.")
+                raise ValueError(f"{folder}/summary.json has no headline table: it predates it; re-run its bench.")
             keyed += [(f"{model} / {task}", r) for r in table]
     return headline_markdown(keyed, batches.pop() if len(batches) == 1 else "B", first="Model / suite")
 
@@ -66,12 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.headline:
         print("\n".join(headline(args.folders)))
         return
+    body = [line for folder in args.folders for line in rows(folder)]  # every folder read before the header
     print("| suite | method | accuracy % [95 % CI] | items | mean NFE | latency s/item |")
     print("|---|---|---:|---:|---:|---:|")
-    for folder in args.folders:
-        for line in rows(folder):
-            print(line)
+    print("\n".join(body))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

@@ -20,6 +20,8 @@ import json
 import statistics
 from pathlib import Path
 
+from hf_blockbatch.eval.script_args import out_file, run_main
+
 HERE = Path(__file__).resolve().parent / "results" / "beyond_paper"
 BASELINE = "fd_es_b64"
 
@@ -50,7 +52,7 @@ def oracle(files: list[Path], suite: str) -> dict[str, float] | None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=HERE / "nfe_oracle.md",
+    p.add_argument("--out", type=out_file, default=str(HERE / "nfe_oracle.md"),
                    help="where the table goes (the committed one: RESULTS §35, over the runs committed by then)")
     args = p.parse_args(argv)
     lines = ["| model | suite | configs | items | baseline acc % / NFE | oracle: every answerable item, acc % / NFE (× baseline) | "
@@ -64,9 +66,10 @@ def main(argv: list[str] | None = None) -> None:
                              f"{r['oracle_acc']:.1f} / {r['oracle_nfe']:.2f} ({r['ratio']:.2f} ×) | "
                              f"{r['at_base_nfe']:.2f} ({r['at_base_ratio']:.2f} ×) |")  # fmt: skip
     text = "\n".join(lines) + "\n"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

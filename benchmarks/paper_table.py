@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_blockbatch.eval.runner import tuned_candidate, tuned_fast_dllm
+from hf_blockbatch.eval.script_args import read_json, run_main
 from hf_blockbatch.eval.stats import paired_time_ratio
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -320,7 +321,11 @@ def heldout_blocks(sweeps: Sequence[Path]) -> dict[str, dict[str, dict[str, Any]
 
     picks: dict[str, dict[str, dict[str, Any]]] = {}
     for path in sweeps:
-        run = json.loads(Path(path).read_text())
+        # a file that is not such a run is said in one line (it was a traceback), before anything is recorded
+        run = read_json(path, dict, "a beyond_paper.py run of the block sweep (RESULTS §36)")
+        if not {"model", "limit", "suites", "configs"} <= run.keys() or not isinstance(run["suites"], dict):
+            raise ValueError(f"{path}: not a beyond_paper.py run (it lacks model, limit, suites or configs): give the "
+                             "runs of the block sweep of RESULTS §36")  # fmt: skip
         for suite, results in run["suites"].items():
             gen = int(load_task(suite).default_gen_length)
             points = build_method_configs([], gen, {}, "auto")
@@ -540,4 +545,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))

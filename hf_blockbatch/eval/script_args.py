@@ -133,7 +133,7 @@ def out_file(text: str) -> Path:
     missing; not an existing folder, nor under a file."""
     path = Path(text)
     if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{path} is a folder: name a file in it, e.g. {path / 'results.json'}")
+        raise argparse.ArgumentTypeError(f"{path} is a folder: name a file to write (in it, or elsewhere)")
     problem = folder_problem(path.parent)
     if problem:
         raise argparse.ArgumentTypeError(problem)
