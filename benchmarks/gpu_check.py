@@ -48,6 +48,7 @@ import hf_blockbatch as hb
 from hf_blockbatch.attention import available_backends
 from hf_blockbatch.eval.forward_log import ForwardLog
 from hf_blockbatch.eval.roofline import Geometry, Hardware, price, project
+from hf_blockbatch.eval.script_args import positive_int, probability, run_main
 
 
 def llada_config(layers: int, vocab: int = 126464) -> hb.LLaDAConfig:
@@ -320,15 +321,15 @@ def decoding(device: torch.device, dtype: torch.dtype, layers: int, width: int, 
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--decode-layers", type=int, default=8)
-    parser.add_argument("--threshold", type=float, default=0.02)
-    parser.add_argument("--decode-new-tokens", type=int, default=128)
+    parser.add_argument("--layers", type=positive_int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=20)
+    parser.add_argument("--decode-layers", type=positive_int, default=8)
+    parser.add_argument("--threshold", type=probability, default=0.02)
+    parser.add_argument("--decode-new-tokens", type=positive_int, default=128)
     parser.add_argument("--dry-run", action="store_true", help="sections 2 to 4 only, on the CPU, at width 256")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.dry_run:
         cpu = torch.device("cpu")
         small = hb.LLaDAConfig(d_model=256, n_heads=2, n_kv_heads=2, n_layers=2, mlp_hidden_size=704, vocab_size=4096,
@@ -370,4 +371,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))
