@@ -6,6 +6,7 @@ What each script computes is tested beside the library part it measures."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shlex
 import sys
@@ -139,3 +140,180 @@ def test_the_cli_commands_the_docs_quote_parse(capsys, where: str, args: list[st
         build_parser().parse_args(args)
     except SystemExit:
         pytest.fail(f"{where}: {capsys.readouterr().err.strip().splitlines()[-1]}")
+
+
+# --------------------------------------------------------------------------------------------- bad input
+#: ``(id, script, arguments, what the one error line says)``: bad values each script refuses in one line with exit
+#: status 2, before any model loads. ``{tmp}`` is the test's folder, which holds ``a_file`` (a file),
+#: ``list.json`` (``[1, 2]``), ``five.json`` (``{"mine": 5}``), ``not_json.json`` and ``bench/summary.json`` (not JSON).
+BAD_INPUTS = [
+    ("entropy-bound-hang", "commit_rules_probe", ["--rules", "entropy:-0.5"], "entropy bound (nats) must be >= 0"),
+    ("threshold-above-1", "commit_rules_probe", ["--rules", "threshold:1.5"], "threshold must be in (0, 1]"),
+    ("tau-back-0", "commit_rules_probe", ["--tau-back", "0"], "--tau-back: must be in (0, 1]"),
+    ("block-negative", "commit_rules_probe", ["--block", "-4"], "--block: must be >= 1, got -4"),
+    ("device-unknown", "commit_rules_probe", ["--device", "nosuch"], "not a torch device: 'nosuch'"),
+    ("split-unknown", "window_schedule_probe", ["--split", "nosuch"], "invalid choice: 'nosuch'"),
+    ("items-negative", "localleap_tiny", ["--items", "-3"], "--items: must be >= 1, got -3"),
+    ("block-0", "draft_misses", ["--block", "0"], "--block: must be >= 1, got 0"),
+    ("limit-0", "draft_rankings", ["--limit", "0"], "--limit: must be >= 1, got 0"),
+    ("threads-0", "lookahead_shapes", ["--threads", "0"], "--threads: must be >= 1, got 0"),
+    ("temperature-0", "keyed_draw", ["--temperatures", "0"], "--temperatures: must be > 0"),
+    ("items-0", "noise_designs", ["--items", "0"], "--items: must be >= 1, got 0"),
+    ("bandwidth-0", "gpu_projection", ["--bandwidth", "0"], "--bandwidth: must be > 0"),
+    ("config-file-entry", "gpu_projection", ["--config-file", "{tmp}/five.json"], "entry 'mine' is 5, not a config"),
+    ("config-file-list", "beyond_paper", ["--config-file", "{tmp}/list.json"], "list.json: holds an array"),
+    ("config-file-missing", "beyond_paper", ["--config-file", "{tmp}/none.json"], "none.json: no such file"),
+    ("rounds-0", "beyond_paper", ["--rounds", "0"], "--rounds: must be >= 1, got 0"),
+    ("out-under-a-file", "beyond_paper", ["--out", "{tmp}/a_file/x"], "a_file is a file, not a folder"),
+    ("cells-no-block", "many_masks_grid", ["--cells", "arith"], "expected suite:block"),
+    ("cells-bad-block", "runner_up_grid", ["--cells", "arith:x"], "expected suite:block"),
+    ("repeats-0", "sampling_memory", ["--repeats", "0", "--out", "{tmp}/sm"], "--repeats: must be >= 1, got 0"),
+    ("repeats-0", "attention_cpu", ["--repeats", "0"], "--repeats: must be >= 1, got 0"),
+    ("length-short", "attention_cpu", ["--length", "100"], "--length must be at least 256"),
+    ("callers-negative", "policy_overhead", ["--callers", "-1"], "--callers: must be >= 0, got -1"),
+    ("seed-greedy", "policy_overhead", ["--seed", "5"], "--seed keys the sampling noise"),
+    ("vocab-4", "policy_overhead", ["--random", "--vocab", "4"], "--vocab must be more than 8"),
+    ("ops-negative", "step_anatomy", ["--ops", "-1"], "--ops: must be >= 0, got -1"),
+    ("steps-0", "overlay_attention", ["--steps", "0"], "--steps: must be >= 1, got 0"),
+    ("out-a-folder", "nfe_oracle", ["--out", "{tmp}"], "is a folder: name a file"),
+    ("json-under-a-file", "official_parity", ["--llada-dir", "{tmp}", "--json", "{tmp}/a_file/r.json"],
+     "a_file is a file, not a folder"),
+    ("summary-not-json", "make_tables", ["{tmp}/bench"], "summary.json: not JSON"),
+    ("sweep-a-list", "paper_table", ["--targets", "--heldout-sweep", "{tmp}/list.json"], "list.json: holds an array"),
+    ("results-not-a-run", "reference_side_by_side", ["--reference-results", "{tmp}/five.json"], "five.json: holds an object"),
+    ("repeats-0", "gpu_check", ["--repeats", "0"], "--repeats: must be >= 1, got 0"),
+]
+
+
+def _bad_input_folder(tmp: Path) -> Path:
+    (tmp / "a_file").write_text("")
+    (tmp / "list.json").write_text("[1, 2]")
+    (tmp / "five.json").write_text('{"mine": 5}')
+    (tmp / "not_json.json").write_text("not json")
+    (tmp / "bench").mkdir()
+    (tmp / "bench" / "summary.json").write_text("not json")
+    return tmp
+
+
+def _run_script(monkeypatch, capsys, script: str, args: list[str], load: bool = False) -> tuple[int, str, str]:
+    """``benchmarks/<script>.py args`` as its ``__main__`` runs it (``run_main(main)``): its exit status, stdout and
+    stderr. Unless ``load``, loading a model fails the test: a bad value is refused before any model loads."""
+    import hf_blockbatch as hb
+    from hf_blockbatch import hub
+    from hf_blockbatch.eval.script_args import run_main
+
+    module = load_benchmark(script)
+    if not load:
+        def no_model(*args, **kwargs):
+            raise AssertionError(f"{script} loaded a model before refusing its bad input")
+
+        monkeypatch.setattr(hub, "load_model", no_model)
+        monkeypatch.setattr(hb, "load_model", no_model)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *args])
+    capsys.readouterr()
+    try:
+        status = run_main(module.main)
+    except SystemExit as exit_:  # argparse's error
+        status = exit_.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.parametrize(("script", "args", "says"), [c[1:] for c in BAD_INPUTS], ids=[f"{c[1]}-{c[0]}" for c in BAD_INPUTS])
+def test_a_script_refuses_bad_input_in_one_line_before_any_model_loads(monkeypatch, capsys, tmp_path, script: str,
+                                                                       args: list[str], says: str) -> None:  # fmt: skip
+    """Each bad value gets exit status 2 and one ``error:`` line that says it (argparse's own, or ``run_main``'s), never
+    a hang (``entropy:-0.5`` committed nothing, forever), an empty result that exits 0, or a traceback; and it is said
+    before a model loads. The scripts' output paths are the test's folder: a refusal that came too late would write
+    there, not into the checkout."""
+    tmp = _bad_input_folder(tmp_path)
+    status, out, err = _run_script(monkeypatch, capsys, script, [a.replace("{tmp}", str(tmp)) for a in args])
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert status == 2 and len(errors) == 1 and says in errors[0], (status, err[-600:])
+    assert "Traceback" not in err
+    if script == "make_tables":  # no table header before the failure
+        assert out == ""
+
+
+def test_reference_side_by_side_refuses_results_that_match_no_item(monkeypatch, capsys, tmp_path) -> None:
+    """Reference results decoded for other items left an empty table and exit status 0, which reads as a comparison
+    that found nothing wrong. Needs no outside code: the results file stands in for the authors' decoder."""
+    path = tmp_path / "theirs.json"
+    path.write_text(json.dumps([{"key": "nosuch/0", "tokens": [1], "nfe_authors": 1, "stats": {}}]))
+    status, _, err = _run_script(monkeypatch, capsys, "reference_side_by_side",
+                                 ["--reference-results", str(path), "--suites", "arith", "--items", "1"], load=True)  # fmt: skip
+    assert status == 2 and err.strip().splitlines()[-1].startswith("error: no reference result matches an item")
+
+
+def test_step_anatomy_writes_a_checkpoint_folders_report_under_out(monkeypatch, tmp_path) -> None:
+    """``--model /some/path`` put the report beside the checkpoint: the file is named by the checkpoint's name."""
+    sa = load_benchmark("step_anatomy")
+    written = []
+    monkeypatch.setattr(sa, "load_for_benchmark", lambda *a, **k: (None, None))
+    monkeypatch.setattr(sa, "measure", lambda *a, **k: {})
+    monkeypatch.setattr(sa, "markdown", lambda *a, **k: "")
+    monkeypatch.setattr(sa, "write_report", lambda stem, *a: written.append(stem))
+    monkeypatch.setattr(sys, "argv", ["step_anatomy.py", "--model", str(tmp_path / "ckpt" / "my-llada"), "--out",
+                                      str(tmp_path / "out")])  # fmt: skip
+    sa.main()
+    assert written == [tmp_path / "out" / "my-llada_code_b1_64"]
+
+
+def test_step_anatomy_usage_names_the_decoders_as_they_are_spelt(capsys) -> None:
+    """argparse's usage line dropped the parentheses of the choices (``drafted`` for ``drafted()``, which
+    ``--decoders`` refuses)."""
+    with pytest.raises(SystemExit):
+        load_benchmark("step_anatomy").main(["--help"])
+    text = capsys.readouterr().out
+    assert ",drafted," not in text and "'drafted()'" in text
+
+
+def test_the_shared_argument_types_and_run_main(tmp_path, capsys) -> None:
+    from hf_blockbatch.eval import script_args as sa
+
+    assert (sa.positive_int("3"), sa.nonnegative_int("0"), sa.positive_float("0.5"), sa.probability("1")) == (3, 0, 0.5, 1.0)
+    for kind, text, says in ((sa.positive_int, "0", "must be >= 1, got 0"), (sa.positive_int, "x", "expected an integer"),
+                             (sa.nonnegative_int, "-1", "must be >= 0, got -1"), (sa.positive_float, "0", "must be > 0"),
+                             (sa.positive_float, "nan", "finite"), (sa.probability, "1.5", "must be in (0, 1]"),
+                             (sa.probability, "0", "must be in (0, 1]"), (sa.nonnegative_float, "-1", "must be >= 0")):  # fmt: skip
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(says)):
+            kind(text)
+    (tmp_path / "f").write_text("")
+    assert sa.out_folder(str(tmp_path / "new" / "deeper")) == tmp_path / "new" / "deeper"
+    with pytest.raises(argparse.ArgumentTypeError, match="is a file, not a folder"):
+        sa.out_folder(str(tmp_path / "f" / "x"))
+    with pytest.raises(argparse.ArgumentTypeError, match="is a folder"):
+        sa.out_file(str(tmp_path))
+    (tmp_path / "obj.json").write_text('{"a": 1}')
+    assert sa.read_json(tmp_path / "obj.json") == {"a": 1}
+    with pytest.raises(ValueError, match="holds an object, expected a list of runs"):
+        sa.read_json(tmp_path / "obj.json", list, "a list of runs")
+
+    def raises(err: BaseException):
+        def main() -> None:
+            raise err
+
+        return main
+
+    assert sa.run_main(lambda: None) == 0 and sa.run_main(lambda: 3) == 3 and sa.run_main(lambda: {"report": 1}) == 0
+    capsys.readouterr()
+    for err, says in ((ValueError("bad --x"), "bad --x"), (KeyError("unknown suite 'y'"), "unknown suite 'y'"),
+                      (NotADirectoryError("f is a file"), "f is a file")):  # fmt: skip
+        assert sa.run_main(raises(err)) == 2
+        assert capsys.readouterr().err == f"error: {says}\n"
+    with pytest.raises(RuntimeError):  # not bad input: a fault keeps its traceback
+        sa.run_main(raises(RuntimeError("bug")))
+
+
+def test_the_library_parts_the_scripts_share_refuse_bad_values(tmp_path) -> None:
+    from hf_blockbatch.eval.runner import load_for_benchmark, write_report
+    from hf_blockbatch.tasks import get_suite
+
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        load_for_benchmark("tiny-llada", 0)
+    (tmp_path / "f").write_text("")
+    with pytest.raises(NotADirectoryError, match=r"f is a file, not a folder: name a folder"):
+        write_report(tmp_path / "f" / "sub" / "report", {}, "")
+    with pytest.raises(ValueError, match=re.escape("limit must be >= 0 (or None: every item)")):
+        get_suite("arith").items("test", limit=-3)
+    assert get_suite("arith").items("test", limit=0) == []
