@@ -171,36 +171,36 @@ class Rule:
 
     @classmethod
     def parse(cls, spec: str, tau_back: float = 0.9) -> Rule:
-        """The rule ``spec`` names, its value checked: a threshold or a probability in (0, 1] (0 or less would
-        commit every mask, above 1 only the best one), a gap in [0, 1], an entropy bound >= 0 (below 0 no prefix
-        fits it and the loop never ends), and the shadows' ``tau_back`` in [0, 1] (0: nothing is masked again)."""
+        """The rule ``spec`` names, its value checked: a threshold, a probability or a gap in [0, 1] (0 offers every
+        mask, which the probe's tests use; above 1 nothing reaches it, below 0 is a typo), an entropy bound >= 0
+        (below 0 no prefix fits it, a step commits nothing and the loop never ends), and the shadows' ``tau_back`` in
+        [0, 1] (0: nothing is masked again)."""
         name, _, value = spec.partition(":")
         try:
             x = float(value)
         except ValueError:
             raise ValueError(f"Rule {spec!r}: write name:number, e.g. threshold:0.8 or wino:0.7.") from None
 
-        def within(what: str, low: float, high: float, low_open: bool = True) -> float:
-            if not math.isfinite(x) or x > high or (x <= low if low_open else x < low):
-                span = f">= {low:g}" if high == math.inf else f"in {'(' if low_open else '['}{low:g}, {high:g}]"
-                raise ValueError(f"Rule {spec!r}: {what} must be {span}, got {value}.")
+        def within(what: str, high: float = 1.0) -> float:
+            if not (math.isfinite(x) and 0 <= x <= high):
+                raise ValueError(f"Rule {spec!r}: {what} must be {'>= 0' if high == math.inf else 'in [0, 1]'}, got {value}.")
             return x
 
         if name == "threshold":
-            return cls(spec, within("the threshold", 0, 1))
+            return cls(spec, within("the threshold"))
         if name in ("allin-min", "allin-mean"):
-            return cls(spec, 0.9, allin=name.split("-")[1], gap=within("the gap of two probabilities", 0, 1, False))
+            return cls(spec, 0.9, allin=name.split("-")[1], gap=within("the gap of two probabilities"))
         if name == "entropy":
-            return cls(spec, 1.0, entropy_bound=within("the entropy bound (nats)", 0, math.inf, False))
+            return cls(spec, 1.0, entropy_bound=within("the entropy bound (nats)", math.inf))
         if name == "learned":
-            return cls(spec, 0.9, learned=within("the filter's probability", 0, 1))
+            return cls(spec, 0.9, learned=within("the filter's probability"))
         if name.startswith("isolated") and name[8:].isdigit() and int(name[8:]) >= 1:
-            return cls(spec, 0.9, isolation=int(name[8:]), tau_lone=within("the lone masks' threshold", 0, 1))
+            return cls(spec, 0.9, isolation=int(name[8:]), tau_lone=within("the lone masks' threshold"))
         base, *mods = name.split("-")
         if base == "wino" and set(mods) <= {"loo", "extras", "nocap"} and len(set(mods)) == len(mods):
             if not 0 <= tau_back <= 1:
                 raise ValueError(f"Rule {spec!r}: tau_back must be in [0, 1], got {tau_back!r}.")
-            return cls(spec, within("the threshold", 0, 1), tau_back, shadows_see_shadows="loo" not in mods,
+            return cls(spec, within("the threshold"), tau_back, shadows_see_shadows="loo" not in mods,
                        extras_only="extras" in mods, cap="nocap" not in mods)  # fmt: skip
         raise ValueError(f"Unknown rule {spec!r}: threshold, wino with any of -loo, -extras, -nocap (e.g. wino-loo-extras), "
                          "allin-min, allin-mean, entropy, isolated<d> with d >= 1, learned (each :value).")  # fmt: skip

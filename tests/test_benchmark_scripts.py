@@ -148,7 +148,7 @@ def test_the_cli_commands_the_docs_quote_parse(capsys, where: str, args: list[st
 #: ``list.json`` (``[1, 2]``), ``five.json`` (``{"mine": 5}``), ``not_json.json`` and ``bench/summary.json`` (not JSON).
 BAD_INPUTS = [
     ("entropy-bound-hang", "commit_rules_probe", ["--rules", "entropy:-0.5"], "entropy bound (nats) must be >= 0"),
-    ("threshold-above-1", "commit_rules_probe", ["--rules", "threshold:1.5"], "threshold must be in (0, 1]"),
+    ("threshold-above-1", "commit_rules_probe", ["--rules", "threshold:1.5"], "threshold must be in [0, 1]"),
     ("tau-back-0", "commit_rules_probe", ["--tau-back", "0"], "--tau-back: must be in (0, 1]"),
     ("block-negative", "commit_rules_probe", ["--block", "-4"], "--block: must be >= 1, got -4"),
     ("device-unknown", "commit_rules_probe", ["--device", "nosuch"], "not a torch device: 'nosuch'"),
