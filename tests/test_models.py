@@ -681,3 +681,24 @@ def test_forward_says_what_it_does_not_return(family: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # False / None ask for nothing: no warning, no error
         assert torch.equal(model(ids, output_hidden_states=False, output_attentions=None, labels=None).logits, expected)
+
+
+@pytest.mark.parametrize("family", ["llada", "llada-emb-norm", "dream"])
+def test_inputs_embeds_stand_for_the_embedding_lookup(family: str) -> None:
+    """``inputs_embeds`` give the logits of the ids they embed, with a
+    padding mask, a per-query mask and a cache, as both official forwards take them (they failed with an
+    ``AttributeError`` on ``None``); LLaDA's ``input_emb_norm`` scales them as it scales the lookup."""
+    model = make_tiny_dream() if family == "dream" else make_tiny_llada(input_emb_norm=family == "llada-emb-norm")
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    embeds = model.get_input_embeddings()(ids)
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    per_query = torch.ones(2, 4, 4, dtype=torch.bool).tril()
+    for kwargs in ({}, {"attention_mask": mask}, {"attention_mask": per_query}, {"attention_mask": mask, "use_cache": True}):
+        expected = model(ids, **kwargs).logits
+        assert torch.allclose(model(inputs_embeds=embeds, **kwargs).logits, expected, atol=1e-6), kwargs
+    assert torch.allclose(model(inputs_embeds=embeds.double()).logits, model(ids).logits, atol=1e-6)  # cast
+    for kwargs, message in (({}, "Pass input_ids .* or inputs_embeds"), ({"input_ids": ids, "inputs_embeds": embeds}, "one of them"),
+                            ({"inputs_embeds": embeds[0]}, r"must be \[batch, length, \d+\]"),
+                            ({"inputs_embeds": ids[..., None].expand(2, 4, embeds.shape[-1])}, "floating point")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            model(**kwargs)

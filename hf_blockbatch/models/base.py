@@ -141,7 +141,8 @@ class DiffusionLMMixin:
         )
 
     # ---- provided by the family classes --------------------------------------------------
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, input_ids: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The first layer's input: the embeddings of ``input_ids``, or ``embeds`` given for them (``inputs_embeds``)."""
         raise NotImplementedError
 
     def _decoder_layers(self) -> list[torch.nn.Module]:
@@ -253,7 +254,7 @@ class DiffusionLMMixin:
 
     def forward(
         self,
-        input_ids: torch.LongTensor,
+        input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         cache: BranchCache | None = None,
@@ -262,11 +263,15 @@ class DiffusionLMMixin:
         return_dict: bool | None = None,
         past_key_values: BranchCache | None = None,
         logits_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
         **kwargs,
     ) -> DiffusionLMOutput | tuple:
         """Full bidirectional forward over every position of every row (see module docstring).
 
         ``past_key_values`` is accepted as the older name of ``cache`` (transformers 5 renamed it).
+        ``inputs_embeds`` (``[B, L, hidden]``) stand for the embedding lookup of ``input_ids``, as in both official
+        forwards (LLaDA's ``input_emb_norm`` scaling still applies): research on soft prompts or attributions feeds
+        vectors, not ids. The decoders always pass ids.
         ``logits_mask`` (bool ``[B, L]``): return only those positions' logits, packed ``[n, V]``.
         ``attention_mask`` is the ``[B, L]`` padding mask, or a bool per-query mask ``[B, L, L]`` /
         ``[B, 1, L, L]`` (uncached; positions default to ``0..L-1``, see :meth:`_forward_custom_mask`).
@@ -277,11 +282,14 @@ class DiffusionLMMixin:
         _check_forward_extras(kwargs)
         if cache is None:
             cache = past_key_values
+        embeds = self._checked_embeds(input_ids, inputs_embeds)
+        if embeds is not None:
+            input_ids = embeds[..., 0]  # [B, L]: the shape and device the checks below read
         self._check_ids(input_ids)
         B, L = input_ids.shape
         if attention_mask is not None and attention_mask.dim() in (3, 4):
             return self._forward_custom_mask(input_ids, attention_mask, position_ids, cache, use_cache, logits_mask,
-                                             return_dict)  # fmt: skip
+                                             return_dict, embeds)  # fmt: skip
         if attention_mask is not None:
             attention_mask = attention_mask.to(input_ids.device).bool()
             if attention_mask.shape != (B, L):
@@ -329,7 +337,22 @@ class DiffusionLMMixin:
                                      "forwards rotate by them): drop position_ids, or forward without a cache.")  # fmt: skip
         head_rows = _full_head_rows(logits_mask, B, L)
         ctx = self._context("dense", position_ids, L, cache=cache, rows=cache_rows, key_mask=key_mask)
-        return self._full_output(self._run(self._embed(input_ids), ctx, head_rows), cache, return_dict)
+        return self._full_output(self._run(self._embed(input_ids, embeds), ctx, head_rows), cache, return_dict)
+
+    def _checked_embeds(self, input_ids: torch.Tensor | None, embeds: torch.Tensor | None) -> torch.Tensor | None:
+        """``inputs_embeds`` in the model's dtype, refused unless given instead of ``input_ids`` as ``[B, L, hidden]``."""
+        if (input_ids is None) == (embeds is None):
+            raise ValueError("Pass input_ids ([batch, length] token ids) or inputs_embeds ([batch, length, hidden]): "
+                             "one of them.")  # fmt: skip
+        if embeds is None:
+            return None
+        hidden = self.get_input_embeddings().embedding_dim
+        if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or embeds.shape[-1] != hidden:
+            shape = tuple(embeds.shape) if isinstance(embeds, torch.Tensor) else type(embeds).__name__
+            raise ValueError(f"inputs_embeds must be [batch, length, {hidden}] (this model's hidden size), got {shape}.")
+        if not embeds.is_floating_point():
+            raise ValueError(f"inputs_embeds must be floating point vectors, got {embeds.dtype}: token ids go in input_ids.")
+        return embeds.to(self._placement()[1])
 
     def _full_output(self, hidden: torch.Tensor, cache: BranchCache | None,
                      return_dict: bool | None) -> DiffusionLMOutput | tuple:  # fmt: skip
@@ -340,7 +363,7 @@ class DiffusionLMMixin:
         return DiffusionLMOutput(logits=logits, cache=cache)
 
     def _forward_custom_mask(self, input_ids, attention_mask, position_ids, cache, use_cache, logits_mask,
-                             return_dict) -> DiffusionLMOutput | tuple:  # fmt: skip
+                             return_dict, embeds=None) -> DiffusionLMOutput | tuple:  # fmt: skip
         """``forward`` with a per-query mask (bool ``[B, L, L]`` or ``[B, 1, L, L]``, a batch of 1 standing for
         every row; True where query ``i`` may attend to key ``j``), as transformers' models take a custom 4D
         mask. Why: research decoders ask questions one canvas cannot, e.g. shadow queries that must not see
@@ -373,7 +396,7 @@ class DiffusionLMMixin:
             position_ids = _checked_positions(position_ids, B, L, input_ids.device)
         head_rows = _full_head_rows(logits_mask, B, L)
         ctx = self._context("dense", position_ids, L, cache=None, rows=None, key_mask=mask)
-        return self._full_output(self._run(self._embed(input_ids), ctx, head_rows), None, return_dict)
+        return self._full_output(self._run(self._embed(input_ids, embeds), ctx, head_rows), None, return_dict)
 
     def forward_windows(
         self,

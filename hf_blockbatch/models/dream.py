@@ -236,8 +236,8 @@ class DreamModel(DiffusionLMMixin, BlockBatchGenerationMixin, DreamPreTrainedMod
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+    def _embed(self, input_ids: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids) if embeds is None else embeds
 
     def _decoder_layers(self):
         return self.model.layers

@@ -311,8 +311,8 @@ class LLaDAModelLM(DiffusionLMMixin, BlockBatchGenerationMixin, LLaDAPreTrainedM
         self.config.embedding_size = self.get_input_embeddings().weight.shape[0]
         return out
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.model.transformer.wte(input_ids)
+    def _embed(self, input_ids: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.model.transformer.wte(input_ids) if embeds is None else embeds  # the official order: then the norm
         if self.config.input_emb_norm:
             x = x * (self.config.d_model**0.5)
         return x
