@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 # Writes detach: K/V are kept for reuse by later forwards, never differentiated through (the
 # layers share one storage, which a write of a grad-requiring tensor would pull into the graph).
 
-__all__ = ["BranchCache", "BranchCacheLayer", "release_pooled_storage", "reuse_storage"]
+__all__ = ["BranchCache", "BranchCacheLayer", "checked_padding_mask", "release_pooled_storage", "reuse_storage"]
 
 
 class _StoragePool:
@@ -123,6 +123,22 @@ def _stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if t.requires_grad:
         t = t.detach()
     return t if t.dtype == dtype else t.to(dtype)
+
+
+def checked_padding_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A ``[B, L]`` padding mask as bool, refused unless it holds 0 and 1 only. Why: ``.bool()`` reads 0.5 or 2 as 1,
+    where the official codes add ``(1 - mask) * min`` to the scores (0.5 masks the key, 2 overflows): a weighting is
+    not a padding mask. A bool mask (what the decoders pass) is returned as it is, without a host sync."""
+    if mask.dtype == torch.bool:
+        return mask
+    as_bool = mask.bool()
+    odd = as_bool != mask
+    if bool(odd.any()):
+        raise ValueError(
+            "attention_mask must hold 0 (padding) and 1 (a token) only, as the tokenizer returns it; got "
+            f"{sorted(set(mask[odd].tolist()))[:3]}."
+        )
+    return as_bool
 
 
 class BranchCacheLayer(CacheLayerMixin):
@@ -263,7 +279,7 @@ class BranchCache(Cache):
                 f"attention_mask has shape {tuple(attention_mask.shape)} but the cache holds "
                 f"{self.num_rows} rows of length {self.length}."
             )
-        mask = attention_mask.bool()
+        mask = checked_padding_mask(attention_mask)
         # Left padding only: the varlen backends see each row as [padding | tokens], and RoPE
         # positions start at the first real token. One check per mask change, not per step.
         if mask.shape[1] > 1 and bool((mask[:, 1:] < mask[:, :-1]).any()):

@@ -594,7 +594,7 @@ def test_switches_and_masks_take_their_own_values(monkeypatch):
             with pytest.raises(ValueError, match=f"^{name} must be true or false, got {value!r}"):
                 model.generate(ids, mask, generation_config=cfg, **{name: value})
         for bad in (mask * 2, mask * 0.5, -mask):
-            with pytest.raises(ValueError, match="attention_mask must hold 0 .left padding. and 1 .prompt. only"):
+            with pytest.raises(ValueError, match="attention_mask must hold 0 .padding. and 1 .a token. only"):
                 model.generate(ids, bad, generation_config=cfg)
     assert torch.equal(model.generate(ids, mask.bool(), generation_config=cfg), model.generate(ids, mask, generation_config=cfg))
     assert torch.equal(model.generate(ids, mask.float(), generation_config=cfg), model.generate(ids, mask, generation_config=cfg))

@@ -702,3 +702,18 @@ def test_inputs_embeds_stand_for_the_embedding_lookup(family: str) -> None:
                             ({"inputs_embeds": ids[..., None].expand(2, 4, embeds.shape[-1])}, "floating point")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             model(**kwargs)
+
+
+def test_a_padding_mask_holds_zeros_and_ones() -> None:
+    """The forward and the cache read a ``[B, L]`` mask as padding: 0.5 or 2 were read as 1 (``.bool()``), where the
+    official codes add ``(1 - mask) * min`` to the scores (0.5 masks the key, 2 overflows). A bool mask is as its 0/1."""
+    model = make_tiny_llada()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    mask = torch.tensor([[0, 1, 1, 1]])
+    for odd in (mask * 0.5, mask * 2, mask - 1):
+        with pytest.raises(ValueError, match=r"attention_mask must hold 0 \(padding\) and 1 \(a token\) only"):
+            model(ids, attention_mask=odd)
+        with pytest.raises(ValueError, match=r"attention_mask must hold 0 \(padding\) and 1 \(a token\) only"):
+            model.new_cache(1, 4, attention_mask=odd)
+    assert torch.equal(model(ids, attention_mask=mask.bool()).logits, model(ids, attention_mask=mask).logits)
+    assert torch.equal(model(ids, attention_mask=mask.float()).logits, model(ids, attention_mask=mask).logits)

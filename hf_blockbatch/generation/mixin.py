@@ -24,6 +24,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
+from hf_blockbatch.cache import checked_padding_mask
 from hf_blockbatch.generation.configs import (
     BlockBatchConfig,
     DiffusionGenerationConfig,
@@ -162,12 +163,7 @@ def _checked_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torc
     """The batch's attention mask, refused unless it is left padding around non-empty prompts."""
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}.")
-    am = attention_mask.bool()
-    if bool((am != attention_mask).any()):  # 0.5 or 2 would read as 1: a weighting, not a padding mask
-        raise ValueError(
-            "attention_mask must hold 0 (left padding) and 1 (prompt) only, as the tokenizer returns it; got "
-            f"{sorted(set(attention_mask[am != attention_mask].tolist()))[:3]}."
-        )
+    am = checked_padding_mask(attention_mask)
     if bool((am[:, 1:] < am[:, :-1]).any()):
         raise ValueError("Prompts must be left-padded (tokenizer.padding_side = 'left').")
     empty = (~am.any(1)).nonzero().flatten().tolist()

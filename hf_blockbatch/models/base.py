@@ -45,7 +45,7 @@ from transformers.utils import ModelOutput
 
 from hf_blockbatch.attention.backends import AttentionBackend, get_backend
 from hf_blockbatch.attention.metadata import build_query_batch, build_window_batch, packed_index
-from hf_blockbatch.cache import BranchCache
+from hf_blockbatch.cache import BranchCache, checked_padding_mask
 from hf_blockbatch.models.layers import ForwardContext, RopeTable
 
 logger = logging.getLogger(__name__)
@@ -291,7 +291,7 @@ class DiffusionLMMixin:
             return self._forward_custom_mask(input_ids, attention_mask, position_ids, cache, use_cache, logits_mask,
                                              return_dict, embeds)  # fmt: skip
         if attention_mask is not None:
-            attention_mask = attention_mask.to(input_ids.device).bool()
+            attention_mask = checked_padding_mask(attention_mask.to(input_ids.device))
             if attention_mask.shape != (B, L):
                 raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, L)} (padding), or "
                                  f"{(B, L, L)} / {(B, 1, L, L)} for a bool mask per query.")  # fmt: skip
