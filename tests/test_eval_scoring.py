@@ -11,6 +11,7 @@ import pytest
 from hf_blockbatch.eval.benchmarks import find_data_file, get_benchmark
 from hf_blockbatch.eval.stats import paired_difference, paired_difference_interval, wilson_interval
 from hf_blockbatch.tasks.scoring import (
+    extract_code,
     extract_gsm8k_answer,
     extract_math_answer,
     gsm8k_is_correct,
@@ -18,6 +19,8 @@ from hf_blockbatch.tasks.scoring import (
     math_is_correct,
     math_is_equivalent,
     normalize_math_answer,
+    normalize_number,
+    numbers_equal,
     remove_boxed,
     truncate_at,
 )
@@ -278,3 +281,28 @@ def test_paired_difference_matches_items_by_key() -> None:
     assert d["difference"] == pytest.approx(0.5)
     assert tuple(d["ci95"]) == pytest.approx(paired_difference_interval(1, 2, 0, 1))
     assert paired_difference({0: True}, {1: True}) is None
+
+
+def test_a_huge_exponent_is_no_number_and_returns_at_once():
+    """``Fraction("1e99999999")`` builds the integer exactly (minutes of CPU): such a string compares as written."""
+    import time
+
+    start = time.perf_counter()
+    assert not numbers_equal("1e99999999", "5") and normalize_number("1e99999999") == "1e99999999"
+    assert time.perf_counter() - start < 1.0
+    assert numbers_equal("1e3", "1000") and numbers_equal("2.5e-1", "0.25")
+
+
+def test_a_stop_given_as_a_string_is_one_sequence():
+    """A string is one stop sequence: iterated as characters, "Question:" cut at the first "n"."""
+    assert truncate_at("Answer: 12. Question: next", "Question:") == "Answer: 12. "
+    assert extract_code("def f(x):\n    return None\n[DONE]", "[DONE]") == "def f(x):\n    return None\n"
+
+
+def test_no_completion_scores_as_an_empty_one_in_every_suite():
+    from hf_blockbatch.tasks import SUITES, get_suite
+
+    for name in SUITES:
+        suite = get_suite(name)
+        item = suite.items("test", limit=1)[0]
+        assert suite.score(item, None).correct is False and suite.score(item, "").correct is False

@@ -920,3 +920,10 @@ def test_answer_lengths_and_texts_stop_at_the_first_end_token():
     assert hb.answer_texts(Decoder(), new, [9]) == ["5", "5 6 7 8", ""]
     assert answer_lengths(new[:, :0], [9]).tolist() == [0, 0, 0]
     assert hb.answer_texts(Decoder(), new[:, :0], [9]) == ["", "", ""]
+    # one end id as the tokenizer gives it (tokenizer.eos_token_id), and one row as out.sequences[0, Lp:] gives it
+    assert hb.answer_texts(Decoder(), new, 9) == ["5", "5 6 7 8", ""] and answer_lengths(new, 9).tolist() == [1, 4, 0]
+    assert hb.answer_texts(Decoder(), new[1], [9]) == ["5 6 7 8"]
+    with pytest.raises(ValueError, match="end_ids must be an integer token id"):
+        hb.answer_texts(Decoder(), new, 9.5)
+    with pytest.raises(ValueError, match=r"new_tokens must be \[batch, new\] token ids"):
+        hb.answer_texts(Decoder(), new[None], [9])

@@ -15,7 +15,6 @@ import copy
 import functools
 import json
 import logging
-import operator
 import os
 import sys
 from typing import Any
@@ -32,7 +31,12 @@ from hf_blockbatch.generation.configs import (
     config_from_dict,
 )
 from hf_blockbatch.generation.engine import run_plan
-from hf_blockbatch.generation.outputs import DiffusionGenerateOutput, answer_lengths, end_token_ids
+from hf_blockbatch.generation.outputs import (
+    DiffusionGenerateOutput,
+    answer_lengths,
+    as_token_ids,
+    end_token_ids,
+)
 from hf_blockbatch.generation.plans import check_model, plan_from_config
 
 logger = logging.getLogger(__name__)
@@ -40,22 +44,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["BlockBatchGenerationMixin", "custom_generate", "diffusion_generate", "enable"]
 
 _CONTRACT = ("forward_windows", "new_cache", "logit_shift", "config", "device")
-
-
-def _as_list(value: Any, name: str = "eos_token_id") -> list[int]:
-    """Token ids as a list: one id, a list, tuple or tensor of them, or ``None`` (none). A value that is no
-    integer id is refused naming ``name``: ``int()`` would read ``1.5`` as 1, silently another token."""
-    if value is None:
-        return []
-    if isinstance(value, torch.Tensor):
-        value = value.tolist()
-    values = value if isinstance(value, (list, tuple)) else [value]
-    try:  # ints and numpy / torch integer scalars; not 1.5, "1" or True
-        if any(isinstance(v, bool) for v in values):
-            raise TypeError
-        return [operator.index(v) for v in values]
-    except TypeError:
-        raise ValueError(f"{name} must be an integer token id (or a list of them), got {value!r}.") from None
 
 
 #: fields of a model's plain ``generation_config`` that mean here what they mean to transformers
@@ -137,11 +125,11 @@ def _token_ids(cfg: DiffusionGenerationConfig, config: Any) -> tuple[int, list[i
             "This model's config has no mask_token_id: set generation_config.mask_token_id to the id of the "
             "[MASK] token the model was trained with."
         )
-    eos_ids = _as_list(cfg.eos_token_id) or _as_list(getattr(config, "eos_token_id", None))
+    eos_ids = as_token_ids(cfg.eos_token_id) or as_token_ids(getattr(config, "eos_token_id", None))
     if not eos_ids:
         raise ValueError("No eos_token_id in the generation config or the model config: set one.")
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else getattr(config, "pad_token_id", None)
-    mask_ids, pad_ids = _as_list(mask_id, "mask_token_id"), _as_list(pad_id, "pad_token_id")
+    mask_ids, pad_ids = as_token_ids(mask_id, "mask_token_id"), as_token_ids(pad_id, "pad_token_id")
     if len(mask_ids) != 1 or len(pad_ids) > 1:
         raise ValueError(f"mask_token_id and pad_token_id are one id each, got {mask_id!r} and {pad_id!r}.")
     return mask_ids[0], eos_ids, pad_ids[0] if pad_ids else eos_ids[0]
@@ -302,7 +290,7 @@ def diffusion_generate(
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         input_ids, attention_mask = input_ids.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0)
-    eot_ids = _as_list(getattr(config, "eot_token_id", None))
+    eot_ids = as_token_ids(getattr(config, "eot_token_id", None))
     plan = plan_from_config(cfg, eos_ids, eot_ids)
     check_model(plan, model)
     logger.debug("diffusion_generate: %s", plan)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import torch
 from transformers.utils import ModelOutput
 
-__all__ = ["DecodeResult", "DiffusionGenerateOutput", "answer_lengths", "answer_texts", "end_token_ids"]
+__all__ = ["DecodeResult", "DiffusionGenerateOutput", "answer_lengths", "answer_texts", "as_token_ids", "end_token_ids"]
 
 #: End-of-turn markers of the chat formats in use (LLaDA / Llama-3, Dream / Qwen), by text: not
 #: every config names them, but an answer ends at them as it does at EOS.
@@ -57,7 +58,23 @@ def end_token_ids(tokenizer: Any, model_config: Any = None) -> list[int]:
     return sorted(ids)
 
 
-def answer_lengths(new_tokens: torch.Tensor, end_ids: Iterable[int]) -> torch.Tensor:
+def as_token_ids(value: Any, name: str = "eos_token_id") -> list[int]:
+    """Token ids as a list: one id, a list, tuple or tensor of them, or ``None`` (none). A value that is no
+    integer id is refused naming ``name``: ``int()`` would read ``1.5`` as 1, silently another token."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    values = value if isinstance(value, (list, tuple)) else [value]
+    try:  # ints and numpy / torch integer scalars; not 1.5, "1" or True
+        if any(isinstance(v, bool) for v in values):
+            raise TypeError
+        return [operator.index(v) for v in values]
+    except TypeError:
+        raise ValueError(f"{name} must be an integer token id (or a list of them), got {value!r}.") from None
+
+
+def answer_lengths(new_tokens: torch.Tensor, end_ids: Iterable[int] | int) -> torch.Tensor:
     """``[B]`` tokens before each row's first end token (the row's length when it has none).
 
     A masked canvas has a fixed length: what a decoder left after the first end token (more text
@@ -65,13 +82,20 @@ def answer_lengths(new_tokens: torch.Tensor, end_ids: Iterable[int]) -> torch.Te
     as an autoregressive ``generate`` would have stopped there. Scoring it would also treat the
     strategies unequally, since they fill that region differently.
     """
-    is_end = torch.isin(new_tokens, torch.tensor(list(end_ids), dtype=new_tokens.dtype, device=new_tokens.device))
+    ends = as_token_ids(end_ids, "end_ids")  # one id (tokenizer.eos_token_id) or several
+    is_end = torch.isin(new_tokens, torch.tensor(ends, dtype=new_tokens.dtype, device=new_tokens.device))
     if not new_tokens.shape[-1]:  # no new token (an empty slice of the sequences): empty answers, where argmax fails
         return torch.zeros(new_tokens.shape[:-1], dtype=torch.long, device=new_tokens.device)
     return torch.where(is_end.any(-1), is_end.int().argmax(-1), new_tokens.shape[-1])
 
 
-def answer_texts(tokenizer: Any, new_tokens: torch.Tensor, end_ids: Iterable[int]) -> list[str]:
-    """Each row's answer text: the new tokens before its first end token, special tokens removed."""
+def answer_texts(tokenizer: Any, new_tokens: torch.Tensor, end_ids: Iterable[int] | int) -> list[str]:
+    """Each row's answer text: the new tokens before its first end token, special tokens removed. One row of new
+    tokens (``out.sequences[0, prompt_length:]``) is a batch of one."""
+    if isinstance(new_tokens, torch.Tensor) and new_tokens.dim() == 1:
+        new_tokens = new_tokens[None]
+    if not isinstance(new_tokens, torch.Tensor) or new_tokens.dim() != 2:
+        shape = tuple(new_tokens.shape) if isinstance(new_tokens, torch.Tensor) else type(new_tokens).__name__
+        raise ValueError(f"new_tokens must be [batch, new] token ids (out.sequences[:, prompt_length:]), got {shape}.")
     lengths = answer_lengths(new_tokens, end_ids).tolist()
     return tokenizer.batch_decode([row[:n] for row, n in zip(new_tokens.tolist(), lengths)], skip_special_tokens=True)

@@ -369,6 +369,7 @@ class CodeTask(SyntheticTask):
     def score(self, item: EvalItem, completion: str) -> Score:
         from hf_blockbatch.tasks.execution import check_program
 
+        completion = completion or ""  # no completion scores as an empty one, as the other suites do
         code = extract_code(completion)
         ok = bool(check_program(self.program(item, completion)))
         return Score(correct=ok, extracted=code, detail="passed" if ok else "failed hidden asserts")

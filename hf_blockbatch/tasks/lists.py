@@ -139,7 +139,7 @@ class ListsTask(SyntheticTask):
 
     def score(self, item: EvalItem, completion: str) -> Score:
         """Check the list after ``####`` against the item's rule (any valid form is right)."""
-        got = parse_list_answer(completion)
+        got = parse_list_answer(completion or "")  # no completion scores as an empty one, as the other suites do
         extracted = None if got is None else _fmt(got)
         kind = item.meta["kind"]
         if got is None:

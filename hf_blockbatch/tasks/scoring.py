@@ -41,8 +41,9 @@ __all__ = [
 # shared helpers
 
 
-def truncate_at(text: str, stops: tuple[str, ...] | list[str]) -> str:
-    """Cut ``text`` at the earliest stop sequence.
+def truncate_at(text: str, stops: tuple[str, ...] | list[str] | str) -> str:
+    """Cut ``text`` at the earliest stop sequence (a string is one sequence, not its characters: iterated, "Question:"
+    cut at its "n").
 
     Why: a base model prompted few-shot keeps going after its answer and writes the next
     "Question: ..." itself; lm-eval stops generation there (``until``), and a diffusion decoder
@@ -50,7 +51,7 @@ def truncate_at(text: str, stops: tuple[str, ...] | list[str]) -> str:
     would come from an invented follow-up question.
     """
     cut = len(text)
-    for stop in stops:
+    for stop in (stops,) if isinstance(stops, str) else stops:
         if not stop:
             continue
         i = text.find(stop)
@@ -78,9 +79,8 @@ def normalize_number(text: str) -> str | None:
     s = s.rstrip(".").strip()
     if not s:
         return None
-    try:
-        value = Fraction(s)
-    except (ValueError, ZeroDivisionError):
+    value = _fraction(s)
+    if value is None:
         return s
     if value.denominator == 1:
         return str(value.numerator)
@@ -102,10 +102,24 @@ def numbers_equal(a: str | None, b: str | None) -> bool:
     na, nb = normalize_number(a), normalize_number(b)
     if na is None or nb is None:
         return False
+    fa, fb = _fraction(na), _fraction(nb)
+    return fa == fb if fa is not None and fb is not None else na == nb  # not a number: as written
+
+
+_EXPONENT_RE = re.compile(r"[eE]([+-]?\d+)$")
+#: an exponent beyond any float's: ``Fraction("1e99999999")`` builds the integer exactly, which takes minutes
+_MAX_EXPONENT = 400
+
+
+def _fraction(s: str) -> Fraction | None:
+    """``s`` as an exact rational, or None where it is no number, or past the digit limit or the exponent bound."""
+    exponent = _EXPONENT_RE.search(s)
     try:
-        return Fraction(na) == Fraction(nb)
-    except (ValueError, ZeroDivisionError):  # not a number (or past Python's digit limit): as written
-        return na == nb
+        if exponent and abs(int(exponent.group(1))) > _MAX_EXPONENT:
+            return None
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
 
 
 def extract_gsm8k_answer(text: str) -> str | None:
