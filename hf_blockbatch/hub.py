@@ -96,15 +96,20 @@ def _check_device(device: str | torch.device | None) -> None:
         raise ValueError(f"device={str(device)!r} is not available in this PyTorch: use cpu, or cuda (cuda:0, ...).")
 
 
+#: the dtypes a model loads and computes in
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def checked_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
     """A floating torch dtype, given as one or by name (``"bfloat16"``, ``"torch.float16"``), ``None``, or ``"auto"``
     (the checkpoint's own), or a one-line error: transformers' is an ``AttributeError`` on the ``torch`` module."""
-    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+    # (float8 is floating point to torch, but weights cannot be loaded or computed in it)
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype) and dtype in _COMPUTE_DTYPES:
         return dtype
     named = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
-    if isinstance(named, torch.dtype) and named.is_floating_point:
+    if isinstance(named, torch.dtype) and named in _COMPUTE_DTYPES:
         return named
-    raise ValueError(f"dtype={dtype!r} is not a floating-point torch dtype: use float32, bfloat16 or float16 "
+    raise ValueError(f"dtype={dtype!r} is not a dtype a model loads in: use float32, bfloat16 or float16 "
                      "(a torch.dtype or its name), or 'auto' for the checkpoint's own.")  # fmt: skip
 
 
@@ -129,6 +134,14 @@ def load_model(
     """
     import hf_blockbatch  # noqa: F401  (registers the Auto classes)
 
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
+        raise ValueError(f"name_or_path must name a checkpoint (tiny-llada, tiny-dream, a Hub id or a folder), got "
+                         f"{name_or_path!r}.")  # fmt: skip
+    name_or_path = os.fspath(name_or_path)
+    if "torch_dtype" in kwargs:  # transformers' older name: passed on beside dtype, the default dtype won silently
+        if dtype is not None:
+            raise ValueError("Pass dtype= only (torch_dtype is its older name), not both.")
+        dtype = kwargs.pop("torch_dtype")
     path = resolve_model_path(name_or_path)
     _check_device(device)
     dtype = checked_dtype(dtype)

@@ -58,3 +58,31 @@ def test_fixed_items_decode_to_the_right_answers(loaded, method):
         assert torch.equal(first, again), "greedy decoding must be deterministic"
         text = tok.decode(first[0, ids.shape[1] :], skip_special_tokens=True)
         assert suite.score(item, text).correct, f"{name} {method} {item.id}: {text!r}"
+
+
+def test_load_model_reads_torch_dtype_and_refuses_what_cannot_load() -> None:
+    """transformers' older ``torch_dtype`` was passed on beside the default ``dtype``, which won: float16 asked, float32
+    loaded. Float8 (floating point to torch, no dtype to compute in), no name and both names are refused."""
+    model, _ = hb.load_model("tiny-llada", torch_dtype=torch.float16)
+    assert model.dtype == torch.float16
+    for kwargs, message in ((dict(dtype="float8_e4m3fn"), "is not a dtype a model loads in"),
+                            (dict(dtype="float16", torch_dtype=torch.float16), "Pass dtype= only"),
+                            (dict(name_or_path=None), "name_or_path must name a checkpoint"),
+                            (dict(name_or_path=""), "name_or_path must name a checkpoint")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            hb.load_model(**{"name_or_path": "tiny-llada", **kwargs})
+
+
+def test_a_refused_attention_backend_leaves_the_model_as_it_was() -> None:
+    """The refused name stayed in the config: every later forward failed on it, and a save would have kept it."""
+    from hf_blockbatch.attention.backends import BACKENDS, available_backends, get_backend
+
+    model, _ = hb.load_model("tiny-llada")
+    here = available_backends(model.device, model.dtype)
+    for name in ("nosuch", *(n for n in BACKENDS if n not in here)):  # flash_varlen without flash-attn, ...
+        with pytest.raises(ValueError):
+            model.set_attention_backend(name)
+    assert model.config.window_attention == "auto" and model(torch.tensor([[5, 6, 7]])).logits.shape[1] == 3
+
+    with pytest.raises(ValueError, match="device='tpu' is not a device PyTorch knows"):
+        get_backend("sdpa", "tpu", torch.float32)

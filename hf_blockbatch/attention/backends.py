@@ -263,7 +263,10 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
 
 def get_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
     """Instantiate a backend by name (``"auto"`` picks the fastest that can run here)."""
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:  # torch's message lists every device type it was built to know
+        raise ValueError(f"device={device!r} is not a device PyTorch knows: use cpu or cuda (cuda:0, ...).") from err
     if name == "auto":
         for candidate in _AUTO_ORDER:
             if BACKENDS[candidate].is_available(device, dtype):

@@ -187,10 +187,16 @@ class DiffusionLMMixin:
 
     def set_attention_backend(self, name: str) -> None:
         """Choose the window attention backend by name (``auto``, ``flash_varlen``,
-        ``torch_varlen``, ``sdpa``, ``reference``); stored in the config so it saves and loads."""
+        ``torch_varlen``, ``sdpa``, ``reference``); stored in the config so it saves and loads. A name refused here
+        leaves the backend as it was (it stayed in the config, and every later forward failed on it)."""
+        before = self.config.window_attention
         self.config.window_attention = name
         self._backend_key = None
-        _ = self.attention_backend  # validate now, not at the first forward
+        try:
+            _ = self.attention_backend  # validate now, not at the first forward
+        except ValueError:
+            self.config.window_attention = before
+            raise
 
     # ---- caches --------------------------------------------------------------------------
     def new_cache(self, num_rows: int, length: int, attention_mask: torch.Tensor | None = None) -> BranchCache:
