@@ -717,3 +717,29 @@ def test_a_padding_mask_holds_zeros_and_ones() -> None:
             model.new_cache(1, 4, attention_mask=odd)
     assert torch.equal(model(ids, attention_mask=mask.bool()).logits, model(ids, attention_mask=mask).logits)
     assert torch.equal(model(ids, attention_mask=mask.float()).logits, model(ids, attention_mask=mask).logits)
+
+
+def test_the_forwards_and_new_cache_refuse_ids_sizes_and_masks_they_cannot_use() -> None:
+    """Each of these failed inside torch (an IndexError in the embedding, "negative dimension", an ``AttributeError``
+    on a list) or gave other rows' logits (Dream's windows read a 0/1 integer ``logits_mask`` as row numbers)."""
+    model = make_tiny_llada()
+    size = model.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match=f"input_ids holds token id {size + 5}, outside this model's vocabulary"):
+        model(torch.tensor([[5, size + 5, 7]]))
+    with pytest.raises(ValueError, match="input_ids must be an integer tensor of token ids, got torch.float32"):
+        model(torch.tensor([[5.0, 6.0, 7.0]]))
+    for args, message in (((-1, 12), "num_rows must be a positive integer"), ((2.0, 12), "num_rows must be a positive"),
+                          ((2, 0), "length must be a positive integer"), ((1, 10**5), "exceeds the model's context"),
+                          ((1, 4, [[0, 1, 1, 1]]), "attention_mask must be a .num_rows, length. tensor")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            model.new_cache(*args)
+    dream = make_tiny_dream()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    cache = dream.new_cache(1, 6)
+    dream(ids, cache=cache)
+    window = dict(starts=torch.tensor([2]), ends=torch.tensor([6]), cache=cache)
+    with pytest.raises(ValueError, match="logits_mask must be a bool tensor"):
+        dream.forward_windows(ids, logits_mask=torch.tensor([1, 0, 1, 0]), **window)
+    assert dream.forward_windows(ids, logits_mask=torch.tensor([True, False, True, False]), **window).logits.shape[0] == 2
+    with pytest.raises(ValueError, match="logits_mask must be a bool tensor"):
+        model(torch.tensor([[5, 6, 7]]), logits_mask=torch.ones(1, 3, dtype=torch.long))

@@ -201,6 +201,14 @@ class DiffusionLMMixin:
     # ---- caches --------------------------------------------------------------------------
     def new_cache(self, num_rows: int, length: int, attention_mask: torch.Tensor | None = None) -> BranchCache:
         """An empty :class:`BranchCache` for this model's geometry, device and dtype."""
+        for name, value in (("num_rows", num_rows), ("length", length)):  # (torch said "negative dimension")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        limit = self.config.context_length
+        if limit and length > limit:  # (the next forward would have failed)
+            raise ValueError(f"length={length} exceeds the model's context of {limit} positions.")
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+            raise ValueError(f"attention_mask must be a [num_rows, length] tensor, got {type(attention_mask).__name__}.")
         placed = {str(d) for d in (getattr(self, "hf_device_map", None) or {}).values()} - {"cpu", "disk"}
         if len(placed) > 1:  # the storage, the masks and the step's metadata all live on one device
             raise NotImplementedError(
@@ -231,6 +239,13 @@ class DiffusionLMMixin:
         if cache.length != length:
             raise ValueError(f"The cache holds canvases of length {cache.length}, but input_ids has length {length}.")
 
+    @staticmethod
+    def _check_id_dtype(input_ids: torch.Tensor) -> None:
+        """Token ids are integers: float ids failed inside the embedding (no host read: the dtype alone)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+            what = input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be an integer tensor of token ids, got {what}.")
+
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [rows, length], got shape {tuple(input_ids.shape)}.")
@@ -243,6 +258,7 @@ class DiffusionLMMixin:
 
     def _check_window_inputs(self, input_ids: torch.Tensor, cache: BranchCache) -> None:
         """What the cached forwards (windows, positions) need: the canvas of every cache row."""
+        self._check_id_dtype(input_ids)
         self._check_ids(input_ids)
         self._check_cache(cache, input_ids.shape[1])
         if input_ids.shape[0] != cache.num_rows:
@@ -291,6 +307,12 @@ class DiffusionLMMixin:
         embeds = self._checked_embeds(input_ids, inputs_embeds)
         if embeds is not None:
             input_ids = embeds[..., 0]  # [B, L]: the shape and device the checks below read
+        else:  # ids outside the table failed inside the embedding; one host read (the decoders' full forwards are rare)
+            # (imported here: at the top it is a cycle, the mixin being a base class of the models)
+            from hf_blockbatch.generation.mixin import _check_token_ids
+
+            self._check_id_dtype(input_ids)
+            _check_token_ids(self, input_ids, None)
         self._check_ids(input_ids)
         B, L = input_ids.shape
         if attention_mask is not None and attention_mask.dim() in (3, 4):
@@ -444,6 +466,7 @@ class DiffusionLMMixin:
         keep = wb.token_pos < ends[wb.token_local] - shift if shift else None
         head_rows = None
         if logits_mask is not None:
+            _check_bool_mask(logits_mask)
             predicted = wb.num_tokens - shift * wb.rows.shape[0]
             if tuple(logits_mask.shape) != (predicted,):
                 raise ValueError(
@@ -518,10 +541,18 @@ def _checked_positions(position_ids, B: int, L: int, device: torch.device) -> to
     return pos.long().expand(B, L)
 
 
+def _check_bool_mask(logits_mask: torch.Tensor) -> None:
+    """A 0/1 integer ``logits_mask`` indexed rows 0 and 1 (Dream's windows) where a bool one selects: the dtype only."""
+    if not isinstance(logits_mask, torch.Tensor) or logits_mask.dtype != torch.bool:
+        what = logits_mask.dtype if isinstance(logits_mask, torch.Tensor) else type(logits_mask).__name__
+        raise ValueError(f"logits_mask must be a bool tensor (True: return that position's logits), got {what}.")
+
+
 def _full_head_rows(logits_mask: torch.Tensor | None, B: int, L: int) -> torch.Tensor | None:
     """A full forward's ``logits_mask`` (bool ``[B, L]``) as :func:`_head_rows`, checked; ``None``: every row."""
     if logits_mask is None:
         return None
+    _check_bool_mask(logits_mask)
     if tuple(logits_mask.shape) != (B, L):
         raise ValueError(f"logits_mask has shape {tuple(logits_mask.shape)}, expected {(B, L)}.")
     return _head_rows(logits_mask)
