@@ -575,9 +575,8 @@ def test_input_errors(family: str) -> None:
     model = make(family)  # context: 256 positions
     with pytest.raises(ValueError, match=r"canvas has 257 positions but the model's context is 256.*shorten"):
         model(canvas(1, 257))
-    cache = model.new_cache(1, 300)
-    with pytest.raises(ValueError, match="context is 256"):
-        model.forward_windows(canvas(1, 300), [5], [9], cache)
+    with pytest.raises(ValueError, match="length=300 exceeds the model's context of 256"):  # before any forward
+        model.new_cache(1, 300)
     with pytest.raises(ValueError, match=r"input_ids must be \[rows, length\]"):
         model(canvas(1, 8)[0])
     ids = canvas(2, 8)
