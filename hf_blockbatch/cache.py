@@ -141,6 +141,35 @@ def checked_padding_mask(mask: torch.Tensor) -> torch.Tensor:
     return as_bool
 
 
+def _row_numbers(name: str, rows: torch.Tensor | list[int] | int, device: torch.device) -> torch.Tensor:
+    """``rows`` (a tensor, a list or an int) as a 1-d long tensor of row numbers, refused unless its dtype is an
+    integer one. Why: ``as_tensor(..., dtype=long)`` reads a bool mask ``[True, False, True]`` as the rows 1, 0, 1
+    and truncates 0.9 to row 0, a silent wrong copy. Only the dtype and the shape are checked, which needs no host
+    sync: the row operations run on most decoding steps."""
+    if not isinstance(rows, torch.Tensor):
+        try:
+            rows = torch.as_tensor(rows)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"{name} must be row numbers (a 1-d integer tensor, a list of ints or an int), got "
+                            f"{type(rows).__name__}.") from e  # fmt: skip
+        if rows.numel() == 0:  # as_tensor([]) is float32
+            rows = rows.long()
+    if rows.dtype == torch.bool or rows.is_floating_point() or rows.is_complex():
+        hint = " (for a bool mask, pass mask.nonzero().squeeze(1))" if rows.dtype == torch.bool else ""
+        raise TypeError(f"{name} must hold integer row numbers, got dtype {rows.dtype}{hint}.")
+    if rows.dim() > 1:
+        raise ValueError(f"{name} must be a 1-d list of row numbers, got shape {tuple(rows.shape)}.")
+    return rows.reshape(-1).to(device=device, dtype=torch.long)
+
+
+def _check_rows_in_range(name: str, rows: list[int], num_rows: int) -> None:
+    """Refuse row numbers outside ``[0, num_rows)``, given as a list already on the host (no sync of its own),
+    before anything is written: negative rows do not count from the end here."""
+    bad = [r for r in rows if not 0 <= r < num_rows]
+    if bad:
+        raise ValueError(f"{name} holds rows {bad[:3]} outside the cache's rows 0..{num_rows - 1}.")
+
+
 class BranchCacheLayer(CacheLayerMixin):
     """K/V of one layer for all rows: ``keys``/``values`` of shape ``[R, L, H_kv, D]``."""
 
@@ -215,6 +244,13 @@ class BranchCache(Cache):
         attention_mask: torch.Tensor | None = None,
         model_type: str | None = None,
     ) -> None:
+        # sizes < 1 would fail later with an IndexError (no layers) or a negative dimension inside torch
+        from hf_blockbatch.generation.configs import _check_positive_int  # (generation imports this module)
+
+        sizes = {"num_layers": num_layers, "num_rows": num_rows, "length": length, "num_kv_heads": num_kv_heads,
+                 "head_dim": head_dim}  # fmt: skip
+        for name, size in sizes.items():
+            _check_positive_int(name, size)
         shape = (num_layers, 2, num_rows, length, num_kv_heads, head_dim)
         on_cpu = (torch.device(device) if device is not None else torch.get_default_device()).type == "cpu"
         if _POOL.lending is not None and on_cpu:
@@ -381,14 +417,21 @@ class BranchCache(Cache):
         mask (branches of one request), and only K/V are copied. A destination that holds its
         source's version already holds its K/V (see the class docstring): only the others are copied.
         """
-        src = torch.as_tensor(src, device=self.device, dtype=torch.long)
-        dst = torch.as_tensor(dst, device=self.device, dtype=torch.long)
+        src, dst = _row_numbers("src", src, self.device), _row_numbers("dst", dst, self.device)
         if src.shape != dst.shape:
             raise ValueError(f"copy_rows: src has {src.numel()} rows but dst has {dst.numel()}.")
-        version = self.row_version.index_select(0, src)
-        stale = version != self.row_version.index_select(0, dst)
+        # the versions are read at clamped rows, so that a row out of range reaches the check below (on a GPU an
+        # index_select out of range is a device-side assert, fatal to the process) before anything is written
+        last = self.num_rows - 1
+        version = self.row_version.index_select(0, src.clamp(0, last))
+        stale = version != self.row_version.index_select(0, dst.clamp(0, last))
         # one read back to the host for the pairs and which of them differ
         triples = torch.stack((src, dst, stale.long())).T.tolist()
+        _check_rows_in_range("src", [s for s, _, _ in triples], self.num_rows)
+        dst_rows = [d for _, d, _ in triples]
+        _check_rows_in_range("dst", dst_rows, self.num_rows)
+        if len(set(dst_rows)) != len(dst_rows):
+            raise ValueError(f"copy_rows: dst repeats a row ({dst_rows[:8]}); each row can take one source.")
         pairs = [(s, d) for s, d, differ in triples if differ]
         if pairs and not {s for s, _ in pairs} & {d for _, d in pairs}:
             # One strided copy per row, on every device: a single pass over memory where index_select
@@ -413,7 +456,16 @@ class BranchCache(Cache):
         it wrote its own, and a main row takes an adopted draft's. Only K/V; no position of a ``dst``
         row may also be read from it as a ``src`` (rows of one call are disjoint). One gather and one
         scatter over flat ``row * L + position`` slots: the data moved is the positions, not rows.
-        Nothing to take (most of a draft row's take-backs at batch 1) writes nothing and keeps the rows' versions."""
+        Nothing to take (most of a draft row's take-backs at batch 1) writes nothing and keeps the rows' versions.
+
+        The dtypes and shapes are checked (no host sync: this runs every lookahead step): a ``where`` wider than
+        the canvas would address another row's slots. Rows out of range are left to ``index_copy_``."""
+        src, dst = _row_numbers("src", src, self.device), _row_numbers("dst", dst, self.device)
+        if src.shape != dst.shape:
+            raise ValueError(f"copy_positions: src has {src.numel()} rows but dst has {dst.numel()}.")
+        if where.dtype != torch.bool or where.shape != (src.shape[0], self.length):
+            raise ValueError(f"copy_positions: where must be a bool tensor of shape [len(src), length] = "
+                             f"[{src.shape[0]}, {self.length}], got {where.dtype} of shape {tuple(where.shape)}.")  # fmt: skip
         i, p = where.nonzero(as_tuple=True)
         if not i.numel():  # (nonzero has read its count back already: no sync of its own)
             return
@@ -426,7 +478,13 @@ class BranchCache(Cache):
     def broadcast_rows(self, group: int) -> None:
         """Copy the first row of every run of ``group`` consecutive rows into the other rows of the
         run (BlockBatch's initial forward: one row per request, K/V shared by its branches, whose
-        padding masks are already equal). One strided copy for the whole cache."""
+        padding masks are already equal). One strided copy for the whole cache. ``group`` must divide
+        the number of rows (a group that does not would fail inside ``view``, 0 by dividing by zero)."""
+        from hf_blockbatch.generation.configs import _check_positive_int  # (generation imports this module)
+
+        _check_positive_int("group", group)
+        if self.num_rows % group:
+            raise ValueError(f"broadcast_rows: group={group} does not divide the cache's {self.num_rows} rows.")
         slabs = self._slabs()
         runs = slabs.view(slabs.shape[0], self.num_rows // group, group, -1)
         runs[:, :, 1:].copy_(runs[:, :, :1].expand(-1, -1, group - 1, -1))
@@ -442,10 +500,14 @@ class BranchCache(Cache):
         batch was sized to what fits (a drafted request holds 4 rows), and on a CPU page faults as
         well. The copies run in stream order, and a source row is never overwritten before it is
         read. Rows in any other order (``reorder_cache``) are gathered into new storage.
+
+        ``rows`` are row numbers (integers in ``[0, num_rows)``), not a bool mask: one is refused, as are rows out
+        of range, before anything is moved (this runs when requests retire, and reads the rows back anyway).
         """
-        rows = torch.as_tensor(rows, device=self.device, dtype=torch.long)
+        rows = _row_numbers("rows", rows, self.device)
         slabs = self._slabs()
         kept_rows = rows.tolist()
+        _check_rows_in_range("rows", kept_rows, self.num_rows)
         if all(a < b for a, b in zip(kept_rows, kept_rows[1:])):
             row = self._rows()
             for i, r in enumerate(kept_rows):  # r >= i: a source is never overwritten before it is read

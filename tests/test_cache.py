@@ -177,6 +177,85 @@ def test_copy_rows_errors() -> None:
     cache = random_cache()
     with pytest.raises(ValueError, match="src has 2 rows but dst has 1"):
         cache.copy_rows([0, 1], [2])
+    before = state(cache)
+    # a bool mask or floats were read as row numbers (True -> row 1, 0.9 -> row 0): a silent wrong copy
+    with pytest.raises(TypeError, match="src must hold integer row numbers.*bool.*nonzero"):
+        cache.copy_rows(torch.tensor([True, False]), torch.tensor([2, 3]))
+    with pytest.raises(TypeError, match="dst must hold integer row numbers.*float"):
+        cache.copy_rows([0], [0.9])
+    with pytest.raises(TypeError, match="src must be row numbers"):
+        cache.copy_rows(None, [1])
+    with pytest.raises(ValueError, match="src must be a 1-d list of row numbers"):
+        cache.copy_rows([[0, 1]], [[2, 3]])
+    # rows out of range (an IndexError inside torch before; a device-side assert on a GPU) and repeated
+    # destinations are refused before anything is written
+    with pytest.raises(ValueError, match=r"dst holds rows \[9\] outside the cache's rows 0..4"):
+        cache.copy_rows([0], [9])
+    with pytest.raises(ValueError, match=r"src holds rows \[-1\]"):
+        cache.copy_rows([-1], [0])
+    with pytest.raises(ValueError, match="dst repeats a row"):
+        cache.copy_rows([0, 1], [2, 2])
+    for name, old in before.items():
+        assert torch.equal(state(cache)[name], old), name
+    cache.copy_rows(0, 1)  # single ints are one row each (torch.stack failed on them before)
+    assert torch.equal(state(cache)["k0"][1], before["k0"][0])
+
+
+def test_copy_positions_errors() -> None:
+    """A ``where`` wider than the canvas addressed the next row's slots (flat ``row * L + position``): a silent write
+    into another row. The shapes and dtypes are checked (free: no host sync on a step's hot path)."""
+    cache = random_cache()
+    before = state(cache)
+    wide = torch.zeros(1, L + 5, dtype=torch.bool)
+    wide[0, L + 2] = True
+    with pytest.raises(ValueError, match=r"where must be a bool tensor of shape \[len\(src\), length\] = \[1, 10\]"):
+        cache.copy_positions(torch.tensor([0]), torch.tensor([1]), wide)
+    with pytest.raises(ValueError, match="where must be a bool tensor"):
+        cache.copy_positions(torch.tensor([0]), torch.tensor([1]), torch.ones(1, L, dtype=torch.long))
+    with pytest.raises(ValueError, match="src has 2 rows but dst has 1"):
+        cache.copy_positions(torch.tensor([0, 2]), torch.tensor([1]), torch.ones(2, L, dtype=torch.bool))
+    with pytest.raises(TypeError, match="dst must hold integer row numbers"):
+        cache.copy_positions(torch.tensor([0]), torch.tensor([1.0]), torch.ones(1, L, dtype=torch.bool))
+    for name, old in before.items():
+        assert torch.equal(state(cache)[name], old), name
+    where = torch.zeros(1, L, dtype=torch.bool)
+    where[0, 3] = True
+    cache.copy_positions([0], [1], where)  # lists of rows are row numbers too
+    assert torch.equal(cache.layers[0].keys[1, 3], before["k0"][0, 3])
+
+
+def test_broadcast_rows_errors() -> None:
+    cache = random_cache(rows=4)
+    with pytest.raises(ValueError, match="group=3 does not divide the cache's 4 rows"):
+        cache.broadcast_rows(3)
+    with pytest.raises(ValueError, match="group must be a positive integer, got 0"):
+        cache.broadcast_rows(0)
+
+
+def test_constructor_refuses_sizes_below_one() -> None:
+    with pytest.raises(ValueError, match="num_layers must be a positive integer, got 0"):
+        hb.BranchCache(0, 1, 4, 2, 8)
+    with pytest.raises(ValueError, match="num_rows must be a positive integer, got -1"):
+        hb.BranchCache(2, -1, 4, 2, 8)
+    with pytest.raises(ValueError, match="length must be a positive integer"):
+        hb.BranchCache(2, 1, 0, 2, 8)
+
+
+def test_keep_rows_errors_leave_the_cache_as_it_was() -> None:
+    """A bool mask was read as rows 1, 0, 1, 0 (and kept 4 rows); rows out of range failed only after row 0 had
+    been overwritten and the storage cut. Both are refused before anything moves."""
+    cache = random_cache()
+    before = state(cache)
+    with pytest.raises(TypeError, match="rows must hold integer row numbers.*bool"):
+        cache.keep_rows(torch.tensor([True, False, True, False, True]))
+    with pytest.raises(TypeError, match="rows must hold integer row numbers.*float"):
+        cache.keep_rows([0.5, 2.7])
+    for rows in ([-1], [0, 9], [2, 9, 0]):
+        with pytest.raises(ValueError, match="outside the cache's rows 0..4"):
+            cache.keep_rows(rows)
+    assert cache.num_rows == R
+    for name, old in before.items():
+        assert torch.equal(state(cache)[name], old), name
 
 
 def test_keep_rows_exact() -> None:
