@@ -995,6 +995,11 @@ def test_a_latency_ratio_keeps_each_rounds_pair_together():
         paired_time_ratio([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="some time"):
         paired_time_ratio([1.0], [0.0])
+    # a NaN round (a failed timing) made the ratio NaN; a negative time a negative ratio
+    with pytest.raises(ValueError, match="a's round times must be finite numbers >= 0"):
+        paired_time_ratio([float("nan")], [2.0])
+    with pytest.raises(ValueError, match="b's round times must be finite numbers >= 0"):
+        paired_time_ratio([1.0, 1.0], [1.0, float("inf")])
 
 
 def test_beyond_paper_interleaves_configs_batch_by_batch(tmp_path, monkeypatch):

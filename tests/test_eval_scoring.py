@@ -236,6 +236,22 @@ def test_wilson_interval() -> None:
         wilson_interval(3, 2)
 
 
+def test_wilson_interval_refuses_what_is_no_interval() -> None:
+    """A negative z swapped the bounds, a NaN z returned (0, 1) and n = inf returned (0, 0): each is refused."""
+    with pytest.raises(ValueError, match="z must be > 0"):
+        wilson_interval(3, 10, z=-1.96)
+    with pytest.raises(ValueError, match="z must be a finite number"):
+        wilson_interval(3, 10, z=float("nan"))
+    with pytest.raises(TypeError, match="n must be a whole number of items"):
+        wilson_interval(1, float("inf"))
+    with pytest.raises(TypeError, match="k must be a whole number of items"):
+        wilson_interval(2.5, 10)
+    with pytest.raises(TypeError, match="only_a must be a whole number"):
+        paired_difference_interval(5, 2.5, 1, 2)
+    with pytest.raises(ValueError, match="z must be > 0"):
+        paired_difference_interval(5, 2, 1, 2, z=-1.0)
+
+
 def test_paired_difference_interval_known_shapes() -> None:
     # no disagreement: the difference is 0 and the interval is tighter than two independent ones
     lo, hi = paired_difference_interval(300, 0, 0, 200)
@@ -281,6 +297,9 @@ def test_paired_difference_matches_items_by_key() -> None:
     assert d["difference"] == pytest.approx(0.5)
     assert tuple(d["ci95"]) == pytest.approx(paired_difference_interval(1, 2, 0, 1))
     assert paired_difference({0: True}, {1: True}) is None
+    # lists are not read by position (an AttributeError before): the items are paired by key
+    with pytest.raises(TypeError, match=r"a must map each item's key to whether it was answered right"):
+        paired_difference([True, False], [True, True])
 
 
 def test_a_huge_exponent_is_no_number_and_returns_at_once():

@@ -11,15 +11,30 @@ Fast-dLLM" is a claim we can actually make or refute.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from numbers import Integral, Real
+
+from hf_blockbatch.generation.configs import _check_positive_real
 
 __all__ = ["paired_difference", "paired_difference_interval", "paired_time_ratio", "wilson_interval"]
+
+
+def _check_count(name: str, value: object) -> None:
+    """Counts of items are whole numbers (a NumPy integer too): ``n = inf`` gave the interval (0, 0) and a
+    fractional ``k`` an interval of no count of items; a bool is refused, as the configs refuse it for a size."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be a whole number of items, got {value!r} ({type(value).__name__}).")
 
 
 def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """Wilson score interval for ``k`` successes in ``n`` trials (``z=1.96``: 95 %).
 
-    Returns ``(0.0, 1.0)`` for ``n == 0`` (no information), fractions in [0, 1] otherwise.
+    Returns ``(0.0, 1.0)`` for ``n == 0`` (no information), fractions in [0, 1] otherwise. ``z`` must be a finite
+    number > 0: a negative one swapped the bounds, and NaN returned (0, 1) as if nothing were known.
     """
+    _check_count("k", k)
+    _check_count("n", n)
+    _check_positive_real("z", z)
     if n < 0 or k < 0 or k > n:
         raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
     if n == 0:
@@ -53,6 +68,9 @@ def paired_difference_interval(both: int, only_a: int, only_b: int, neither: int
     Returns ``(-1.0, 1.0)`` for no items.
     """
     counts = (both, only_a, only_b, neither)
+    for name, count in zip(("both", "only_a", "only_b", "neither"), counts):
+        _check_count(name, count)
+    _check_positive_real("z", z)
     if min(counts) < 0:
         raise ValueError(f"paired counts must be >= 0, got {counts}")
     n = sum(counts)
@@ -75,7 +93,12 @@ def paired_difference(a: dict, b: dict, z: float = 1.96) -> dict[str, float | in
 
     ``a`` and ``b`` map an item's key to whether it was answered right. Returns the number of
     shared items, the difference and its interval (fractions), and the 2x2 counts; ``None``
-    when no item is shared."""
+    when no item is shared. Two lists are refused rather than read by position: the items are paired by key,
+    so that two runs over different subsets are compared on the items they share."""
+    for name, side in (("a", a), ("b", b)):
+        if not isinstance(side, Mapping):
+            raise TypeError(f"paired_difference: {name} must map each item's key to whether it was answered right "
+                            f"(e.g. {{r['index']: r['correct'] for r in rows}}), got {type(side).__name__}.")  # fmt: skip
     keys = a.keys() & b.keys()
     if not keys:
         return None
@@ -96,9 +119,14 @@ def paired_time_ratio(a: list[float], b: list[float]) -> float:
     decoder's fast round against the other's slow one. Where the machine drifts between rounds it reads an unpaired
     extreme: on a sitting of RESULTS §51 it gave 1.082 where the rounds' own ratios were 1.037, 1.082 and 1.057
     (RESULTS §52). The total keeps every round's pair together and weighs each round by its length, as a time per
-    item over all of them does."""
+    item over all of them does. A time that is not a finite number >= 0 (a NaN of a failed round) is refused: it
+    would make the ratio NaN, or a negative one."""
     if len(a) != len(b) or not a:
         raise ValueError(f"paired rounds needed: {len(a)} against {len(b)} rounds.")
+    for name, rounds in (("a", a), ("b", b)):
+        bad = [t for t in rounds if isinstance(t, bool) or not isinstance(t, Real) or not math.isfinite(t) or t < 0]
+        if bad:
+            raise ValueError(f"paired_time_ratio: {name}'s round times must be finite numbers >= 0 (seconds), got {bad[:3]}.")
     if min(b) <= 0:
         raise ValueError("the baseline's rounds must have taken some time.")
     return sum(a) / sum(b)
