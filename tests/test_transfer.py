@@ -235,6 +235,18 @@ def test_row_max_of_a_non_contiguous_tensor():
     assert torch.equal(row_max(x)[1], x.max(-1).indices)
 
 
+def test_sample_tokens_refuses_a_negative_temperature_and_an_unknown_remasking():
+    """A negative or NaN temperature raised an UnboundLocalError inside the draw; a misspelt remasking was read as
+    low_confidence."""
+    logits = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="temperature must be >= 0, got -1.0"):
+        sample_tokens(logits, -1.0, "low_confidence", 0)
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        sample_tokens(logits, float("nan"), "low_confidence", 0)
+    with pytest.raises(ValueError, match="remasking must be one of \\('low_confidence', 'random'\\), got 'low_confidense'"):
+        sample_tokens(logits, 0.0, "low_confidense", 0)
+
+
 def test_sample_tokens_greedy_and_confidence():
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
     s = sample_tokens(logits, 0.0, "low_confidence", top_k=2)

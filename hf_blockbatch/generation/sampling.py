@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_blockbatch.generation.configs import _REMASKING, _check_real
 from hf_blockbatch.generation.noise import (
     UNIFORM_MAX,
     UNIFORM_MIN,
@@ -110,7 +111,14 @@ def sample_tokens(
 
     Rows are proposed in chunks of :data:`SAMPLE_CHUNK_ELEMENTS` logits (the noise drawn chunk after chunk: on a
     CPU the same numbers as in one draw).
+
+    A negative or NaN ``temperature`` took no branch of the draw (an UnboundLocalError), and a misspelt
+    ``remasking`` was read as ``low_confidence``: both are refused (Python-level checks, no host sync).
     """
+    if _check_real("temperature", temperature) < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature!r}.")
+    if remasking not in _REMASKING:
+        raise ValueError(f"remasking must be one of {_REMASKING}, got {remasking!r}.")
     rows = max(1, SAMPLE_CHUNK_ELEMENTS // max(logits.shape[-1], 1))
     options = (temperature, top_k, generator, suppress_logit_ids, mask_id, entropy)
     if logits.shape[0] <= rows:
