@@ -46,6 +46,9 @@ def test_the_hash_is_lowbias32_in_exact_integers():
     # the vocabulary-wide hash, on int32 bit patterns (negative where the top bit is set): the same bits
     bits = noise._mix32_bits(torch.tensor(values).to(torch.int32))
     assert (bits.long() & M32).tolist() == [_lowbias32(v) for v in values]
+    # an int32 tensor gave another hash (its products wrap at 2^31, its shifts copy the sign bit): refused
+    with pytest.raises(TypeError, match="mix32 hashes an int64 tensor in place, got torch.int32"):
+        noise.mix32(torch.tensor(values[:8]).to(torch.int32))
     keys = torch.tensor(values[:40])
     got = noise.uniform(keys, 7)
     want = [[(_lowbias32(k ^ _lowbias32(v + noise._TOKEN)) + 0.5) / 2**32 for v in range(7)] for k in values[:40]]

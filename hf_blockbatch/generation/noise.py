@@ -64,7 +64,12 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     """``lowbias32``: a bijective 32-bit hash with low bias, in place on an int64 tensor holding values in
     [0, 2^32) (returned). A product of two such values can pass 2^63 and wrap, which keeps its low 32 bits: the
     only ones kept. (Keys are hashed so; the vocabulary-wide hash of a sampled step runs on int32 bit patterns:
-    :func:`_mix32_bits`.)"""
+    :func:`_mix32_bits`.)
+
+    Another dtype is refused (a free check): an int32 tensor's products wrap at 2^31 and its shifts copy the sign
+    bit, which gives another hash, and a converted copy would break the in-place contract."""
+    if x.dtype != torch.int64:
+        raise TypeError(f"mix32 hashes an int64 tensor in place, got {x.dtype}: pass x.long() (values in [0, 2^32)).")
     for shift, factor in _LOWBIAS32:
         x ^= x >> shift
         if factor is not None:
