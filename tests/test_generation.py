@@ -199,6 +199,16 @@ def test_streamer_receives_the_generated_tokens(family, cfg):
     assert all(len(chunk) > 0 for chunk in s.puts)
 
 
+def test_a_streamer_without_put_and_end_is_refused_before_any_forward():
+    """An object without ``put``/``end`` failed with an AttributeError at the first agreed token."""
+    m = peaked("llada")
+    calls = []
+    m.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises(TypeError, match="streamer must have put\\(token_ids\\) and end\\(\\) methods.*got object"):
+        m.generate(torch.tensor([PROMPT]), streamer=object(), max_new_tokens=8)
+    assert calls == []
+
+
 def test_streamer_gets_ordinary_tensors_it_may_keep():
     """The decode runs in inference mode; a streamer that keeps what it is given gets ordinary host
     tensors (editable in place, as transformers' own generate gives it) that no later step of the
@@ -603,6 +613,26 @@ def test_switches_and_masks_take_their_own_values(monkeypatch):
 def test_config_from_dict_rejects_unknown_strategy():
     with pytest.raises(ValueError, match="Unknown strategy"):
         config_from_dict({"strategy": "beam"})
+
+
+def test_config_from_dict_says_to_parse_a_json_string():
+    """The JSON text itself (or None) failed with an AttributeError on ``.get``."""
+    cfg = BlockBatchConfig(max_new_tokens=G)
+    for data in (cfg.to_json_string(), None):
+        with pytest.raises(TypeError, match=r"data must be a dict, e\.g\. json\.loads\(text\)"):
+            config_from_dict(data)
+
+
+def test_event_from_dict_refuses_an_unknown_or_missing_phase():
+    """A dict without a phase raised a KeyError; an unknown phase was built into a CommitEvent."""
+    from hf_blockbatch.generation.trace import CommitEvent, event_from_dict
+
+    event = {"step": 1, "phase": "block", "branch": 0, "window": [0, 4], "committed": [1], "tokens": [5]}
+    assert event_from_dict(event) == CommitEvent(1, "block", 0, [0, 4], [1], [5])
+    with pytest.raises(ValueError, match=r"phase must be one of \('init', 'block', 'refresh', 'adopt', 'merge', 'sync'\)"):
+        event_from_dict({"step": 1})
+    with pytest.raises(ValueError, match="got 'blok'"):
+        event_from_dict({**event, "phase": "blok"})
 
 
 def test_model_generation_config_is_used_by_default():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Mapping
 from numbers import Real
 from typing import Any
 
@@ -884,7 +885,11 @@ _BY_STRATEGY = {c.strategy: c for c in (VanillaDiffusionConfig, FastDLLMConfig, 
 
 
 def config_from_dict(data: dict[str, Any]) -> DiffusionGenerationConfig:
-    """Rebuild the right config class from a saved dict (its ``strategy`` field)."""
+    """Rebuild the right config class from a saved dict (its ``strategy`` field). A JSON string (what
+    ``to_json_string()`` gives) is refused with a TypeError that says to parse it: ``data.get`` failed on it."""
+    if not isinstance(data, Mapping):
+        raise TypeError(f"config_from_dict: data must be a dict, e.g. json.loads(text) or cfg.to_dict(), got "
+                        f"{type(data).__name__}.")  # fmt: skip
     strategy = data.get("strategy")
     if strategy not in _BY_STRATEGY:
         raise ValueError(f"Unknown strategy {strategy!r}; expected one of {sorted(_BY_STRATEGY)}.")

@@ -13,6 +13,7 @@ carry only the due rows and are counted per request.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -71,10 +72,20 @@ class SyncEvent:
 TraceEvent = CommitEvent | MergeEvent | SyncEvent
 
 
+#: the phases of a :class:`CommitEvent` (its ``phase`` field; merge and sync are events of their own)
+COMMIT_PHASES = ("init", "block", "refresh", "adopt")
+
+
 def event_from_dict(data: dict[str, Any]) -> TraceEvent:
-    """The event a ``to_dict()`` came from (a trace saved as JSON)."""
+    """The event a ``to_dict()`` came from (a trace saved as JSON). A dict without a known ``phase`` is refused:
+    it raised a KeyError, and an unknown phase (a typo, another tool's event) was built into a CommitEvent."""
+    if not isinstance(data, Mapping):
+        raise TypeError(f"event_from_dict: data must be a dict (an event's to_dict()), got {type(data).__name__}.")
     data = dict(data)
-    phase = data.pop("phase")
+    phase = data.pop("phase", None)
+    if phase not in (*COMMIT_PHASES, "merge", "sync"):
+        raise ValueError(f"event_from_dict: phase must be one of {(*COMMIT_PHASES, 'merge', 'sync')} (a to_dict() has "
+                         f"it), got {phase!r}.")  # fmt: skip
     if phase == "merge":
         return MergeEvent(**data)
     if phase == "sync":
