@@ -145,7 +145,10 @@ def _row_numbers(name: str, rows: torch.Tensor | list[int] | int, device: torch.
     """``rows`` (a tensor, a list or an int) as a 1-d long tensor of row numbers, refused unless its dtype is an
     integer one. Why: ``as_tensor(..., dtype=long)`` reads a bool mask ``[True, False, True]`` as the rows 1, 0, 1
     and truncates 0.9 to row 0, a silent wrong copy. Only the dtype and the shape are checked, which needs no host
-    sync: the row operations run on most decoding steps."""
+    sync: the row operations run on most decoding steps, so what the decoders pass (a 1-d long tensor on the
+    cache's device) is answered first, with three reads of its metadata."""
+    if isinstance(rows, torch.Tensor) and rows.dtype is torch.long and len(rows.shape) == 1 and rows.device == device:
+        return rows
     if not isinstance(rows, torch.Tensor):
         try:
             rows = torch.as_tensor(rows)
