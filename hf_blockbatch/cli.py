@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from hf_blockbatch.eval.script_args import positive_int
+from hf_blockbatch.eval.script_args import nonnegative_int, positive_int
 
 __all__ = ["main"]
 
@@ -137,13 +137,6 @@ def _sweep_blocks(text: str) -> list[int] | str:
     if not blocks or any(b < 1 for b in blocks):
         raise argparse.ArgumentTypeError(f"expected positive block sizes, e.g. 16,32,64, or auto; got {text!r}")
     return blocks
-
-
-def _threads(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (or 0: torch's choice), got {value}")
-    return value
 
 
 def _task_path(text: str) -> tuple[str, str]:
@@ -276,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-chat", action="store_true", help="do not apply the chat template (base models)")
     bench.add_argument("--data", action="append", type=_task_path, default=[], metavar="TASK=PATH",
                        help="a local data file for a benchmark, e.g. gsm8k=gsm8k_test.jsonl")  # fmt: skip
-    bench.add_argument("--threads", type=_threads, default=0, help="torch CPU threads (default: torch's choice)")
+    bench.add_argument("--threads", type=nonnegative_int, default=0, help="torch CPU threads (0, the default: torch's choice)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     bench.add_argument("--latency-batch-1", type=positive_int, default=0, metavar="N",
@@ -292,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     demo.add_argument("--concurrency", type=positive_int, default=1, help="decodes at once (the model is shared)")
     demo.add_argument("--max-new-tokens", type=positive_int, default=None, help="upper limit of the slider (256; 512 on GPU)")
-    demo.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    demo.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (0, the default: torch's choice)")
     demo.add_argument("--app", default=None, help="path of the app (default: demo/app.py of this checkout)")
     demo.set_defaults(func=cmd_demo)
 

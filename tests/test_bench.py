@@ -650,7 +650,7 @@ def test_cli_bench(tiny, tmp_path, capsys):
         (["--limit", "-1"], "--limit: must be >= 1"),
         (["--gen-length", "0"], "--gen-length: must be >= 1"),
         (["--batch-size", "0"], "--batch-size: must be >= 1"),
-        (["--threads", "-1"], "--threads: must be >= 1"),
+        (["--threads", "-1"], "--threads: must be >= 0"),
         (["--data", "gsm8k"], "expected TASK=PATH"),
         (["--sweep-blocks", "0,16"], "expected positive block sizes"),
         (["--sweep-blocks", "auto:0"], "'auto' or 'auto:S' with S >= 1"),
