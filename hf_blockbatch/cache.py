@@ -28,6 +28,8 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from hf_blockbatch.checks import check_positive_int
+
 logger = logging.getLogger(__name__)
 
 # Writes detach: K/V are kept for reuse by later forwards, never differentiated through (the
@@ -248,12 +250,10 @@ class BranchCache(Cache):
         model_type: str | None = None,
     ) -> None:
         # sizes < 1 would fail later with an IndexError (no layers) or a negative dimension inside torch
-        from hf_blockbatch.generation.configs import _check_positive_int  # (generation imports this module)
-
         sizes = {"num_layers": num_layers, "num_rows": num_rows, "length": length, "num_kv_heads": num_kv_heads,
                  "head_dim": head_dim}  # fmt: skip
         for name, size in sizes.items():
-            _check_positive_int(name, size)
+            check_positive_int(name, size)
         shape = (num_layers, 2, num_rows, length, num_kv_heads, head_dim)
         on_cpu = (torch.device(device) if device is not None else torch.get_default_device()).type == "cpu"
         if _POOL.lending is not None and on_cpu:
@@ -483,9 +483,7 @@ class BranchCache(Cache):
         run (BlockBatch's initial forward: one row per request, K/V shared by its branches, whose
         padding masks are already equal). One strided copy for the whole cache. ``group`` must divide
         the number of rows (a group that does not would fail inside ``view``, 0 by dividing by zero)."""
-        from hf_blockbatch.generation.configs import _check_positive_int  # (generation imports this module)
-
-        _check_positive_int("group", group)
+        check_positive_int("group", group)
         if self.num_rows % group:
             raise ValueError(f"broadcast_rows: group={group} does not divide the cache's {self.num_rows} rows.")
         slabs = self._slabs()

@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping
 from numbers import Integral, Real
 
-from hf_blockbatch.generation.configs import _check_positive_real
+from hf_blockbatch.checks import check_positive_real
 
 __all__ = ["paired_difference", "paired_difference_interval", "paired_time_ratio", "wilson_interval"]
 
@@ -34,7 +34,7 @@ def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """
     _check_count("k", k)
     _check_count("n", n)
-    _check_positive_real("z", z)
+    check_positive_real("z", z)
     if n < 0 or k < 0 or k > n:
         raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
     if n == 0:
@@ -70,7 +70,7 @@ def paired_difference_interval(both: int, only_a: int, only_b: int, neither: int
     counts = (both, only_a, only_b, neither)
     for name, count in zip(("both", "only_a", "only_b", "neither"), counts):
         _check_count(name, count)
-    _check_positive_real("z", z)
+    check_positive_real("z", z)
     if min(counts) < 0:
         raise ValueError(f"paired counts must be >= 0, got {counts}")
     n = sum(counts)

@@ -13,12 +13,12 @@ shorter last block is what a user would expect. With divisible sizes the behavio
 from __future__ import annotations
 
 import difflib
-import math
 from collections.abc import Mapping
-from numbers import Real
 from typing import Any
 
 from transformers import GenerationConfig
+
+from hf_blockbatch.checks import check_bool, check_positive_int, check_positive_real, check_real
 
 __all__ = [
     "DiffusionGenerationConfig",
@@ -91,21 +91,10 @@ def _is_neutral(name: str, value: Any) -> bool:
     return name in _NEUTRAL and value == _NEUTRAL[name]
 
 
-def _check_real(name: str, value: Any) -> float:
-    """``value`` as a finite float, or a ValueError naming the field: a string (``"high"``), a bool,
-    NaN or an infinity would otherwise pass or fail a range check by accident (NaN compares false
-    with everything, so ``temperature=nan`` passed ``< 0`` and crashed the sampler)."""
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
-    if not math.isfinite(float(value)):
-        raise ValueError(f"{name} must be a finite number, got {value!r}.")
-    return float(value)
-
-
 def _check_threshold(name: str, value: float | None, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if value is None or not (0.0 < _check_real(name, value) <= 1.0):
+    if value is None or not (0.0 < check_real(name, value) <= 1.0):
         raise ValueError(f"{name} must be in (0, 1], got {value!r}.")
 
 
@@ -131,7 +120,7 @@ def _check_rule(cfg: Any) -> None:
             raise ValueError(f"{' and '.join(given)} {'are LocalLeap options' if len(given) > 1 else 'is a LocalLeap option'}: set rule='localleap', or remove {'them' if len(given) > 1 else 'it'}.")
         return
     if cfg.rule == "entropy":
-        if cfg.entropy_bound is None or _check_real("entropy_bound", cfg.entropy_bound) < 0:
+        if cfg.entropy_bound is None or check_real("entropy_bound", cfg.entropy_bound) < 0:
             raise ValueError(f"rule='entropy' commits within `entropy_bound` nats: give a number >= 0 (0.2 is where "
                              f"RESULTS §32 starts), got {cfg.entropy_bound!r}.")  # fmt: skip
         if cfg.factor is not None or getattr(cfg, "steps", None) is not None:
@@ -186,22 +175,6 @@ def _check_window_queries(cfg: Any, cache: str) -> None:
     if r != _REQUERY_RADIUS and cfg.window_queries != "sparse":
         raise ValueError("requery_radius chooses what a sparse block step re-queries: it needs "
                          "window_queries='sparse' (or leave requery_radius at its default).")  # fmt: skip
-
-
-def _check_positive_real(name: str, value: Any) -> None:
-    if not _check_real(name, value) > 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}.")
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    """On/off fields take True or False only: ``"false"`` (a string from a JSON file or a form) is truthy."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r} ({type(value).__name__}).")
 
 
 class DiffusionGenerationConfig(GenerationConfig):
@@ -298,13 +271,13 @@ class DiffusionGenerationConfig(GenerationConfig):
                 "pass the config class of that strategy as generation_config instead."
             )
         self._check_options()
-        _check_positive_int("max_new_tokens", self.max_new_tokens)
-        if self.temperature is None or _check_real("temperature", self.temperature) < 0:
+        check_positive_int("max_new_tokens", self.max_new_tokens)
+        if self.temperature is None or check_real("temperature", self.temperature) < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}.")
-        _check_bool("output_trace", self.output_trace)
+        check_bool("output_trace", self.output_trace)
         for name in ("return_dict_in_generate", "do_sample"):  # None: unset (do_sample then follows the temperature)
             if getattr(self, name) is not None:
-                _check_bool(name, getattr(self, name))
+                check_bool(name, getattr(self, name))
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**64):  # fmt: skip
             raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}.")
@@ -319,7 +292,7 @@ class DiffusionGenerationConfig(GenerationConfig):
                 "temperature=0, or do_sample=True."
             )
         if self.num_return_sequences is not None:
-            _check_positive_int("num_return_sequences", self.num_return_sequences)
+            check_positive_int("num_return_sequences", self.num_return_sequences)
             if self.num_return_sequences > 1 and not (sampling or self.remasking == "random"):
                 raise ValueError(
                     f"num_return_sequences={self.num_return_sequences} needs sampling (temperature > 0 or "
@@ -393,12 +366,12 @@ class VanillaDiffusionConfig(DiffusionGenerationConfig):
         super().validate()
         for name in ("steps", "block_length"):  # None takes the default; 0 must not (it did, silently)
             if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
+                check_positive_int(name, getattr(self, name))
         for flag in ("logits_eos_inf", "confidence_eos_eot_inf"):
-            _check_bool(flag, getattr(self, flag))
+            check_bool(flag, getattr(self, flag))
         steps, block = self.resolved()
-        _check_positive_int("steps", steps)
-        _check_positive_int("block_length", block)
+        check_positive_int("steps", steps)
+        check_positive_int("block_length", block)
         num_blocks = -(-self.max_new_tokens // block)
         if steps % num_blocks:
             raise ValueError(
@@ -571,17 +544,17 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         if self.cache not in ("none", "prefix", "dual"):
             raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}.")
         _check_window_queries(self, self.cache)
-        _check_positive_int("block_length", self.block_length)
+        check_positive_int("block_length", self.block_length)
         for flag in ("early_stop", "skip_completed_block_step"):
-            _check_bool(flag, getattr(self, flag))
+            check_bool(flag, getattr(self, flag))
         chosen = [n for n in _RULES if getattr(self, n) is not None]
         if len(chosen) != 1:
             raise ValueError(f"Give exactly one of threshold, factor or steps (got {chosen or 'none'}).")
         _check_threshold("threshold", self.threshold, allow_none=True)
         if self.factor is not None:
-            _check_positive_real("factor", self.factor)
+            check_positive_real("factor", self.factor)
         if self.steps is not None:
-            _check_positive_int("steps", self.steps)
+            check_positive_int("steps", self.steps)
             num_blocks = -(-self.max_new_tokens // self.block_length)
             if self.steps % num_blocks:
                 raise ValueError(f"steps ({self.steps}) must be a multiple of the number of blocks ({num_blocks}).")
@@ -620,12 +593,12 @@ def _check_lookahead(cfg: FastDLLMConfig) -> None:
     qb = cfg.lookahead_query_budget
     if qb is not None:
         try:
-            positive = _check_real("lookahead_query_budget", qb) > 0
+            positive = check_real("lookahead_query_budget", qb) > 0
         except ValueError:  # one message for every wrong value: it says what a budget is
             positive = False
         if not positive:
             raise ValueError(f"lookahead_query_budget must be a positive number of windows (e.g. 2.0) or None, got {qb!r}.")
-    _check_bool("lookahead_runner_up", cfg.lookahead_runner_up)
+    check_bool("lookahead_runner_up", cfg.lookahead_runner_up)
     if cfg.lookahead_runner_up and k < 3:
         raise ValueError(f"lookahead_runner_up drafts in rows whose shape cannot ride, and with lookahead={k} every shape "
                          "rides whenever a draft can: set lookahead >= 3, or leave lookahead_runner_up False.")  # fmt: skip
@@ -695,7 +668,7 @@ def _check_beyond(cfg: Any) -> None:
     """The issue-16 options: types, ranges, and the parts they need."""
     k = cfg.prune_after_syncs
     if k is not None:
-        _check_positive_int("prune_after_syncs", k)
+        check_positive_int("prune_after_syncs", k)
         if not cfg.sync or len(cfg.block_sizes) < 2:
             raise ValueError("prune_after_syncs prunes branches that were synced: it needs sync=True and at least two "
                              "block_sizes (or set prune_after_syncs=None).")  # fmt: skip
@@ -835,23 +808,23 @@ class BlockBatchConfig(DiffusionGenerationConfig):
         if not self.block_sizes:
             raise ValueError("block_sizes must name at least one block size, e.g. [4, 8, 16, 32, 64].")
         for i, b in enumerate(self.block_sizes):
-            _check_positive_int(f"block_sizes[{i}]", b)
+            check_positive_int(f"block_sizes[{i}]", b)
         if len(set(self.block_sizes)) != len(self.block_sizes):
             raise ValueError(f"block_sizes must not repeat a size, got {self.block_sizes}.")
         if (self.threshold is None) == (self.factor is None):
             raise ValueError("Give exactly one of threshold or factor.")
         _check_threshold("threshold", self.threshold, allow_none=True)
         if self.factor is not None:
-            _check_positive_real("factor", self.factor)
+            check_positive_real("factor", self.factor)
         _check_threshold("merge_threshold", self.merge_threshold)
         if not isinstance(self.sync_threshold, int) or isinstance(self.sync_threshold, bool) or self.sync_threshold < 0:
             raise ValueError(f"sync_threshold must be an integer >= 0, got {self.sync_threshold!r}.")
         if self.refresh not in ("periodic", "divergence", "off"):
             raise ValueError(f"refresh must be 'periodic', 'divergence' or 'off', got {self.refresh!r}.")
-        _check_positive_int("refresh_interval", self.refresh_interval)
-        _check_positive_real("divergence_threshold", self.divergence_threshold)
+        check_positive_int("refresh_interval", self.refresh_interval)
+        check_positive_real("divergence_threshold", self.divergence_threshold)
         for flag in ("merge", "sync", "early_stop", "skip_completed_block_step"):
-            _check_bool(flag, getattr(self, flag))
+            check_bool(flag, getattr(self, flag))
         if self.variant not in ("ours", "reference"):
             raise ValueError(f"variant must be 'ours' or 'reference' (the authors' bulk BlockBatch), got {self.variant!r}.")
         if self.variant == "reference":

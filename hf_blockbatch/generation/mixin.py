@@ -24,12 +24,8 @@ from transformers import GenerationConfig
 from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from hf_blockbatch.cache import checked_padding_mask
-from hf_blockbatch.generation.configs import (
-    BlockBatchConfig,
-    DiffusionGenerationConfig,
-    _check_bool,
-    config_from_dict,
-)
+from hf_blockbatch.checks import check_bool
+from hf_blockbatch.generation.configs import BlockBatchConfig, DiffusionGenerationConfig, config_from_dict
 from hf_blockbatch.generation.engine import run_plan
 from hf_blockbatch.generation.outputs import (
     DiffusionGenerateOutput,
@@ -279,13 +275,13 @@ def diffusion_generate(
     if input_ids is None:
         raise ValueError("Pass the prompts as input_ids ([batch, prompt_length]).")
     cfg = _resolve_config(model, generation_config, kwargs)
-    _check_bool("pad_after_end", pad_after_end)
+    check_bool("pad_after_end", pad_after_end)
     # a streamer without put/end failed with an AttributeError at the first agreed token, after forwards had run
     if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
         raise TypeError(f"streamer must have put(token_ids) and end() methods, as transformers' TextStreamer has, got "
                         f"{type(streamer).__name__}.")  # fmt: skip
     if return_dict_in_generate is not None:  # before any forward, as every bad input
-        _check_bool("return_dict_in_generate", return_dict_in_generate)
+        check_bool("return_dict_in_generate", return_dict_in_generate)
     input_ids, attention_mask = _checked_inputs(model, cfg, input_ids, attention_mask, generator)
     config = model.config
     mask_id, eos_ids, pad_id = _token_ids(cfg, config)

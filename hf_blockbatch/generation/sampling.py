@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_blockbatch.generation.configs import _REMASKING, _check_real
+from hf_blockbatch.checks import check_real
+from hf_blockbatch.generation.configs import _REMASKING
 from hf_blockbatch.generation.noise import (
     UNIFORM_MAX,
     UNIFORM_MIN,
@@ -115,7 +116,7 @@ def sample_tokens(
     A negative or NaN ``temperature`` took no branch of the draw (an UnboundLocalError), and a misspelt
     ``remasking`` was read as ``low_confidence``: both are refused (Python-level checks, no host sync).
     """
-    if _check_real("temperature", temperature) < 0:
+    if check_real("temperature", temperature) < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature!r}.")
     if remasking not in _REMASKING:
         raise ValueError(f"remasking must be one of {_REMASKING}, got {remasking!r}.")

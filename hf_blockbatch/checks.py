@@ -1,0 +1,41 @@
+"""Checks of single values (numbers, counts, switches) that every layer refuses the same way, in one line naming
+the field: the configs, generate's keywords, the cache, the sampler and the statistics.
+
+Why a module of its own, at the bottom: the cache and the statistics sit below the configs, and each read these
+checks from the configs' module, the cache with an import inside two of its methods (a top-level one is a cycle).
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+from typing import Any
+
+__all__ = ["check_bool", "check_positive_int", "check_positive_real", "check_real"]
+
+
+def check_real(name: str, value: Any) -> float:
+    """``value`` as a finite float, or a ValueError naming the field: a string (``"high"``), a bool,
+    NaN or an infinity would otherwise pass or fail a range check by accident (NaN compares false
+    with everything, so ``temperature=nan`` passed ``< 0`` and crashed the sampler)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
+    return float(value)
+
+
+def check_positive_real(name: str, value: Any) -> None:
+    if not check_real(name, value) > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}.")
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def check_bool(name: str, value: Any) -> None:
+    """On/off fields take True or False only: ``"false"`` (a string from a JSON file or a form) is truthy."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r} ({type(value).__name__}).")
