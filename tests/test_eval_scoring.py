@@ -302,6 +302,18 @@ def test_paired_difference_matches_items_by_key() -> None:
         paired_difference([True, False], [True, True])
 
 
+def test_paired_difference_reads_only_outcomes() -> None:
+    """A string ``"False"`` is truthy: it was counted as a right answer. Outcomes are bools or 0/1 numbers."""
+    import numpy as np
+    import torch
+
+    d = paired_difference({0: 1, 1: np.bool_(False), 2: torch.tensor(True)}, {0: 0.0, 1: True, 2: 1.0})
+    assert (d["both"], d["only_a"], d["only_b"], d["neither"]) == (1, 1, 1, 0)
+    for bad in ("False", None, 0.5, float("nan")):
+        with pytest.raises(ValueError, match=r"b's values must say whether each item was answered right"):
+            paired_difference({0: True}, {0: bad})
+
+
 def test_a_huge_exponent_is_no_number_and_returns_at_once():
     """``Fraction("1e99999999")`` builds the integer exactly (minutes of CPU): such a string compares as written."""
     import time

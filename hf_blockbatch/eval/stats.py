@@ -88,6 +88,18 @@ def paired_difference_interval(both: int, only_a: int, only_b: int, neither: int
     return max(-1.0, d - lower), min(1.0, d + upper)
 
 
+def _is_outcome(value: object) -> bool:
+    """Whether ``value`` is a right/wrong outcome: a bool or a number equal to 0 or 1 (numpy and 0-d torch
+    booleans included). A string such as ``"False"`` is not: ``bool("False")`` is true, so reading it as one
+    would count a wrong item as right."""
+    if isinstance(value, (str, bytes)) or value is None:
+        return False
+    try:
+        return bool(value == 0) or bool(value == 1)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
 def paired_difference(a: dict, b: dict, z: float = 1.96) -> dict[str, float | int] | None:
     """``acc(a) - acc(b)`` over the items both were scored on, with its paired interval.
 
@@ -102,6 +114,11 @@ def paired_difference(a: dict, b: dict, z: float = 1.96) -> dict[str, float | in
     keys = a.keys() & b.keys()
     if not keys:
         return None
+    for name, side in (("a", a), ("b", b)):
+        bad = [(k, side[k]) for k in keys if not _is_outcome(side[k])]
+        if bad:
+            raise ValueError(f"paired_difference: {name}'s values must say whether each item was answered right "
+                             f"(True/False or 1/0), got {bad[0][1]!r} for item {bad[0][0]!r}.")  # fmt: skip
     both = sum(bool(a[k]) and bool(b[k]) for k in keys)
     only_a = sum(bool(a[k]) and not b[k] for k in keys)
     only_b = sum(not a[k] and bool(b[k]) for k in keys)
