@@ -246,6 +246,47 @@ def _(**_):
     return _generate(stopping_criteria=[lambda *a: True])
 
 
+@case("do-sample-string")
+def _(**_):
+    return _generate(do_sample="no")
+
+
+# ---------------------------------------------------------------------------- the model itself
+
+
+@case("forward-float-ids")
+def _(**_):
+    from conftest import make_tiny_llada
+
+    return _message(lambda: make_tiny_llada()(torch.tensor([[5.0, 6.0, 7.0]])))
+
+
+@case("forward-ids-and-embeds")
+def _(**_):
+    from conftest import make_tiny_llada
+
+    model = make_tiny_llada()
+    embeds = model.get_input_embeddings()(torch.tensor([[5, 6, 7]]))
+    return _message(lambda: model(input_ids=torch.tensor([[5, 6, 7]]), inputs_embeds=embeds))
+
+
+@case("forward-logits-mask-integer")
+def _(**_):
+    from conftest import make_tiny_llada
+
+    return _message(lambda: make_tiny_llada()(torch.tensor([[5, 6, 7]]), logits_mask=torch.tensor([[0, 0, 1]])))
+
+
+@case("attention-backend-unknown")
+def _(**_):
+    from conftest import make_tiny_llada
+
+    return _message(lambda: make_tiny_llada().set_attention_backend("flash"))
+
+
+# ---------------------------------------------------------------------------------- load_model
+
+
 # ---------------------------------------------------------------------------------- load_model
 
 
@@ -292,6 +333,11 @@ def _(tmp_path, **_):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(hb.TINY_LLADA) / name, folder / name)
     return _message(lambda: hb.load_model(str(folder)))
+
+
+@case("dtype-float8")
+def _(**_):
+    return _message(lambda: hb.load_model("tiny-llada", torch_dtype=torch.float8_e4m3fn))
 
 
 @case("device-tpu")
@@ -396,6 +442,13 @@ def _tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(Path(hb.TINY_LLADA)))
+
+
+@case("paired-difference-string")
+def _(**_):
+    from hf_blockbatch.eval.stats import paired_difference
+
+    return _message(lambda: paired_difference({0: True, 1: False}, {0: True, 1: "False"}))
 
 
 # ---------------------------------------------------------------------------------------- demo
