@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from hf_blockbatch.eval.runner import (
+    ALL_TASKS,
     _encode,
     _score_all,
     key_sampling_noise,
@@ -469,7 +470,7 @@ def render(model: str, limit: int, table: dict[str, dict[str, dict[str, float]]]
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llada")
-    p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
+    p.add_argument("--suites", nargs="+", choices=ALL_TASKS, default=["arith", "code", "lists"], metavar="SUITE")
     p.add_argument("--limit", type=positive_int, default=120, help="items per suite (the first of the split)")
     p.add_argument("--split", choices=("train", "test"), default="train",
                    help="train: choose configs on training items; test: report on the test split (never to choose)")

@@ -69,6 +69,7 @@ import torch
 from tqdm import tqdm
 
 from hf_blockbatch.eval.runner import (
+    ALL_TASKS,
     _check_prompts_fit,
     _encode,
     _score_all,
@@ -423,7 +424,7 @@ def load_from_arguments(args: argparse.Namespace) -> tuple:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(p)
-    p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
+    p.add_argument("--suites", nargs="+", choices=ALL_TASKS, default=["arith", "code", "lists"], metavar="SUITE")
     p.add_argument("--limit", type=positive_int, default=200, help="items per suite")
     p.add_argument("--split", default="train", choices=("train", "test"), help="the tiny suites' training items by default; the real benchmarks "
                    "(gsm8k, math, humaneval, mbpp) ship their test split only: a check of a claim, not a place to tune")

@@ -53,6 +53,7 @@ from hf_blockbatch.generation.configs import FastDLLMConfig
 from hf_blockbatch.generation.engine import Run
 from hf_blockbatch.generation.policies.lookahead import DRAFT_SHAPES, Lookahead
 from hf_blockbatch.generation.state import DecodeState
+from hf_blockbatch.tasks import SUITES
 
 logger = logging.getLogger("draft_misses")
 
@@ -220,7 +221,7 @@ def heldout_block(model: str, suite: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llada")
-    p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
+    p.add_argument("--suites", nargs="+", choices=SUITES, default=["arith", "code", "lists"], metavar="SUITE")
     p.add_argument("--limit", type=positive_int, default=200, help="training items per suite")
     p.add_argument("--block", type=positive_int, default=None, help="one block for every suite (default: each suite's block "
                    "picked on training items, results/targets/heldout_blocks.json)")  # fmt: skip

@@ -31,6 +31,7 @@ from hf_blockbatch.eval.runner import _encode, load_for_benchmark, load_task, wr
 from hf_blockbatch.eval.script_args import nonnegative_int, out_folder, positive_int, run_main
 from hf_blockbatch.generation.configs import FastDLLMConfig
 from hf_blockbatch.generation.trace import CommitEvent
+from hf_blockbatch.tasks import SUITES
 
 logger = logging.getLogger("draft_rankings")
 
@@ -101,7 +102,7 @@ def count(model, tokenizer, suite: str, limit: int, block: int, radius: int, bat
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llada")
-    p.add_argument("--suites", nargs="+", default=["code"])
+    p.add_argument("--suites", nargs="+", choices=SUITES, default=["code"], metavar="SUITE")
     p.add_argument("--limit", type=positive_int, default=200, help="training items per suite")
     p.add_argument("--block", type=positive_int, default=64)
     p.add_argument("--radius", type=nonnegative_int, default=6, help="sparse Fast-dLLM's re-query radius (the presets' 6)")

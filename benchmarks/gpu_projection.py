@@ -71,6 +71,7 @@ from hf_blockbatch.eval.script_args import (
     run_main,
 )
 from hf_blockbatch.generation.configs import config_from_dict
+from hf_blockbatch.tasks import SUITES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # a sibling script: its named configs
 import beyond_paper  # noqa: E402
@@ -139,7 +140,7 @@ def render(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llada")
-    p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
+    p.add_argument("--suites", nargs="+", choices=SUITES, default=["arith", "code", "lists"], metavar="SUITE")
     p.add_argument("--limit", type=positive_int, default=64, help="training items per suite")
     p.add_argument(
         "--configs",

@@ -30,7 +30,7 @@ from tqdm import tqdm
 import hf_blockbatch as hb
 from hf_blockbatch.eval.script_args import nonnegative_int, out_file, positive_float, positive_int, run_main
 from hf_blockbatch.generation import noise, sampling
-from hf_blockbatch.tasks import get_suite
+from hf_blockbatch.tasks import SUITES, get_suite
 
 logger = logging.getLogger("keyed_draw")
 
@@ -127,7 +127,7 @@ def replay_parser(description: str, repeats: int, out: str) -> argparse.Argument
     which synthetic rows, how many timed passes, where the results go."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--models", nargs="+", default=["tiny-llada", "tiny-dream"])
-    p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
+    p.add_argument("--suites", nargs="+", choices=SUITES, default=["arith", "code", "lists"], metavar="SUITE")
     p.add_argument("--items", type=positive_int, default=16, help="training items per suite")
     p.add_argument("--batch-size", type=positive_int, default=16)
     # a keyed draw samples: at temperature 0 the decodes are greedy and draw nothing to time

@@ -29,6 +29,7 @@ from hf_blockbatch.eval.script_args import out_folder, positive_int, run_main
 from hf_blockbatch.generation.configs import FastDLLMConfig
 from hf_blockbatch.generation.policies.lookahead import DRAFT_SHAPES
 from hf_blockbatch.generation.trace import SyncEvent
+from hf_blockbatch.tasks import SUITES
 
 logger = logging.getLogger("lookahead_shapes")
 
@@ -59,7 +60,7 @@ def count(model, tokenizer, suite: str, limit: int, block: int, batch_size: int)
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llada")
-    p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
+    p.add_argument("--suites", nargs="+", choices=SUITES, default=["arith", "code", "lists"], metavar="SUITE")
     p.add_argument("--limit", type=positive_int, default=200, help="training items per suite")
     p.add_argument("--block", type=positive_int, default=64)
     p.add_argument("--batch-size", type=positive_int, default=16)
