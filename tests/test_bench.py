@@ -562,6 +562,28 @@ def test_sharded_equals_single_process(tiny, tmp_path):
     assert json.loads((tmp_path / "sharded" / "run.json").read_text())["processes"] == 2
 
 
+def test_a_run_removes_the_shards_an_interrupted_run_left(tiny, tmp_path, caplog):
+    """An interrupted run with 3 processes left its shards and picks; a later run into the same folder, with 2
+    processes or 1, replaces its results and removes them (they sat beside the new summary as if they were its)."""
+    model, tok, _ = tiny
+    common = dict(model="random", tasks=["arith"], methods=["fast_dllm"], limit=2, gen_length=16, progress=False,
+                  plots=False)  # fmt: skip
+    for world in (2, 1):
+        out = tmp_path / f"w{world}"
+        stale = [out / "shards" / "samples.rank2-of-3.jsonl", out / "shards" / "pick.rank0-of-3.jsonl"]
+        stale[0].parent.mkdir(parents=True)
+        for path in stale:
+            path.write_text('{"task": "arith"}\n')
+        settings = BenchSettings(output_dir=str(out), **common)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="hf_blockbatch.eval.runner"):
+            for rank in reversed(range(world)):
+                run_bench(settings, model, tok, shard=ShardInfo(rank, world, rank), barrier=lambda: None)
+        assert not (out / "shards").exists(), world
+        assert (out / "samples.jsonl").is_file()
+        assert sum("did not finish" in r.message for r in caplog.records) == 2
+
+
 def test_sharded_runs_retime_the_items_one_process_retimes(tiny, tmp_path):
     """``latency_batch_1=N`` re-times the task's first N items alone, whichever shards hold them: each process
     re-timed the first N of its own shard, so the summary's batch-1 figures depended on the process count."""

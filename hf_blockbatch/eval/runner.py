@@ -570,6 +570,21 @@ def _row_order(task_order: Sequence[str], method_order: Sequence[str]) -> Callab
     return lambda r: (t_ix.get(r["task"], len(t_ix)), m_ix.get(r["method"], len(m_ix)), r["index"])
 
 
+def _remove_stale_shards(out_dir: Path) -> None:
+    """Remove what an earlier, interrupted run into ``out_dir`` left in ``shards/`` (its rows and picks, under
+    another process count, which this run's merge does not read), and the folder when it is empty: this run's
+    ``samples.jsonl`` and summary replace that run's, and its shards would otherwise sit beside them as if they
+    belonged to it."""
+    folder = out_dir / "shards"
+    if not folder.is_dir():
+        return
+    for path in sorted([*folder.glob("samples.rank*-of-*.jsonl"), *folder.glob("pick.rank*-of-*.jsonl")]):
+        logger.warning("removing %s, left by an earlier run into this folder that did not finish", path)
+        path.unlink(missing_ok=True)
+    if not any(folder.iterdir()):
+        folder.rmdir()
+
+
 def _pick_path(out_dir: Path, rank: int, world: int) -> Path:
     return out_dir / "shards" / f"pick.rank{rank}-of-{world}.jsonl"
 
@@ -982,10 +997,9 @@ def run_bench(
         for rank in range(shard.world_size):
             _shard_path(out_dir, rank, shard.world_size).unlink(missing_ok=True)
             _pick_path(out_dir, rank, shard.world_size).unlink(missing_ok=True)
-        if not any((out_dir / "shards").iterdir()):
-            (out_dir / "shards").rmdir()
     else:  # the order a merge gives (methods at the tuned block were decoded last)
         rows.sort(key=_row_order(settings.tasks, method_order))
+    _remove_stale_shards(out_dir)
     _write_jsonl(out_dir / SAMPLES_FILE, rows)
 
     summary = summarize(rows, settings.tasks, method_order, aliases, {n: cfgs for n, _t, _i, _g, cfgs in plans})
