@@ -1,8 +1,11 @@
 """Checks of single values (numbers, counts, switches) that every layer refuses the same way, in one line naming
-the field: the configs, generate's keywords, the cache, the sampler and the statistics.
+the field: the configs, generate's keywords, the cache, the sampler and the statistics; and the check of token ids
+against a model's vocabulary, which ``generate`` and the models' own forward both make.
 
 Why a module of its own, at the bottom: the cache and the statistics sit below the configs, and each read these
 checks from the configs' module, the cache with an import inside two of its methods (a top-level one is a cycle).
+The models' forward read the token-id check from the generation mixin, inside the forward, for the same reason (the
+mixin is a base class of the models).
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ import math
 from numbers import Real
 from typing import Any
 
-__all__ = ["check_bool", "check_positive_int", "check_positive_real", "check_real"]
+import torch
+
+__all__ = ["check_bool", "check_positive_int", "check_positive_real", "check_real", "check_token_ids", "vocabulary_size"]
 
 
 def check_real(name: str, value: Any) -> float:
@@ -39,3 +44,28 @@ def check_bool(name: str, value: Any) -> None:
     """On/off fields take True or False only: ``"false"`` (a string from a JSON file or a form) is truthy."""
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be true or false, got {value!r} ({type(value).__name__}).")
+
+
+def vocabulary_size(model: Any) -> int | None:
+    """The embedding table's rows (else the config's vocabulary size): the ids a forward can embed."""
+    try:
+        emb = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a contract model without the accessor
+        emb = None
+    return getattr(emb, "num_embeddings", None) or getattr(model.config, "vocab_size", None)
+
+
+def check_token_ids(model: Any, input_ids: torch.Tensor) -> None:
+    """Token ids outside the embedding table would fail deep in the embedding (an IndexError on CPU,
+    a device-side assert on CUDA); padding positions are checked too, since they are embedded.
+    One host read per call, before any forward."""
+    size = vocabulary_size(model)
+    if not size:
+        return
+    low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()
+    if low < 0 or high >= size:
+        bad = high if high >= size else low
+        raise ValueError(
+            f"input_ids holds token id {bad}, outside this model's vocabulary of {size} ids (0..{size - 1}): encode "
+            "the prompt with this model's tokenizer."
+        )

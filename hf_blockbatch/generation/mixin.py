@@ -24,7 +24,7 @@ from transformers import GenerationConfig
 from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from hf_blockbatch.cache import checked_padding_mask
-from hf_blockbatch.checks import check_bool
+from hf_blockbatch.checks import check_bool, check_token_ids, vocabulary_size
 from hf_blockbatch.generation.configs import BlockBatchConfig, DiffusionGenerationConfig, config_from_dict
 from hf_blockbatch.generation.engine import run_plan
 from hf_blockbatch.generation.outputs import (
@@ -134,7 +134,7 @@ def _token_ids(cfg: DiffusionGenerationConfig, config: Any) -> tuple[int, list[i
 def _check_ids_in_vocabulary(model, mask_id: int, eos_ids: list[int], pad_id: int) -> None:
     """The mask id is written into the canvas and embedded, the padding id written into the output: one
     outside the vocabulary failed deep in the embedding (or wrote a token no tokenizer reads)."""
-    size = _vocabulary_size(model)
+    size = vocabulary_size(model)
     if not size:
         return
     for name, ids in (("mask_token_id", [mask_id]), ("eos_token_id", eos_ids), ("pad_token_id", [pad_id])):
@@ -195,7 +195,7 @@ def _checked_inputs(model, cfg: DiffusionGenerationConfig, input_ids: Any, atten
         raise ValueError("input_ids must be a LongTensor of shape [batch, prompt_length].")
     if input_ids.shape[1] == 0:
         raise ValueError("The prompt is empty: a masked-diffusion model needs at least one prompt token.")
-    _check_token_ids(model, input_ids, attention_mask)
+    check_token_ids(model, input_ids)
     mask_id, eos_ids, pad_id = _token_ids(cfg, model.config)  # a missing mask or EOS id is said before the context check
     _check_ids_in_vocabulary(model, mask_id, eos_ids, pad_id)
     if attention_mask is None:
@@ -416,31 +416,6 @@ def _pipeline_options(kwargs: dict[str, Any], depth: int = 2) -> dict[str, Any]:
     if not isinstance(caller, Pipeline):
         return {}
     return {"pad_after_end": kwargs.get("pad_after_end", True), "tokenizer": kwargs.get("tokenizer") or caller.tokenizer}
-
-
-def _vocabulary_size(model) -> int | None:
-    """The embedding table's rows (else the config's vocabulary size): the ids a forward can embed."""
-    try:
-        emb = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):  # a contract model without the accessor
-        emb = None
-    return getattr(emb, "num_embeddings", None) or getattr(model.config, "vocab_size", None)
-
-
-def _check_token_ids(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-    """Token ids outside the embedding table would fail deep in the embedding (an IndexError on CPU,
-    a device-side assert on CUDA); padding positions are checked too, since they are embedded.
-    One host read per call, before any forward."""
-    size = _vocabulary_size(model)
-    if not size:
-        return
-    low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()
-    if low < 0 or high >= size:
-        bad = high if high >= size else low
-        raise ValueError(
-            f"input_ids holds token id {bad}, outside this model's vocabulary of {size} ids (0..{size - 1}): encode "
-            "the prompt with this model's tokenizer."
-        )
 
 
 def _generate_with_hub_arguments(model, input_ids, attention_mask, kwargs: dict[str, Any]):

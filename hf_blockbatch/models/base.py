@@ -46,6 +46,7 @@ from transformers.utils import ModelOutput
 from hf_blockbatch.attention.backends import AttentionBackend, get_backend
 from hf_blockbatch.attention.metadata import build_query_batch, build_window_batch, packed_index
 from hf_blockbatch.cache import BranchCache, checked_padding_mask
+from hf_blockbatch.checks import check_token_ids
 from hf_blockbatch.models.layers import ForwardContext, RopeTable
 
 logger = logging.getLogger(__name__)
@@ -308,11 +309,8 @@ class DiffusionLMMixin:
         if embeds is not None:
             input_ids = embeds[..., 0]  # [B, L]: the shape and device the checks below read
         else:  # ids outside the table failed inside the embedding; one host read (the decoders' full forwards are rare)
-            # (imported here: at the top it is a cycle, the mixin being a base class of the models)
-            from hf_blockbatch.generation.mixin import _check_token_ids
-
             self._check_id_dtype(input_ids)
-            _check_token_ids(self, input_ids, None)
+            check_token_ids(self, input_ids)
         self._check_ids(input_ids)
         B, L = input_ids.shape
         if attention_mask is not None and attention_mask.dim() in (3, 4):
