@@ -157,6 +157,16 @@ def _(**_):
     return _generate(mask_token_id=5000)
 
 
+@case("mask-id-is-eos-id")
+def _(**_):
+    return _generate(mask_token_id=94, max_new_tokens=8)  # the tiny model's EOS (and padding) id
+
+
+@case("pad-id-is-mask-id")
+def _(**_):
+    return _generate(generation_config=hb.FastDLLMConfig(max_new_tokens=8, block_length=4), pad_token_id=95)
+
+
 @case("token-id-not-integer")
 def _(**_):
     return _generate(mask_token_id=1.5)

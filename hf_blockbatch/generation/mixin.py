@@ -143,6 +143,18 @@ def _check_ids_in_vocabulary(model, mask_id: int, eos_ids: list[int], pad_id: in
             raise ValueError(f"{name}={bad[0]} is outside this model's vocabulary of {size} ids (0..{size - 1}).")
 
 
+def _check_mask_id_distinct(mask_id: int, eos_ids: list[int], pad_id: int) -> None:
+    """The decoders read every mask id on the canvas as a position still to decode: an EOS or padding id equal to it
+    made each committed EOS, and the padding the decoders write (past a row's end, the column a shifted window reads),
+    a mask again. BlockBatch failed deep in torch (``masked_scatter_``), the others decoded without the model's mask."""
+    for name, ids in (("eos_token_id", eos_ids), ("pad_token_id", [pad_id])):
+        if mask_id in ids:
+            raise ValueError(
+                f"mask_token_id={mask_id} is also the {name}: the decoders would read those tokens as masks to decode. "
+                "Give each its own id (mask_token_id is the [MASK] id the model was trained with)."
+            )
+
+
 def _checked_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """The batch's attention mask, refused unless it is left padding around non-empty prompts."""
     if attention_mask.shape != input_ids.shape:
@@ -198,6 +210,7 @@ def _checked_inputs(model, cfg: DiffusionGenerationConfig, input_ids: Any, atten
     check_token_ids(model, input_ids)
     mask_id, eos_ids, pad_id = _token_ids(cfg, model.config)  # a missing mask or EOS id is said before the context check
     _check_ids_in_vocabulary(model, mask_id, eos_ids, pad_id)
+    _check_mask_id_distinct(mask_id, eos_ids, pad_id)
     if attention_mask is None:
         attention_mask = _padding_without_a_mask(input_ids, pad_id, eos_ids)
     check_context(model.config, input_ids.shape[1], cfg.max_new_tokens)
