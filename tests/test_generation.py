@@ -346,6 +346,21 @@ def test_do_sample_follows_the_temperature_unless_given():
         m.generate(torch.tensor([PROMPT]), generation_config=greedy, temperature=0.9, do_sample=False)
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_numpy_temperature_samples_as_the_same_float(dtype):
+    """np.linspace gives np.float64 temperatures, whose ``> 0`` is a np.bool_: the config refused it as do_sample
+    ("do_sample must be true or false, got np.True_"); a np.float32 given to generate() left do_sample at the greedy
+    config's False ("do_sample=False asks for greedy decoding"). Either samples as the Python float does."""
+    import numpy as np
+
+    m = peaked("llada", scale=3.0)
+    t = np.dtype(dtype).type(0.75)
+    assert FastDLLMConfig(temperature=t).do_sample is True and FastDLLMConfig(temperature=t * 0).do_sample is False
+    greedy = FastDLLMConfig(max_new_tokens=8, block_length=4)
+    out = m.generate(torch.tensor([PROMPT]), generation_config=greedy, temperature=t, seed=11)
+    assert torch.equal(out, m.generate(torch.tensor([PROMPT]), generation_config=greedy, temperature=0.75, seed=11))
+
+
 @pytest.mark.parametrize("make_cfg", [
     lambda: BlockBatchConfig(max_new_tokens=12, block_sizes=[4, 8], temperature=0.8),
     lambda: FastDLLMConfig(max_new_tokens=12, block_length=4, remasking="random", steps=6, threshold=None),

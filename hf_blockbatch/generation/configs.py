@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
+from numbers import Real
 from typing import Any
 
 from transformers import GenerationConfig
@@ -253,9 +254,11 @@ class DiffusionGenerationConfig(GenerationConfig):
 
     def follow_temperature(self) -> None:
         """Set ``do_sample`` from the temperature (sampling when > 0), as ``generate`` does when a call
-        changes only the temperature."""
-        if isinstance(self.temperature, (int, float)):
-            self.do_sample = self.temperature > 0
+        changes only the temperature. Any real number counts, a NumPy scalar too (``np.linspace`` gives ``np.float64``,
+        whose comparison is a ``np.bool_`` that ``validate`` refused as do_sample; a ``np.float32`` was skipped, and a
+        default ``do_sample=False`` then refused its temperature). A bool or a non-number is ``validate``'s to refuse."""
+        if isinstance(self.temperature, Real) and not isinstance(self.temperature, bool):
+            self.do_sample = bool(self.temperature > 0)
 
     def validate(self, **kwargs: Any) -> None:
         """Check every field before any forward; a wrong value fails here with what to change.
