@@ -67,6 +67,20 @@ def test_vanilla_matches_reference(model, steps, block):
     assert MASK_ID not in out.sequences[0].tolist()
 
 
+@pytest.mark.parametrize("block,steps", [(6, 18), (5, 16), (32, 16)])
+def test_vanilla_default_steps_with_a_block_that_does_not_divide(model, block, steps):
+    """The default is one step per token. With G = 16 and a block of 6 (three blocks, the last of 4), 16 steps do not
+    split over three blocks, and the config was refused for steps the caller never set ("steps (16) must be a
+    multiple of the number of blocks"). The default is now the smallest multiple of the blocks >= G, as the bench's
+    vanilla schedule (which now reads it from the config); with a block that divides, or covers, G it is G."""
+    cfg = VanillaDiffusionConfig(max_new_tokens=G, block_length=block)
+    assert cfg.resolved() == (steps, block)
+    ref, ref_nfe = ref_generate(model, PROMPT, G, block, "none", steps=steps)
+    out = _gen(model, PROMPT, cfg)
+    assert out.sequences[0].tolist() == ref
+    assert int(out.nfe[0]) == ref_nfe and MASK_ID not in out.sequences[0].tolist()
+
+
 def test_skip_completed_block_step_saves_the_extra_forward(model):
     """With a low threshold every block-start forward completes its block: the official loop still
     runs one more forward per block; skip_completed_block_step=True does not."""

@@ -258,12 +258,10 @@ def _vanilla_schedule(gen_length: int, block: int) -> tuple[int, int]:
 
     Why round: LLaDA's sampler needs ``steps`` to be a multiple of the number of blocks; for a
     generation length that is not a multiple of the block we take the smallest such ``steps``
-    ≥ ``gen_length`` (one token per step on average, as the paper's ``steps = gen length``).
+    ≥ ``gen_length`` (one token per step on average, as the paper's ``steps = gen length``): the
+    config's own default (``VanillaDiffusionConfig.resolved``), for a block no wider than the length.
     """
-    block = min(block, gen_length)
-    blocks = -(-gen_length // block)
-    steps = blocks * -(-gen_length // blocks)
-    return steps, block
+    return VanillaDiffusionConfig(max_new_tokens=gen_length, block_length=min(block, gen_length)).resolved()
 
 
 def sweep_block_sizes(spec: Sequence[int] | str, gen_length: int) -> list[int]:

@@ -360,9 +360,13 @@ class VanillaDiffusionConfig(DiffusionGenerationConfig):
         super().__init__(**kwargs)
 
     def resolved(self) -> tuple[int, int]:
-        """(steps, block_length) with defaults: one step per token, one block."""
+        """(steps, block_length) with defaults: one step per token, one block. With a block length that does not
+        divide max_new_tokens, LLaDA's sampler needs steps to be a multiple of the number of blocks: the default is
+        then the smallest such multiple >= max_new_tokens (one token a step on average). It was max_new_tokens, which
+        validate refused for steps the caller never set; the bench took this rounding already."""
         block = self.block_length or self.max_new_tokens
-        steps = self.steps or self.max_new_tokens
+        blocks = -(-self.max_new_tokens // block)
+        steps = self.steps or blocks * -(-self.max_new_tokens // blocks)
         return steps, block
 
     def validate(self, **kwargs: Any) -> None:
