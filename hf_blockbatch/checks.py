@@ -11,7 +11,7 @@ mixin is a base class of the models).
 from __future__ import annotations
 
 import math
-from numbers import Real
+from numbers import Integral, Real
 from typing import Any
 
 import torch
@@ -36,6 +36,8 @@ def check_positive_real(name: str, value: Any) -> None:
 
 
 def check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, Integral) and not isinstance(value, (int, bool)):  # np.int64(16) "is" a positive integer
+        raise ValueError(f"{name} must be a Python int, got {value!r} ({type(value).__name__}): convert it with int().")
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 

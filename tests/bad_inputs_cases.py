@@ -137,6 +137,13 @@ def _(**_):
     return _message(lambda: hb.VanillaDiffusionConfig(max_new_tokens=8, steps=0).validate())
 
 
+@case("numpy-integer")
+def _(**_):
+    import numpy as np
+
+    return _message(lambda: hb.FastDLLMConfig(max_new_tokens=np.int64(64), block_length=32))
+
+
 @case("misspelt-option")
 def _(**_):
     return _generate(block_size=32)
