@@ -471,6 +471,26 @@ def test_config_round_trip(cfg, tmp_path):
     rebuilt.validate()
 
 
+@pytest.mark.parametrize("sizes", [8, (4, 8), [4, 8]], ids=["one size", "tuple", "list"])
+def test_block_sizes_read_as_a_list_however_they_are_set(sizes, tmp_path):
+    """transformers' ways of setting a field (``update``, ``from_pretrained``/``from_dict`` with keywords, plain
+    assignment) take one size or a tuple as the constructor does: they were refused by ``validate`` with "must be a
+    block size or a list of them, ..., got 8 (int)"."""
+    want = [sizes] if isinstance(sizes, int) else list(sizes)
+    BlockBatchConfig(max_new_tokens=16).save_pretrained(tmp_path)
+    updated = BlockBatchConfig(max_new_tokens=16)
+    assert updated.update(block_sizes=sizes) == {}
+    assigned = BlockBatchConfig(max_new_tokens=16)
+    assigned.block_sizes = sizes
+    for cfg in (updated, assigned, BlockBatchConfig.from_pretrained(tmp_path, block_sizes=sizes),
+                BlockBatchConfig.from_dict(BlockBatchConfig(max_new_tokens=16).to_dict(), block_sizes=sizes)):  # fmt: skip
+        assert cfg.block_sizes == want and type(cfg.block_sizes) is list
+        cfg.validate()
+        assert cfg == BlockBatchConfig(max_new_tokens=16, block_sizes=want)
+    with pytest.raises(ValueError, match=r"block_sizes must be a block size or a list of them.*got '4,8' \(str\)"):
+        updated.update(block_sizes="4,8")
+
+
 @pytest.mark.parametrize("cls", [VanillaDiffusionConfig, FastDLLMConfig, BlockBatchConfig])
 def test_config_from_model_config_takes_the_token_ids(cls):
     """transformers' ``from_model_config`` would copy the model's fields (``d_model``, ...) into the

@@ -763,7 +763,7 @@ class BlockBatchConfig(DiffusionGenerationConfig):
 
     def __init__(self, **kwargs: Any) -> None:
         self.variant = kwargs.pop("variant", "ours")
-        self.block_sizes = _as_block_sizes(kwargs.pop("block_sizes", (4, 8, 16, 32, 64, 128)))
+        self.block_sizes = kwargs.pop("block_sizes", (4, 8, 16, 32, 64, 128))
         self.threshold = kwargs.pop("threshold", 0.9 if "factor" not in kwargs else None)
         self.factor = kwargs.pop("factor", None)
         self.merge = kwargs.pop("merge", True)
@@ -795,11 +795,12 @@ class BlockBatchConfig(DiffusionGenerationConfig):
         recommend against a tuned baseline."""
         return cls(**{**LEAN, "block_sizes": list(LEAN["block_sizes"]), **kwargs})
 
-    def override(self, options: dict[str, Any]) -> None:
-        """As the constructor: ``generate(..., block_sizes=(4, 16, 64))`` or ``block_sizes=8`` names the branches too."""
-        super().override(options)
-        if "block_sizes" in options:
-            self.block_sizes = _as_block_sizes(self.block_sizes)
+    def __setattr__(self, name: str, value: Any) -> None:
+        """``block_sizes`` reads as a list however it is set: one size (``block_sizes=8``) or a tuple, given to the
+        constructor, ``generate(..., block_sizes=(4, 16, 64))``, transformers' ``update`` and ``from_pretrained(...,
+        block_sizes=...)``, or assigned. Only the constructor and ``generate`` took them before; the others were
+        refused by ``validate``, whose message says a block size or a list is what it takes."""
+        super().__setattr__(name, _as_block_sizes(value) if name == "block_sizes" else value)
 
     def validate(self, **kwargs: Any) -> None:
         super().validate()
