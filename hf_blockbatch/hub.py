@@ -194,6 +194,35 @@ def _unreadable_safetensors(folder: Path) -> list[str]:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
+def _from_pretrained_whole(path: str, dtype, kwargs: dict):
+    """``AutoModel.from_pretrained``, refusing a checkpoint whose weights do not fill the model its ``config.json``
+    builds. Why: transformers loads a checkpoint that lacks a tensor with that tensor random (its load report is a
+    warning), so the model decoded noise; a tensor of another shape failed with a RuntimeError that only pointed at
+    the report. ``ignore_mismatched_sizes=True``, given, keeps transformers' meaning (re-initialise those)."""
+    ignore_mismatched = kwargs.get("ignore_mismatched_sizes", False)
+    model, info = AutoModel.from_pretrained(
+        path, dtype=dtype, **{**kwargs, "ignore_mismatched_sizes": True, "output_loading_info": True}
+    )
+    mismatched = sorted(info.get("mismatched_keys") or ()) if not ignore_mismatched else []
+    if mismatched:
+        key, in_file, in_model = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise ValueError(
+            f"Cannot load {path!r}: its weight {key} has shape {tuple(in_file)}{more}, where the model its config.json "
+            f"describes has {tuple(in_model)}: the weights and config.json are of different models. Use the config.json "
+            "saved with these weights."
+        )
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ValueError(
+            f"Cannot load {path!r}: its weights lack {len(missing)} tensor(s) of the model its config.json describes "
+            f"({shown}), which would be left random. Download or save the checkpoint again, or load it with "
+            "AutoModel.from_pretrained to accept random weights."
+        )
+    return model
+
+
 def _load(path: str, device, dtype, **kwargs):
     folder = Path(path)
     if folder.is_dir() and not any((folder / name).exists() for name in _TOKENIZER_FILES):
@@ -206,7 +235,7 @@ def _load(path: str, device, dtype, **kwargs):
     if kwargs.get("device_map") is not None:
         if dtype is None:
             dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        model = AutoModel.from_pretrained(path, dtype=dtype, **kwargs).eval()
+        model = _from_pretrained_whole(path, dtype, kwargs).eval()
         device = getattr(model, "device", None)
     else:
         if device is None:
@@ -214,7 +243,7 @@ def _load(path: str, device, dtype, **kwargs):
         device = torch.device(device)
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = AutoModel.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
+        model = _from_pretrained_whole(path, dtype, kwargs).to(device).eval()
     hub = {k: kwargs[k] for k in ("local_files_only", "revision", "token", "cache_dir") if k in kwargs}
     tokenizer = AutoTokenizer.from_pretrained(path, **hub)
     tokenizer.padding_side = "left"

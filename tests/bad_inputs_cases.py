@@ -357,6 +357,33 @@ def _(**_):
     return _message(lambda: hb.load_model("tiny-llada", torch_dtype=torch.float8_e4m3fn))
 
 
+def _edited_weights(tmp_path: Path, edit: Callable[[dict], None]) -> str:
+    """A copy of the embedded tiny-llada whose model.safetensors ``edit`` changed."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "edited-weights"
+    shutil.copytree(hb.TINY_LLADA, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    edit(weights)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return str(folder)
+
+
+@case("weights-missing-tensor")
+def _(tmp_path, **_):
+    folder = _edited_weights(tmp_path, lambda w: w.pop("model.transformer.blocks.0.ff_out.weight"))
+    return _message(lambda: hb.load_model(folder, device="cpu"))
+
+
+@case("weights-wrong-shape")
+def _(tmp_path, **_):
+    def cut(w: dict) -> None:
+        w["model.transformer.blocks.0.ff_out.weight"] = w["model.transformer.blocks.0.ff_out.weight"][:-1].clone()
+
+    folder = _edited_weights(tmp_path, cut)
+    return _message(lambda: hb.load_model(folder, device="cpu"))
+
+
 @case("device-tpu")
 def _(**_):
     return _message(lambda: hb.load_model("tiny-llada", device="tpu"))
