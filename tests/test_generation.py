@@ -779,6 +779,42 @@ def test_saved_generation_config_comes_back_with_the_model(family, tmp_path, cap
     assert out.stats[0]["strategy"] == "blockbatch"
 
 
+@pytest.mark.parametrize(("edit", "exc", "reason"), [
+    (("\"block_length\": 4", "\"block_length\": 0"), ValueError, "block_length must be a positive integer, got 0."),
+    (("\"block_length\"", "\"future_option\": 1, \"block_length\""), TypeError, "Unknown option(s) for FastDLLMConfig: future_option."),
+], ids=["bad value", "another version's option"])  # fmt: skip
+def test_a_saved_strategy_that_does_not_load_is_refused_where_it_came_from(edit, exc, reason, tmp_path, caplog):
+    """A checkpoint whose generation_config.json holds a strategy config this version refuses loads anyway (as
+    transformers' class); the load warning said generate() would then decode BlockBatch's defaults, but it
+    refused with the file's error, which named an option the caller never passed. Both now say what happens:
+    generate() without a config refuses, naming the checkpoint's file; given a config, it decodes."""
+    from transformers import AutoModel
+
+    m = make_tiny_llada()
+    m.generation_config = FastDLLMConfig(max_new_tokens=8, block_length=4)
+    m.save_pretrained(tmp_path)
+    path = tmp_path / "generation_config.json"
+    path.write_text(path.read_text().replace(*edit))
+    with caplog.at_level("WARNING", logger="hf_blockbatch.generation.mixin"):
+        loaded = AutoModel.from_pretrained(tmp_path)
+    assert type(loaded.generation_config) is GenerationConfig
+    assert "'fast_dllm' config saved in" in caplog.text and reason in caplog.text
+    assert "generate() refuses to decode until given a generation_config" in caplog.text
+    with pytest.raises(exc) as err:
+        loaded.generate(torch.tensor([PROMPT]))
+    assert str(err.value).startswith(
+        "model.generation_config (the checkpoint's generation_config.json) holds a 'fast_dllm' config that does not load: "
+        + reason
+    ) and str(err.value).endswith("Pass a generation_config (hb.FastDLLMConfig, hb.BlockBatchConfig, ...), or set "
+                                  "model.generation_config to one.")  # fmt: skip
+    with pytest.raises(exc) as own:  # the caller's own config read back as transformers' class: its error as it is
+        loaded.generate(torch.tensor([PROMPT]), generation_config=GenerationConfig.from_pretrained(tmp_path))
+    assert str(own.value).startswith(reason)
+    cfg = FastDLLMConfig(max_new_tokens=8, block_length=4)
+    assert torch.equal(loaded.generate(torch.tensor([PROMPT]), generation_config=cfg),
+                       m.generate(torch.tensor([PROMPT]), generation_config=cfg))  # fmt: skip
+
+
 def test_text_generation_pipeline_runs_our_strategies():
     """transformers' pipeline calls generate() with its own sampling defaults, or keeps a strategy
     config's greedy decoding (the config states do_sample, so the pipeline adds none)."""

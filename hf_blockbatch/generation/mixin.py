@@ -86,7 +86,18 @@ def _resolve_config(model, generation_config, kwargs) -> DiffusionGenerationConf
     if isinstance(cfg, GenerationConfig) and not isinstance(cfg, DiffusionGenerationConfig) and getattr(cfg, "strategy", None):
         # one of ours read back as transformers' own class (GenerationConfig.from_pretrained of a saved config): its
         # strategy names the class, as when a model loads its generation_config.json (a new object: the caller's is kept)
-        cfg = config_from_dict(cfg.to_dict())
+        try:
+            cfg = config_from_dict(cfg.to_dict())
+        except (TypeError, ValueError) as err:
+            if generation_config is not None:  # the caller's own: its message is the whole story
+                raise
+            # the model's, which from_pretrained kept as transformers' class because it does not load (a file saved by
+            # another version, or edited): the message named an option the caller never passed
+            raise type(err)(
+                f"model.generation_config (the checkpoint's generation_config.json) holds a {cfg.strategy!r} config that "
+                f"does not load: {err} Pass a generation_config (hb.FastDLLMConfig, hb.BlockBatchConfig, ...), or set "
+                "model.generation_config to one."
+            ) from err
     if not isinstance(cfg, DiffusionGenerationConfig):
         raise TypeError(
             f"generation_config must be a VanillaDiffusionConfig, FastDLLMConfig or BlockBatchConfig, got "
@@ -504,8 +515,9 @@ class BlockBatchGenerationMixin:
                 self.generation_config = config_from_dict(data)
                 return
             except (TypeError, ValueError) as err:  # e.g. saved by another version: load the model anyway
-                logger.warning("Ignoring the strategy saved in %s (%s): generate() will use BlockBatch's defaults "
-                               "unless given a generation_config.", path, err)  # fmt: skip
+                logger.warning("The %r config saved in %s does not load (%s): generate() refuses to decode until given a "
+                               "generation_config (or model.generation_config is set to one).", data["strategy"], path,
+                               err)  # fmt: skip
         self.generation_config = GenerationConfig.from_dict(data)
 
     def _bind_checkpoint_generate(self, pretrained_model_name_or_path: str, kwargs: dict[str, Any]) -> None:
