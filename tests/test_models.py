@@ -10,6 +10,7 @@ and clear errors for bad input.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCache
 
 import hf_blockbatch as hb
+from hf_blockbatch import DreamConfig, DreamModel, LLaDAModelLM
 from hf_blockbatch.attention import available_backends
 
 ATOL = 1e-5
@@ -265,6 +267,24 @@ def test_auto_classes_with_official_auto_map(family: str, tmp_path) -> None:
         loaded = auto.from_pretrained(tmp_path, trust_remote_code=True).eval()
         assert type(loaded) is type(model)
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_a_checkpoint_of_the_other_family_is_refused_by_the_class(tmp_path) -> None:
+    """``LLaDAModelLM.from_pretrained(<a Dream folder>)`` failed inside transformers (``property 'hidden_size' of
+    'LLaDAConfig' object has no setter``), and a Dream class given a LLaDA folder built its config from the official
+    7B defaults, with transformers' warning only (``DreamModel.from_pretrained`` then ran out of memory; not called
+    here for that reason). Both now say which class reads the folder; the Auto classes pick it as before."""
+    make("llada").save_pretrained(tmp_path / "llada")
+    make("dream").save_pretrained(tmp_path / "dream")
+    message = "This config is of model_type {!r}, and {} reads {!r} ones: load the checkpoint with AutoModel.from_pretrained"
+    with pytest.raises(ValueError, match=re.escape(message.format("Dream", "LLaDAConfig", "llada"))):
+        LLaDAModelLM.from_pretrained(tmp_path / "dream")
+    with pytest.raises(ValueError, match=re.escape(message.format("llada", "DreamConfig", "Dream"))):
+        DreamConfig.from_pretrained(tmp_path / "llada")
+    for family, cls in (("llada", LLaDAModelLM), ("dream", DreamModel)):
+        assert type(AutoModel.from_pretrained(tmp_path / family)) is cls
+        assert type(cls.from_pretrained(tmp_path / family)) is cls
+    assert DreamConfig.from_dict({"hidden_size": 64}).hidden_size == 64  # a dict without model_type: nothing to tell
 
 
 def llada_official_keys(n_layers: int) -> set[str]:

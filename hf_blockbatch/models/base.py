@@ -51,7 +51,23 @@ from hf_blockbatch.models.layers import ForwardContext, RopeTable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DiffusionLMOutput", "PositionOutput", "WindowOutput", "DiffusionLMMixin"]
+__all__ = ["DiffusionLMOutput", "PositionOutput", "WindowOutput", "DiffusionLMMixin", "check_model_type"]
+
+
+def check_model_type(config_cls: type, config_dict: dict) -> None:
+    """Refuse a config.json of another ``model_type`` (called by our configs' ``from_dict``, which every
+    ``from_pretrained`` goes through). transformers only warns, then builds the class's config from the fields both
+    formats share and the class's defaults for the rest. Ours default to the official 7-8B geometries, so
+    ``DreamModel.from_pretrained(<a LLaDA folder>)`` built a 7B Dream from the defaults (out of memory on a laptop,
+    random weights otherwise), and ``LLaDAModelLM.from_pretrained(<a Dream folder>)`` failed inside transformers
+    (``property 'hidden_size' of 'LLaDAConfig' object has no setter``). No ``model_type``: nothing to tell, accepted."""
+    given = config_dict.get("model_type")
+    if given is not None and given != config_cls.model_type:
+        raise ValueError(
+            f"This config is of model_type {given!r}, and {config_cls.__name__} reads {config_cls.model_type!r} ones: "
+            "load the checkpoint with AutoModel.from_pretrained (or hb.load_model), which picks the class from its "
+            "model_type."
+        )
 
 
 def _check_forward_extras(kwargs: dict) -> None:

@@ -13,12 +13,14 @@ The official remote code no longer imports on transformers 5 (it needs
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from hf_blockbatch.generation.mixin import BlockBatchGenerationMixin
-from hf_blockbatch.models.base import DiffusionLMMixin
+from hf_blockbatch.models.base import DiffusionLMMixin, check_model_type
 from hf_blockbatch.models.layers import (
     ForwardContext,
     RMSNorm,
@@ -99,6 +101,12 @@ class DreamConfig(PreTrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> DreamConfig:
+        """As transformers', refusing a config of another ``model_type`` (:func:`~hf_blockbatch.models.base.check_model_type`)."""
+        check_model_type(cls, config_dict)
+        return super().from_dict(config_dict, **kwargs)
 
     @property
     def head_dim_(self) -> int:
