@@ -370,6 +370,8 @@ def test_a_numpy_temperature_samples_as_the_same_float(dtype):
     m = peaked("llada", scale=3.0)
     t = np.dtype(dtype).type(0.75)
     assert FastDLLMConfig(temperature=t).do_sample is True and FastDLLMConfig(temperature=t * 0).do_sample is False
+    cfg = FastDLLMConfig(temperature=t)
+    assert type(cfg.temperature) is float and '"temperature": 0.75' in cfg.to_json_string()  # np.float32 broke JSON
     greedy = FastDLLMConfig(max_new_tokens=8, block_length=4)
     out = m.generate(torch.tensor([PROMPT]), generation_config=greedy, temperature=t, seed=11)
     assert torch.equal(out, m.generate(torch.tensor([PROMPT]), generation_config=greedy, temperature=0.75, seed=11))

@@ -256,8 +256,12 @@ class DiffusionGenerationConfig(GenerationConfig):
         """Set ``do_sample`` from the temperature (sampling when > 0), as ``generate`` does when a call
         changes only the temperature. Any real number counts, a NumPy scalar too (``np.linspace`` gives ``np.float64``,
         whose comparison is a ``np.bool_`` that ``validate`` refused as do_sample; a ``np.float32`` was skipped, and a
-        default ``do_sample=False`` then refused its temperature). A bool or a non-number is ``validate``'s to refuse."""
+        default ``do_sample=False`` then refused its temperature). Such a scalar is kept as a Python float: a
+        ``np.float32`` broke ``repr``, ``to_json_string`` and ``save_pretrained`` (not JSON serialisable). A bool or a
+        non-number is ``validate``'s to refuse."""
         if isinstance(self.temperature, Real) and not isinstance(self.temperature, bool):
+            if type(self.temperature) not in (int, float):
+                self.temperature = float(self.temperature)
             self.do_sample = bool(self.temperature > 0)
 
     def validate(self, **kwargs: Any) -> None:
