@@ -1014,12 +1014,12 @@ def build_demo(
         yield (render_banner(None, None, None, f"decoding on {device}…"),
                render_placeholder("Fast-dLLM", "fast_dllm", "decoding…", g),
                render_placeholder("BlockBatch", "blockbatch", "waiting…", g), "", "", None)  # fmt: skip
-        with gate:
-            try:
+        try:
+            with gate:  # never held across a yield: a visitor who stops reading there would hold every other decode
                 fast, block = compare_once(loaded, settings, limits)
-            except (InputError, ValueError) as err:
-                yield from refuse(err)
-                return
+        except (InputError, ValueError) as err:
+            yield from refuse(err)
+            return
         stats = {"model": loaded.label, "device": device, "fast_dllm": fast.summary(), "blockbatch": block.summary(),
                  "nfe_saving_percent": round(100.0 * (1 - block.nfe / fast.nfe), 2) if fast.nfe else None}  # fmt: skip
         total = max(fast.nfe, block.nfe)

@@ -285,6 +285,30 @@ def test_refused_input_shows_in_the_banner_and_logs_one_line(loaded, caplog) -> 
     assert len(lines) == 1 and lines[0].getMessage().startswith("input refused: Max new tokens") and not lines[0].exc_info
 
 
+def test_a_refused_run_left_unread_does_not_hold_the_next_decode(loaded) -> None:
+    """The refusal's banner is a yield: a visitor who stops reading there (a closed tab, an API client that
+    stops iterating) used to leave the generator suspended inside the decode gate, so every later visitor's
+    decode waited on it forever (with one decode at a time, the default)."""
+    import threading
+
+    short = app.encode_prompt(loaded.tokenizer, "Hi").shape[1]
+    demo = app.build_demo(loaded, limits=app.Limits(max_prompt_tokens=short), concurrency=1, examples=[PROMPT])
+    compare = _compare_fn(demo)
+    refused = compare(PROMPT, *SETTINGS)  # too many tokens: refused once encoded, inside the decode gate
+    next(refused)
+    assert 'class="bb-banner error"' in next(refused)[0]  # ... and nobody asks for more
+    done: list[tuple] = []
+    other = threading.Thread(target=lambda: done.extend(compare("Hi", *SETTINGS)), daemon=True)
+    try:
+        other.start()
+        other.join(timeout=30)
+        assert not other.is_alive(), "the next visitor's decode waited on the unread refusal"
+    finally:
+        refused.close()  # lets a blocked decode go on, so a failure leaves no thread behind
+        other.join(timeout=30)
+    assert done and done[-1][5]["blockbatch"]["nfe"] > 0
+
+
 def test_answer_boxes_share_a_row() -> None:
     """The two answers sit in one row of their own, so they line up whatever each replay's height."""
     demo = app.build_demo(app.random_tiny_llada(hb.TINY_LLADA), examples=[PROMPT])
