@@ -50,7 +50,9 @@ def _ensure_package() -> None:
 _ensure_package()
 
 import hf_blockbatch as hb  # noqa: E402
+from hf_blockbatch.checks import check_positive_int  # noqa: E402
 from hf_blockbatch.cli import port_number  # noqa: E402
+from hf_blockbatch.eval.script_args import positive_int  # noqa: E402
 from hf_blockbatch.generation.configs import DRAFTED, DRAFTED_CONTAINED, LEAN, LEAN_GUARDS  # noqa: E402
 from hf_blockbatch.generation.outputs import answer_lengths  # noqa: E402
 from hf_blockbatch.generation.trace import CommitEvent, MergeEvent, SyncEvent, TraceEvent  # noqa: E402
@@ -983,7 +985,8 @@ def build_demo(
     """The Blocks app around one loaded model. ``concurrency`` decodes run at once (a semaphore:
     replays stream without holding the model, so watching never blocks the next visitor's run)."""
     limits = limits or Limits()
-    gate = threading.Semaphore(max(1, concurrency))
+    check_positive_int("concurrency", concurrency)  # 0 or less read as 1 before, in silence
+    gate = threading.Semaphore(concurrency)
     examples = example_prompts() if examples is None else examples
     device = str(loaded.device)
 
@@ -1136,12 +1139,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--port", type=port_number, default=None, help="port (default 7860 or the next free one)")
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link")
-    parser.add_argument("--concurrency", type=int, default=1, help="decodes at once (the model is shared)")
+    parser.add_argument("--concurrency", type=positive_int, default=1, help="decodes at once (the model is shared)")
     parser.add_argument(
-        "--max-new-tokens", type=int, default=None, help="upper limit of the slider (256; 512 on GPU)"
+        "--max-new-tokens", type=positive_int, default=None, help="upper limit of the slider (256; 512 on GPU)"
     )
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+        "--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)"
     )
     return parser
 

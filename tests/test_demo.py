@@ -309,6 +309,24 @@ def test_a_refused_run_left_unread_does_not_hold_the_next_decode(loaded) -> None
     assert done and done[-1][5]["blockbatch"]["nfe"] > 0
 
 
+@pytest.mark.parametrize("flag", ["--concurrency", "--threads", "--max-new-tokens"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_app_counts_below_one_are_refused_by_its_parser(flag, value, capsys, monkeypatch) -> None:
+    """``python demo/app.py`` (a Space's entry) read --concurrency 0 as 1 decode at a time and --max-new-tokens 0 as
+    the default, in silence, and --threads -1 failed inside torch with a traceback; as ``hf-blockbatch demo``
+    (positive_int), each is now refused by the parser, before any model loads."""
+    monkeypatch.setattr(app, "load_for_demo", lambda *a, **k: pytest.fail(f"{flag} {value} was accepted"))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: pytest.fail(f"{flag} {value} reached torch"))
+    with pytest.raises(SystemExit) as stop:
+        app.main([flag, value])
+    assert stop.value.code == 2 and f"argument {flag}: must be >= 1, got {value}" in capsys.readouterr().err
+
+
+def test_build_demo_refuses_a_concurrency_below_one(loaded) -> None:
+    with pytest.raises(ValueError, match="concurrency must be a positive integer, got 0"):
+        app.build_demo(loaded, concurrency=0, examples=[PROMPT])
+
+
 def test_answer_boxes_share_a_row() -> None:
     """The two answers sit in one row of their own, so they line up whatever each replay's height."""
     demo = app.build_demo(app.random_tiny_llada(hb.TINY_LLADA), examples=[PROMPT])
