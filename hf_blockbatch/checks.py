@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_bool", "check_positive_int", "check_positive_real", "check_real", "check_token_ids", "vocabulary_size"]
+__all__ = ["check_bool", "check_not_numpy_int", "check_positive_int", "check_positive_real", "check_real", "check_token_ids", "vocabulary_size"]
 
 
 def check_real(name: str, value: Any) -> float:
@@ -35,9 +35,15 @@ def check_positive_real(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be > 0, got {value!r}.")
 
 
-def check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, Integral) and not isinstance(value, (int, bool)):  # np.int64(16) "is" a positive integer
+def check_not_numpy_int(name: str, value: Any) -> None:
+    """Refuse a NumPy (or other non-``int``) integer scalar with what to do about it. Why not take it: the configs are
+    saved as JSON, which has no ``np.int64``; and "must be an integer, got np.int64(16)" contradicts itself."""
+    if isinstance(value, Integral) and not isinstance(value, (int, bool)):
         raise ValueError(f"{name} must be a Python int, got {value!r} ({type(value).__name__}): convert it with int().")
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    check_not_numpy_int(name, value)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 

@@ -137,6 +137,13 @@ def _(**_):
     return _message(lambda: hb.VanillaDiffusionConfig(max_new_tokens=8, steps=0).validate())
 
 
+@case("numpy-seed")
+def _(**_):
+    import numpy as np
+
+    return _message(lambda: hb.FastDLLMConfig(max_new_tokens=8, block_length=4, seed=np.int64(3)))
+
+
 @case("numpy-integer")
 def _(**_):
     import numpy as np

@@ -19,7 +19,13 @@ from typing import Any
 
 from transformers import GenerationConfig
 
-from hf_blockbatch.checks import check_bool, check_positive_int, check_positive_real, check_real
+from hf_blockbatch.checks import (
+    check_bool,
+    check_not_numpy_int,
+    check_positive_int,
+    check_positive_real,
+    check_real,
+)
 
 __all__ = [
     "DiffusionGenerationConfig",
@@ -285,6 +291,7 @@ class DiffusionGenerationConfig(GenerationConfig):
         for name in ("return_dict_in_generate", "do_sample"):  # None: unset (do_sample then follows the temperature)
             if getattr(self, name) is not None:
                 check_bool(name, getattr(self, name))
+        check_not_numpy_int("seed", self.seed)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**64):  # fmt: skip
             raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}.")
