@@ -80,6 +80,8 @@ __all__ = [
     "warm_up",
 ]
 
+#: the fewest new tokens a visitor can ask for: the slider starts (and steps) here
+MIN_NEW_TOKENS = 8
 BLOCK_CHOICES: tuple[int, ...] = (4, 8, 16, 32, 64, 128)
 SPEEDS = {"slow": 14.0, "normal": 6.0, "fast": 2.0, "instant": 0.0}  # seconds a whole replay should take
 MAX_FRAMES = 120  # longer runs replay several forwards per frame: a browser cannot show more usefully
@@ -300,6 +302,15 @@ class Settings:
         )  # fmt: skip
 
 
+def slider_limit(text: str) -> int:
+    """``--max-new-tokens``: the slider's upper end, at least where it starts. Below it every request was refused
+    ("Max new tokens must be between 8 and 5"), on a page that looked fine."""
+    value = positive_int(text)
+    if value < MIN_NEW_TOKENS:
+        raise argparse.ArgumentTypeError(f"the slider starts at {MIN_NEW_TOKENS} new tokens, got {value}")
+    return value
+
+
 def _number(name: str, value: Any, lo: float, hi: float, integer: bool = False) -> float | int:
     """Parse one setting (the API can send anything) and check its range, with a message that
     names the setting and the allowed range."""
@@ -375,7 +386,7 @@ def check_settings(
         raise InputError("Contained drafts are a kind of Fast-dLLM draft: tick the drafts too, or untick contained.")
     return Settings(
         prompt=text,
-        max_new_tokens=int(_number("Max new tokens", max_new_tokens, 8, limits.max_new_tokens, integer=True)),
+        max_new_tokens=int(_number("Max new tokens", max_new_tokens, MIN_NEW_TOKENS, limits.max_new_tokens, integer=True)),
         fast_block=fast,
         block_sizes=_block_list(block_sizes),
         threshold=float(_number("Confidence threshold τ", threshold, 0.05, 1.0)),
@@ -1057,7 +1068,7 @@ def build_demo(
                 speed = gr.Radio(list(SPEEDS), value="normal", label="Replay speed")
         with gr.Accordion("Settings", open=False):
             with gr.Row():
-                max_new_tokens = gr.Slider(8, limits.max_new_tokens, value=min(64, limits.max_new_tokens), step=8,
+                max_new_tokens = gr.Slider(MIN_NEW_TOKENS, limits.max_new_tokens, value=min(64, limits.max_new_tokens), step=MIN_NEW_TOKENS,
                                            label="Max new tokens")  # fmt: skip
                 threshold = gr.Slider(0.05, 1.0, value=0.9, step=0.01, label="Confidence threshold τ (both)")
                 temperature = gr.Slider(
@@ -1141,7 +1152,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     parser.add_argument("--concurrency", type=positive_int, default=1, help="decodes at once (the model is shared)")
     parser.add_argument(
-        "--max-new-tokens", type=positive_int, default=None, help="upper limit of the slider (256; 512 on GPU)"
+        "--max-new-tokens", type=slider_limit, default=None,
+        help=f"upper limit of the slider (256; 512 on GPU; at least {MIN_NEW_TOKENS}, where it starts)"
     )
     parser.add_argument(
         "--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)"

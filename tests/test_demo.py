@@ -322,6 +322,16 @@ def test_app_counts_below_one_are_refused_by_its_parser(flag, value, capsys, mon
     assert stop.value.code == 2 and f"argument {flag}: must be >= 1, got {value}" in capsys.readouterr().err
 
 
+def test_app_max_new_tokens_below_the_slider_start_is_refused(capsys, monkeypatch) -> None:
+    """``--max-new-tokens 5`` built a page whose slider ran from 8 to 5: every request was refused."""
+    monkeypatch.setattr(app, "load_for_demo", lambda *a, **k: pytest.fail("--max-new-tokens 5 was accepted"))
+    with pytest.raises(SystemExit) as stop:
+        app.main(["--max-new-tokens", str(app.MIN_NEW_TOKENS - 3)])
+    assert stop.value.code == 2
+    assert f"argument --max-new-tokens: the slider starts at {app.MIN_NEW_TOKENS} new tokens, got 5" in capsys.readouterr().err
+    assert app.build_parser().parse_args(["--max-new-tokens", str(app.MIN_NEW_TOKENS)]).max_new_tokens == app.MIN_NEW_TOKENS
+
+
 def test_build_demo_refuses_a_concurrency_below_one(loaded) -> None:
     with pytest.raises(ValueError, match="concurrency must be a positive integer, got 0"):
         app.build_demo(loaded, concurrency=0, examples=[PROMPT])
