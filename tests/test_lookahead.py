@@ -977,3 +977,35 @@ def test_parked_drafts_do_not_make_every_step_look_for_finished_requests(monkeyp
     monkeypatch.setattr(stop, "finished_requests", lambda *a, **k: calls.append(1) or real(*a, **k))
     out = _decode(model, enc, **{**hb.generation.configs.DRAFTED_CONTAINED, "block_length": 32})
     assert int(out.nfe[0]) > 3 and len(calls) == 1
+
+
+def test_runner_ups_are_noted_at_windows_left_with_up_to_most_masks():
+    """With four drafts ``(0, 1, 2)`` needs four open masks, so its row is spare with 2 or 3 left
+    (``Lookahead.spare_masks`` is 3): ``note_runner_ups`` notes the runner-ups of a window left with 2 and with 3
+    masks, and none of one left with 4; at ``most`` 2, of the window left with 2 only."""
+    from hf_blockbatch.generation.commit import Proposal, note_runner_ups
+    from hf_blockbatch.generation.forward import Span
+    from hf_blockbatch.generation.policies.lookahead import Lookahead
+    from hf_blockbatch.generation.sampling import runner_up
+    from hf_blockbatch.generation.state import DecodeState
+
+    mask, la = 9, Lookahead(4, runner_up=True)
+    assert la.spare_masks == 3
+    prompt = torch.tensor([[1, 2]] * 3)
+    for most, noted in ((3, [True, True, False]), (2, [True, False, False])):
+        s = DecodeState.start(prompt, torch.ones_like(prompt), [4], 4, mask, map_k=1, features=frozenset(la.needs))
+        s.canvas[0, 2:6] = torch.tensor([mask, mask, 5, 5])  # 2 masks left
+        s.canvas[1, 2:6] = torch.tensor([mask, mask, mask, 5])  # 3 masks left
+        masked = s.canvas[:, 2:6] == mask  # row 2: 4 masks left
+        span = Span(torch.arange(3), torch.arange(2, 6).repeat(3, 1), None, None, s.canvas, s.canvas[:, 2:6].clone(),
+                    masked, masked)  # fmt: skip
+        packed = torch.randn(int(masked.sum()), 12, generator=torch.Generator().manual_seed(0))
+        s.prob_ids[:, :, 0].masked_scatter_(masked, packed.argmax(-1))
+        select = torch.zeros_like(masked)  # the step committed nothing
+        proposal = Proposal(torch.zeros(3, 4), s.canvas[:, 2:6].clone(), None, None)
+        note_runner_ups(s, span, proposal, select, select.sum(-1), packed, most, None)
+        first = 0
+        for row, (n, want) in enumerate(zip((2, 3, 4), noted)):
+            _, ids = runner_up(packed[first : first + n], packed[first : first + n].argmax(-1), None, mask)
+            first += n
+            assert s.runner_ids[row, :n].tolist() == (ids.tolist() if want else [-1] * n), (most, row)
