@@ -1044,3 +1044,24 @@ def test_answer_lengths_and_texts_stop_at_the_first_end_token():
         hb.answer_texts(Decoder(), new, 9.5)
     with pytest.raises(ValueError, match=r"new_tokens must be \[batch, new\] token ids"):
         hb.answer_texts(Decoder(), new[None], [9])
+
+
+def test_retiring_a_request_clears_its_eos_hits_so_the_stop_rule_skips_it(monkeypatch):
+    """``DecodeState.retire`` marks whole requests retired and done, fills their masks, and clears their EOS hits:
+    a retired request that stopped at EOS stays in the state until half the rows are retired, and with its hit
+    kept the stop rule's quick check (``ready``) would look for finished requests after every later step."""
+    from hf_blockbatch.generation import stop
+    from hf_blockbatch.generation.state import DecodeState
+
+    prompt = torch.tensor([[1, 2]] * 3)
+    s = DecodeState.start(prompt, torch.ones_like(prompt), [2, 4], 4, MASK_ID)  # 3 requests of 2 rows
+    s.canvas[0:2, 2:4] = torch.tensor([EOS_ID, EOS_ID])
+    s.eos_hit[[0, 1, 2]] = True  # request 0 ended at EOS; row 2 (request 1) hit EOS too, its request goes on
+    s.retire(s.request == 0, EOS_ID)
+    assert s.retired.tolist() == s.done.tolist() == [True, True, False, False, False, False]
+    assert s.eos_hit.tolist() == [False, False, True, False, False, False]
+    assert not (s.canvas[:2] == MASK_ID).any() and (s.canvas[2:, 2:] == MASK_ID).all()
+    s.eos_hit[2] = False
+    calls, real = [], stop.finished_requests
+    monkeypatch.setattr(stop, "finished_requests", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert stop.StopRule(early_stop=True).ending(s, 3, EOS_ID) is None and not calls
