@@ -230,3 +230,26 @@ def test_lean_preset_is_the_benchmarked_configuration(tmp_path):
     cfg.save_pretrained(tmp_path)
     loaded = hb.BlockBatchConfig.from_pretrained(tmp_path)
     assert {k: getattr(loaded, k) for k in LEAN} == LEAN
+
+
+def test_kv_records_change_only_where_the_step_wrote():
+    """``DecodeState.kv_written(rows, where)``: a sparse step rewrites the K/V of the positions it queried only, so only
+    those records take the canvas's tokens (a mask: -1); elsewhere the records stay, and a position committed since
+    its K/V were written (here a merged token ahead of the window, never queried) stays stale until a step queries
+    it. Recording it as fresh left its K/V, computed over a mask, unread by every later step (fewer query tokens on
+    the lean preset's code prompts)."""
+    from hf_blockbatch.generation.state import DecodeState
+
+    mask = 9
+    prompt = torch.tensor([[1, 2], [3, 4]])
+    s = DecodeState.start(prompt, torch.ones_like(prompt), [2], 6, mask, features=frozenset({"kv_tokens"}))
+    s.kv_written(None)  # a full forward: every record is the canvas's
+    assert s.kv_tokens[:, 2:].tolist() == [[-1] * 6] * 2 and s.kv_tokens[:, :2].tolist() == prompt.tolist()
+    s.canvas[:, 2] = 5  # committed in the window (positions 2, 3)
+    s.canvas[:, 6] = 7  # merged ahead of it
+    where = torch.zeros(2, 8, dtype=torch.bool)
+    where[:, 2:4] = True  # the step queried its window only
+    s.kv_written(torch.tensor([1]), where[1:])
+    assert s.kv_tokens[0, 2:].tolist() == [-1] * 6  # a row the step did not carry keeps its records
+    assert s.kv_tokens[1, 2:].tolist() == [5, -1, -1, -1, -1, -1]
+    assert s.stale_kv(torch.tensor([1]))[0].tolist() == [False] * 3 + [True] * 5
