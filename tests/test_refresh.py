@@ -193,3 +193,29 @@ def test_refresh_after_commits_saves_and_loads(tmp_path):
     cfg.save_pretrained(tmp_path)
     assert hb.FastDLLMConfig.from_pretrained(tmp_path).refresh_after_commits == 16
     assert hb.FastDLLMConfig().refresh_after_commits is None
+
+
+def test_a_row_synced_in_a_step_is_not_refreshed_in_it(monkeypatch):
+    """BlockBatch: a synced row took its leader's canvas, cache row and refresh age, so it is due whenever its
+    leader is; it is still left out of the refresh that follows its sync (``Periodic.due``), the sync having given it
+    the leader's cache already. Here (a small interval on a checkpoint) such steps happen and no refresh carries a
+    row synced in its step."""
+    from hf_blockbatch.generation.engine import Run
+
+    model, tok = hb.load_model("tiny-llada", device="cpu")
+    suite = load_task("arith")
+    cfg = hb.BlockBatchConfig(max_new_tokens=64, block_sizes=[2, 8], refresh_interval=16, sync_threshold=1)
+    aged, carried, full_step = [], [], Run.full_step
+
+    def spy(self, rows, phase):
+        s = self.state
+        if phase == "refresh" and s.synced_now is not None:
+            aged.append(int((s.since_refresh >= 16)[s.synced_now].sum()))
+            carried.append(int(s.synced_now[rows].sum()))
+        return full_step(self, rows, phase)
+
+    monkeypatch.setattr(Run, "full_step", spy)
+    for item in suite.items("train", limit=3):
+        enc = tok([suite.prompt(item, tok)], add_special_tokens=False, return_tensors="pt")
+        model.generate(**enc, generation_config=cfg)
+    assert sum(aged) > 0 and sum(carried) == 0
