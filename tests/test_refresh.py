@@ -219,3 +219,23 @@ def test_a_row_synced_in_a_step_is_not_refreshed_in_it(monkeypatch):
         enc = tok([suite.prompt(item, tok)], add_special_tokens=False, return_tensors="pt")
         model.generate(**enc, generation_config=cfg)
     assert sum(aged) > 0 and sum(carried) == 0
+
+
+def test_the_reference_refresh_resets_the_moves_of_the_rows_it_refreshed():
+    """``ReferenceRefresh``: once a row's window moves x its block size reach the interval, every active row of its
+    request is refreshed in one full forward and their move counts restart at 0 (so the next refresh waits for the
+    interval again); another request's rows keep their counts. Without the reset every later step was a refresh."""
+    from types import SimpleNamespace
+
+    from hf_blockbatch.generation.refresh import ReferenceRefresh
+    from hf_blockbatch.generation.state import DecodeState
+
+    prompt = torch.tensor([[1, 2]] * 2)
+    s = DecodeState.start(prompt, torch.ones_like(prompt), [4, 8], 16, MASK_ID, features=frozenset({"moves"}))
+    s.moves.copy_(torch.tensor([4, 1, 3, 1]))  # request 0: row 0 is due (4 x 4 >= 16); request 1: none (3 x 4, 1 x 8)
+    full = []
+    run = SimpleNamespace(state=s, cache=None, full_step=lambda rows, phase: full.append((rows.tolist(), phase)))
+    policy = ReferenceRefresh(16)
+    assert policy.refresh(run) and full == [([0, 1], "refresh")]
+    assert s.moves.tolist() == [0, 0, 3, 1]
+    assert not policy.refresh(run) and len(full) == 1
