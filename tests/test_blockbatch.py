@@ -671,3 +671,27 @@ def test_blockbatch_invariants_sweep():
             _check_padded_equals_alone(cfg, prune, agreement, confident, widest, kind, prompt, other, torch.float64)
 
         fixed_seed(first)(wide(given(**_PADDED_ARGS)(padded_in_float64)))()
+
+
+def test_merge_thresholds_at_their_boundaries():
+    """``merge_threshold`` is strict (a token the destination rates exactly at it is not taken: "exceeds"),
+    ``merge_source_confidence`` inclusive (a source offers a token it holds exactly at c). The loop comparison above
+    draws random probabilities, which never sit on a boundary."""
+    from hf_blockbatch.generation.policies.merge import merge
+    from hf_blockbatch.generation.state import DecodeState
+
+    M = 9
+    prompt = torch.tensor([[1, 2]])
+
+    def merged(rated: float, threshold: float, held: float | None = None, confident: float | None = None) -> bool:
+        s = DecodeState.start(prompt, torch.ones_like(prompt), [2, 4], 4, M, map_k=1,
+                              keep_commit_prob=held is not None)  # fmt: skip
+        s.canvas[0, 2] = 5  # the narrow row decoded 5 in its window; the wide row (window end 6) may take it
+        s.prob_p[1, 0, 0], s.prob_ids[1, 0, 0] = rated, 5
+        if held is not None:
+            s.commit_prob[0, 0] = held
+        merge(s, threshold, 0, confident)
+        return int(s.canvas[1, 2]) == 5
+
+    assert not merged(0.5, 0.5) and merged(0.5, 0.25)
+    assert merged(0.75, 0.5, held=0.625, confident=0.625) and not merged(0.75, 0.5, held=0.625, confident=0.75)
