@@ -239,3 +239,22 @@ def test_the_reference_refresh_resets_the_moves_of_the_rows_it_refreshed():
     assert policy.refresh(run) and full == [([0, 1], "refresh")]
     assert s.moves.tolist() == [0, 0, 3, 1]
     assert not policy.refresh(run) and len(full) == 1
+
+
+def test_the_divergence_refresh_is_due_where_keys_drift_past_the_threshold():
+    """``Divergence``: a row is due when its last-layer keys over the generated region drift from its request's mean
+    by more than ``threshold`` (relative), whatever its window's age: request 0's rows agree (no drift), request 1's
+    drift by 0.5 from their mean (keys 1 and 3 against 2)."""
+    from types import SimpleNamespace
+
+    from hf_blockbatch.generation.refresh import Divergence
+    from hf_blockbatch.generation.state import DecodeState
+
+    prompt = torch.tensor([[1, 2]] * 2)
+    s = DecodeState.start(prompt, torch.ones_like(prompt), [2, 4], 4, MASK_ID)  # rows 0, 1: request 0; 2, 3: request 1
+    keys = torch.ones(4, 6, 2, 3)  # [R, L, heads, dim]
+    keys[3, 2:] = 3.0
+    keys[:, :2] = 50.0  # the prompt's keys are not compared
+    cache = SimpleNamespace(layers=[SimpleNamespace(keys=keys)])
+    assert Divergence(10**6, 0.1).due(s, cache).tolist() == [False, False, True, True]
+    assert Divergence(10**6, 0.6).due(s, cache).tolist() == [False] * 4
