@@ -695,3 +695,41 @@ def test_merge_thresholds_at_their_boundaries():
 
     assert not merged(0.5, 0.5) and merged(0.5, 0.25)
     assert merged(0.75, 0.5, held=0.625, confident=0.625) and not merged(0.75, 0.5, held=0.625, confident=0.75)
+
+
+def test_a_synced_row_takes_its_leaders_canvas_and_refresh_age():
+    """``sync_to_leader``: a row more than ``sync_threshold`` decoded tokens behind its request's leader takes the
+    leader's canvas and its refresh age (``since_refresh``: the copied cache row is as old as the leader's), then
+    its own window of its own block size; the leader keeps its own."""
+    from hf_blockbatch.generation.policies.sync import sync_to_leader
+    from hf_blockbatch.generation.state import DecodeState
+
+    prompt = torch.tensor([[1, 2]])
+    s = DecodeState.start(prompt, torch.ones_like(prompt), [2, 4], 8, MASK_ID)
+    s.canvas[0, 2:6] = torch.tensor([5, 6, 7, 8])  # the narrow row decoded 4 tokens, the wide one none
+    s.since_refresh.copy_(torch.tensor([6, 1]))
+    synced = sync_to_leader(s, None, 2)
+    assert synced.tolist() == [False, True] and torch.equal(s.canvas[1], s.canvas[0])
+    # the leader's window moved from [2, 4) to [6, 8): 4 more generated tokens; the synced row takes that age
+    assert s.since_refresh.tolist() == [10, 10]
+    assert s.win_start.tolist() == [6, 6] and s.win_end.tolist() == [8, 10]
+    assert s.copied.tolist() == [0, 4] and s.syncs.tolist() == [0, 1]
+
+
+def test_a_pruned_row_drops_the_eos_hit_it_copied_from_its_leader():
+    """``prune``: a row synced now whose syncs after block steps reach ``after_syncs`` is pruned (and done), and its
+    EOS hit, a copy of its leader's, is cleared, so only the leader ranks as a hitter; rows not pruned keep theirs.
+    (Kept, with ``eos_prefer_widest`` a pruned copy wider than its leader outranks it in ``stop.pick_winners``, and
+    the request's answer falls to its branch 0, hitter or not.)"""
+    from hf_blockbatch.generation.policies.prune import prune
+    from hf_blockbatch.generation.state import DecodeState
+
+    prompt = torch.tensor([[1, 2]])
+    s = DecodeState.start(prompt, torch.ones_like(prompt), [2, 4, 8], 8, MASK_ID,
+                          features=frozenset({"pruned", "step_syncs"}))  # fmt: skip
+    s.eos_hit.fill_(True)
+    s.step_syncs.copy_(torch.tensor([0, 1, 0]))
+    s.synced_now = torch.tensor([False, True, True])
+    assert prune(s, 2).tolist() == [False, True, False]
+    assert s.pruned.tolist() == [False, True, False] and s.done.tolist() == [False, True, False]
+    assert s.eos_hit.tolist() == [True, False, True] and s.step_syncs.tolist() == [0, 2, 1]
