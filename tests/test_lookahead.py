@@ -1009,3 +1009,18 @@ def test_runner_ups_are_noted_at_windows_left_with_up_to_most_masks():
             _, ids = runner_up(packed[first : first + n], packed[first : first + n].argmax(-1), None, mask)
             first += n
             assert s.runner_ids[row, :n].tolist() == (ids.tolist() if want else [-1] * n), (most, row)
+
+
+def test_of_several_contained_drafts_the_one_holding_most_drafted_tokens_is_adopted():
+    """The main row commits ranks 0 and 1 (positions 1 and 3) and leaves two masks: drafts ``(0,)``, ``(1,)`` and
+    ``(0, 1)`` are all contained. ``contained`` adopts ``(0, 1)``, which drafted most (the first of them, ``(0,)``,
+    would give another canvas: its commit at position 0 instead of ``(0, 1)``'s at position 2)."""
+    mask = 9
+    s = _one_request_drafted()
+    s.canvas[0, 2:6] = torch.tensor([mask, 21, mask, 23])  # the main row's commit
+    s.canvas[1, 2:6] = torch.tensor([40, 21, mask, mask])  # draft (0,) after its own commit
+    s.canvas[2, 2:6] = torch.tensor([50, mask, 52, 23])  # draft (1,): no merge with it leaves a mask
+    s.canvas[3, 2:6] = torch.tensor([mask, 21, 42, 23])  # draft (0, 1)
+    assert _apply(s, "contained")
+    assert s.canvas[0, 2:6].tolist() == [mask, 21, 42, 23] and int(s.adopted[0]) == 1
+
