@@ -253,6 +253,38 @@ def test_headline_tuned_baseline_compute_and_latency_columns():
     assert "| — |" in runner.render_markdown(bare)
 
 
+def test_summary_figures_at_their_edges():
+    """A sweep point at BlockBatch's NFE and more accurate dominates it, one equal in both does not; the lowest-NFE
+    block is the cheapest point; an even count's median NFE is the mean of the middle two; a speedup is the
+    baseline's time over the method's; a statistic or answer length that only some rows report gives no figure."""
+    rows = [*_cell_rows("blockbatch", [4, 4, 6, 6], 2, lambda n: {"query_tokens": 10 * n}),
+            *_cell_rows("fast_dllm", [10] * 4, 2), *_cell_rows("fast_dllm_b16", [5] * 4, 3),
+            *_cell_rows("fast_dllm_b64", [5] * 4, 2), *_cell_rows("fast_dllm_b32", [8] * 4, 2)]  # fmt: skip
+    rows[0]["stats"], rows[1]["answer_tokens"] = {}, None
+    t = runner.summarize(rows, ["arith"], ["blockbatch", "fast_dllm", "fast_dllm_b16", "fast_dllm_b64", "fast_dllm_b32"])
+    frontier, bb = t["tasks"]["arith"]["headline"]["frontier"], t["tasks"]["arith"]["methods"]["blockbatch"]
+    assert frontier["dominated_by"] == [16]
+    assert (frontier["lowest_nfe_block"], frontier["nfe_ratio_bb_lowest"]) == (16, 1.0)
+    assert bb["nfe_median"] == 5.0 and bb["speedup_vs_fast_dllm"] == pytest.approx(2.0)
+    assert bb["query_tokens_mean"] is None and bb["tokens_per_second"] is None and bb["answer_tokens_mean"] is None
+    # the tuned pick: ties in accuracy and NFE go to the smaller block
+    cells = {f"fast_dllm_b{b}": {"accuracy": 0.75, "nfe_mean": 5.0, "block": b, "early_stop": True} for b in (64, 16)}
+    assert runner.tuned_fast_dllm(cells) == "fast_dllm_b16"
+
+
+def test_the_tuned_block_reads_an_aliased_sweep_point_s_rows():
+    """A sweep point decoded under another name (its config was that method's) competes for the tuned block with the
+    rows of the method it stands for, as in the summary; dropping it picked another block for ``--at-tuned-block``."""
+    configs = {f"fast_dllm_b{b}": hb.FastDLLMConfig(max_new_tokens=64, block_length=b, early_stop=True) for b in (16, 32)}
+    rows = _cell_rows("fast_dllm_b16", [5] * 4, 2) + _cell_rows("my_fast_dllm", [5] * 4, 4)
+    assert runner._tuned_block(rows, "arith", configs, {"fast_dllm_b32": "my_fast_dllm"}) == 32
+
+
+def test_the_progress_bar_counts_each_shard_s_retimed_items():
+    """Each method decodes the shard's items and, again alone, those of the task's first ``retimed`` items it holds."""
+    assert [runner._count_timed(r, 2) for r in (range(0, 6), range(1, 4), range(6, 12))] == [8, 4, 6]
+
+
 def test_a_new_method_is_one_registry_entry(monkeypatch):
     """LocalLeap and the authors' BlockBatch arrive as entries of METHODS; the headline picks them up."""
     from hf_blockbatch.generation.configs import FastDLLMConfig

@@ -232,8 +232,9 @@ def test_wilson_interval() -> None:
     assert wilson_interval(0, 10)[0] == 0.0 and 0 < wilson_interval(0, 10)[1] < 0.35
     assert wilson_interval(10, 10)[1] == 1.0 and wilson_interval(10, 10)[0] > 0.65
     assert wilson_interval(0, 0) == (0.0, 1.0)
-    with pytest.raises(ValueError):
-        wilson_interval(3, 2)
+    for k, n in ((3, 2), (11, 10)):  # one success too many is refused as such (not by a math domain error)
+        with pytest.raises(ValueError, match="0 <= k <= n"):
+            wilson_interval(k, n)
 
 
 def test_wilson_interval_refuses_what_is_no_interval() -> None:
