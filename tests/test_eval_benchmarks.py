@@ -267,3 +267,23 @@ def test_mbpp_all_references_pass() -> None:
     assert sum(s.correct for s in scores) == len(items), [
         (it.id, s.detail) for it, s in zip(items, scores) if not s.correct
     ]
+
+
+def test_scoring_cuts_at_the_stop_sequences_and_mbpp_runs_its_setup_after_the_code(tmp_path: Path) -> None:
+    """What a fixed-length decode writes after a stop sequence (an invented next question or problem, a statement
+    after the function) is not scored; MBPP's setup code runs after the answer's code (it may use its class); the
+    MBPP test split is task ids 11-510, both ends included."""
+    item = EvalItem(task="gsm8k", id="g", question="?", reference="5")
+    assert GSM8K().score(item, "So 5.\n#### 5\n\nQuestion: And then? #### 9").correct
+    item = EvalItem(task="math", id="m", question="?", reference=r"\frac{1}{2}")
+    assert MATH().score(item, "So $\\boxed{0.5}$.\n\nProblem:\nFoo\n\nSolution: $\\boxed{3}$").correct
+    item = EvalItem(task="humaneval", id="h", question='def f():\n    """One."""\n', reference="",
+                    tests=("def check(fn):\n    assert fn() == 1\n",), entry_point="f")  # fmt: skip
+    assert HumanEval().score(item, "    return 1\nprint(undefined_name)\n").correct
+    item = EvalItem(task="mbpp", id="mbpp/1", question="?", reference="", tests=("assert p.x == 1",),
+                    meta={"test_setup_code": "p = P()"})  # fmt: skip
+    assert MBPP().score(item, "class P:\n    x = 1\n").correct
+    path = tmp_path / "mbpp.jsonl"
+    path.write_text("".join(json.dumps({"task_id": i, "text": "?", "code": "", "test_list": []}) + "\n"
+                            for i in (10, 11, 510, 511)))  # fmt: skip
+    assert [it.id for it in MBPP(data_path=path, num_fewshot=0).items("test")] == ["mbpp/11", "mbpp/510"]

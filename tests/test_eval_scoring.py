@@ -338,3 +338,37 @@ def test_no_completion_scores_as_an_empty_one_in_every_suite():
         suite = get_suite(name)
         item = suite.items("test", limit=1)[0]
         assert suite.score(item, None).correct is False and suite.score(item, "").correct is False
+
+
+def test_extraction_reads_the_last_marker_box_and_final_answer() -> None:
+    """The answer is after the *last* ``####`` (the first number right after it, behind ``$`` or ``**:``), a stop at
+    the very start cuts everything, ``\\fbox`` is a box as ``\\boxed`` is, and of several "final answer is $X$" the
+    last one counts."""
+    assert extract_gsm8k_answer("#### 5\nNo, wait.\n#### 7") == "7"
+    assert extract_gsm8k_answer("#### $1,200 for 3 days") == "1200"
+    assert extract_gsm8k_answer("#### **: 18 in 2 boxes") == "18"
+    assert truncate_at("Question: 5", ("Question:",)) == ""
+    assert last_boxed_only_string(r"so \boxed{3} or rather \fbox{5}") == r"\fbox{5}"
+    assert extract_math_answer("The final answer is $3$. No: the final answer is $5$.") == "5"
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold"),
+    [
+        (r"\left( 3, \frac{\pi}{2} \right)", r"(3,\frac{\pi}{2})"),
+        (r"\dfrac{3}{4}", "0.75"),
+        (r"\tfrac{1}{2}", ".5"),
+        ("90 degrees", "90"),
+        ("1,000", "1000"),
+        ("x = 3", "3"),
+        (r"10\text{ cm}", "10"),
+    ],
+)
+def test_math_equivalence_without_math_verify(monkeypatch: pytest.MonkeyPatch, pred: str, gold: str) -> None:
+    """Where math-verify is missing or gives up, the normalised strings decide alone: they must still equate what
+    only differs in notation, and keep a tuple's comma (``1,2`` is not ``12``)."""
+    from hf_blockbatch.tasks import scoring
+
+    monkeypatch.setattr(scoring, "_math_verify_equal", lambda *a: None)
+    assert math_is_equivalent(pred, gold)
+    assert not math_is_equivalent("1,2", "12")
