@@ -98,3 +98,11 @@ def test_program_swallowing_the_timeout_is_still_killed() -> None:
     t0 = time.monotonic()
     r = run_program(prog, timeout=0.5)
     assert r.status == "timeout" and time.monotonic() - t0 < 0.5 + 2.0
+
+
+def test_the_memory_limit_fails_what_the_machine_could_give() -> None:
+    """An allocation past ``memory_mb`` fails with a MemoryError though the machine has the memory (the test above
+    asks for 80 GB, which fails without the limit too)."""
+    r = run_program("x = bytearray(300 * 2**20)\n", memory_mb=256)
+    assert r.status == "failed" and r.detail.startswith("MemoryError")
+    assert run_program("x = bytearray(300 * 2**20)\n", memory_mb=1024).passed

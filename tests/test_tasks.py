@@ -165,3 +165,23 @@ def test_prompt_and_lengths_fit(name):
     # every reference response plus its end-of-text token fits the default generation length
     longest = max(len(tok(it.target, add_special_tokens=False)["input_ids"]) for it in items)
     assert longest + 1 <= suite.default_gen_length
+
+
+def test_lists_and_code_scoring_edges():
+    """A pair uses two different numbers of the list; the list answer is the last marker's line; a code answer must
+    pass every hidden assert, not only the first."""
+    lists = get_suite("lists")
+    pair = EvalItem(task="lists", id="p", question="?", reference="3, 5",
+                    meta={"kind": "pair", "numbers": (1, 3, 4, 5, 9), "total": 8})  # fmt: skip
+    assert lists.score(pair, "#### 5, 3").correct
+    assert not lists.score(pair, "#### 4, 4").correct  # one number twice
+    assert not lists.score(pair, "#### 1, 7").correct  # 7 is not in the list
+    sort = EvalItem(task="lists", id="s", question="?", reference="1, 2, 3",
+                    meta={"kind": "sort", "numbers": (3, 1, 2), "answer": (1, 2, 3)})  # fmt: skip
+    assert lists.score(sort, "#### 3, 2, 1\n#### 1, 2, 3").correct
+    assert lists.score(sort, "#### 1, 2, 3\nand 4 more").correct
+    code = get_suite("code")
+    item = EvalItem(task="code", id="c", question="?", reference="", tests=("assert f(1) == 2", "assert f(2) == 3"),
+                    entry_point="f")  # fmt: skip
+    assert code.score(item, "def f(x):\n    return x + 1\n").correct
+    assert not code.score(item, "def f(x):\n    return 2\n").correct
