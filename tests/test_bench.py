@@ -1437,6 +1437,32 @@ def test_the_heldout_pick_reads_only_the_sweeps_own_configs(tmp_path):
         paper_table.heldout_blocks([path])
 
 
+def test_the_scorecard_meets_a_target_on_its_bound_and_misses_it_just_past():
+    """Each target of issue 16 is met on its bound (accuracy exactly 1 point below the tuned baseline's and equal to
+    the authors' reference's, NFE exactly 0.75x tuned and 0.5x the paper's, query tokens exactly 1x) and missed just
+    past it."""
+    paper_table = load_benchmark("paper_table")
+    folder, presets = paper_table.RESULTS / "paper_table" / "tiny-llada-code", paper_table._presets()
+    cells, tuned = paper_table._folder_cells(folder)
+    names = paper_table._score_row(folder, cells, tuned, presets)["methods"]
+    shipped, ref, paper = (names[k] for k in ("FastDLLMConfig.drafted(exact=False)", "BlockBatch, the authors' reference",
+                                              "Fast-dLLM, the paper's baseline"))  # fmt: skip
+
+    def met(ref_accuracy: float = 0.49, **shipped_cell: float) -> dict[str, bool]:
+        edge = {k: dict(c) for k, c in cells.items()}
+        edge[tuned].update(accuracy=0.5, nfe_mean=8.0, query_tokens_mean=100.0)
+        edge[ref].update(accuracy=ref_accuracy)
+        edge[paper].update(nfe_mean=12.0)
+        edge[shipped].update({"accuracy": 0.49, "nfe_mean": 6.0, "query_tokens_mean": 100.0, **shipped_cell})
+        return paper_table._score_row(folder, edge, tuned, presets)["met"]
+
+    assert met() == {"accuracy": True, "nfe_vs_tuned": True, "nfe_vs_paper": True, "query_tokens": True}
+    assert met(accuracy=0.4899, ref_accuracy=0.48)["accuracy"] is False
+    assert met(ref_accuracy=0.4901)["accuracy"] is False
+    assert met(nfe_mean=6.001) == {"accuracy": True, "nfe_vs_tuned": False, "nfe_vs_paper": False, "query_tokens": True}
+    assert met(query_tokens_mean=100.1)["query_tokens"] is False
+
+
 def test_the_latency_target_is_read_from_side_by_side_test_split_runs_of_the_scored_decoders(tmp_path, monkeypatch):
     """``paper_table.py --targets --latency``: a ``beyond_paper.py --split test`` latency run gives each checkpoint and
     suite the tuned baseline's and the shipped preset's time per item, each found by its config; a run that decoded
