@@ -285,6 +285,14 @@ def test_the_progress_bar_counts_each_shard_s_retimed_items():
     assert [runner._count_timed(r, 2) for r in (range(0, 6), range(1, 4), range(6, 12))] == [8, 4, 6]
 
 
+def test_rows_sort_by_task_method_and_item_with_unknown_names_last():
+    """The order of a run's rows (``merge_shards``, ``samples.jsonl``): the run's task order, then its method order,
+    then the item; a task or method the orders do not name goes after those they do."""
+    rows = [{"task": t, "method": m, "index": i} for t, m, i in (("x", "a", 0), ("b", "z", 1), ("b", "a", 1), ("b", "a", 0))]
+    got = [(r["task"], r["method"], r["index"]) for r in sorted(rows, key=runner._row_order(["b"], ["a"]))]
+    assert got == [("b", "a", 0), ("b", "a", 1), ("b", "z", 1), ("x", "a", 0)]
+
+
 def test_a_new_method_is_one_registry_entry(monkeypatch):
     """LocalLeap and the authors' BlockBatch arrive as entries of METHODS; the headline picks them up."""
     from hf_blockbatch.generation.configs import FastDLLMConfig
@@ -1396,6 +1404,10 @@ def test_the_committed_targets_scorecard_is_the_committed_runs_and_the_shipped_p
         assert row["tuned_block"] == block == row["cells"][row["shipped"]]["block"] and row["tuned"] in row["frontier"]
     committed = (paper_table.TARGETS / "targets.md").read_text()
     assert paper_table.targets_markdown(card, heldout) == committed
+    # targets.json too (it holds what the Markdown leaves out: each row's frontier and the methods found)
+    committed_json = json.loads((paper_table.TARGETS / "targets.json").read_text())
+    for key, rows in (("test_pick", card), ("training_pick", heldout)):
+        assert json.loads(json.dumps([{k: v for k, v in r.items() if k != "cells"} for r in rows])) == committed_json[key]
     # the CPU latency target: what the committed side-by-side test-split runs give, of the decoders scored above
     latency = json.loads(paper_table.LATENCY.read_text())
     sources = {t["source"] for suites in latency.values() for times in suites.values() for t in times.values()}
