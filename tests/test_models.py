@@ -762,3 +762,15 @@ def test_the_forwards_and_new_cache_refuse_ids_sizes_and_masks_they_cannot_use()
     assert dream.forward_windows(ids, logits_mask=torch.tensor([True, False, True, False]), **window).logits.shape[0] == 2
     with pytest.raises(ValueError, match="logits_mask must be a bool tensor"):
         model(torch.tensor([[5, 6, 7]]), logits_mask=torch.ones(1, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_a_longer_canvas_after_a_short_one_gets_its_own_rope_angles(family: str) -> None:
+    """The RoPE table is built for the first canvas (at least 256 positions) and must grow for a longer one:
+    a model that has served a short canvas forwards a 300-position one exactly as a fresh model does."""
+    context = {"max_sequence_length": 512} if family == "llada" else {"max_position_embeddings": 512}
+    used = make(family, **context)
+    used(canvas(1, 16))
+    long = canvas(1, 300, seed=1)
+    assert torch.equal(used(long).logits, make(family, **context)(long).logits)
