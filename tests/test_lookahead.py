@@ -20,6 +20,7 @@ from _generation_helpers import eos_model, homogeneity_p, peaked, run_padded, sp
 from conftest import MASK_ID
 
 import hf_blockbatch as hb
+from hf_blockbatch.generation import forward
 from hf_blockbatch.generation.policies.lookahead import DRAFT_SHAPES
 from hf_blockbatch.generation.trace import CommitEvent, SyncEvent
 from hf_blockbatch.tasks import get_suite
@@ -1024,3 +1025,29 @@ def test_of_several_contained_drafts_the_one_holding_most_drafted_tokens_is_adop
     assert _apply(s, "contained")
     assert s.canvas[0, 2:6].tolist() == [mask, 21, 42, 23] and int(s.adopted[0]) == 1
 
+
+def test_a_synced_draft_rows_kv_differ_from_its_main_rows_only_where_marked_dirty(trained, monkeypatch):
+    """After every sparse step with drafts, a draft row whose K/V were copied from its main row since the main row's
+    last full forward holds, at every position ``kv_dirty`` leaves clean, exactly its main row's K/V (every layer),
+    parked drafts included: the step restores only the dirty positions, so an unmarked difference (a parked draft
+    missing what its main row re-queried) would be read as the main row's."""
+    model, tok = trained
+    enc = _batch(tok, "arith", 4)
+    positions = forward.Forwards.positions
+    seen = Counter()
+
+    def checked(self, state, span):
+        out = positions(self, state, span)
+        kv = torch.stack([t for layer in self.cache.layers for t in (layer.keys, layer.values)])
+        kv = kv.view(kv.shape[0], -1, state.branches, *kv.shape[2:])  # [layers x 2, B, N, L, H, D]
+        same = (kv[:, :, 1:] == kv[:, :, :1]).flatten(4).all(-1).all(0)  # [B, N - 1, L]
+        synced = state.per_request(state.kv_from)[:, 1:] == state.per_request(state.refreshes)[:, :1]
+        clean = synced[:, :, None] & ~state.per_request(state.kv_dirty)[:, 1:]
+        assert not bool((clean & ~same).any()), (clean & ~same).nonzero()[:4].tolist()
+        seen["clean"] += int(clean.sum())
+        seen["parked"] += int((synced & state.per_request(state.pruned)[:, 1:]).sum())
+        return out
+
+    monkeypatch.setattr(forward.Forwards, "positions", checked)
+    _decode(model, enc, block_length=32, early_stop=True, window_queries="sparse", requery_radius=6, lookahead=3)
+    assert seen["clean"] > 0 and seen["parked"] > 0  # the check saw synced drafts, parked ones among them
