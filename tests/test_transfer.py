@@ -276,6 +276,20 @@ def test_sample_tokens_gumbel_is_seeded():
     assert ((r >= 0) & (r < 1)).all()
 
 
+@pytest.mark.parametrize("top_k", [0, 1, 3])
+def test_a_sampled_proposals_confidence_is_the_sampled_tokens_probability(top_k):
+    """At a temperature, low_confidence ranks each slot by the softmax probability of the token it drew (LLaDA's
+    ``x0_p = gather(p, x0)``), not by the row's best token's: on rows where the draw is not the argmax the two
+    differ. For every ``top_k`` (a top-k map or none: the best token is found two ways)."""
+    logits = torch.randn(64, 40, generator=torch.Generator().manual_seed(0))
+    s = sample_tokens(logits, 1.0, "low_confidence", top_k, torch.Generator().manual_seed(1), mask_id=39)
+    p = torch.softmax(logits.double(), -1)
+    assert int((s.tokens != p[:, :39].argmax(-1)).sum()) > 10  # many draws are not the most probable token
+    want = p.gather(1, s.tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(s.probability, want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(s.confidence, want, atol=1e-6, rtol=0)
+
+
 def test_gumbel_scores_in_log_space_pick_lladas_tokens():
     """Sampled proposals score ``logits - T log(-log u)``, the logarithm of LLaDA's ``exp(logits) / (-log u)^T``:
     with the same noise the same token on 80,000 rows (logit scales 1-30, temperatures 0.3-2), and where LLaDA's
