@@ -56,6 +56,26 @@ def test_the_hash_is_lowbias32_in_exact_integers():
     assert float(got.min()) > 0.0 and float(got.max()) < 1.0
 
 
+def test_the_row_slot_and_confidence_keys_are_their_parts_hashed_in_exact_integers():
+    """Each key part is taken in as ``lowbias32(key ^ lowbias32(part + offset))``, with the part's own offset: a
+    row's lane, then a slot's step and its offset in the generated region, in that order; random remasking's
+    confidence of a slot is its key with the confidence part taken in (0), as a uniform. These numbers are what a
+    seeded decode draws, so Python's exact integers pin them."""
+
+    def absorb(key: int, part: int, offset: int) -> int:
+        return _lowbias32(key ^ _lowbias32((part + offset) & M32))
+
+    rng = random.Random(1)
+    keys, steps, offsets = ([rng.randrange(2**32) for _ in range(50)] + [0, M32] for _ in range(3))
+    lanes = [rng.randrange(4) for _ in range(52)]
+    t = torch.tensor
+    assert noise.lane_keys(t(keys), t(lanes)).tolist() == [absorb(k, b, noise._LANE) for k, b in zip(keys, lanes)]
+    slots = noise.slot_keys(t(keys), t(steps), t(offsets)).tolist()
+    assert slots == [absorb(absorb(k, s, noise._STEP), o, noise._POSITION) for k, s, o in zip(keys, steps, offsets)]
+    got = noise.confidence_uniform(t(keys)).tolist()
+    assert got == [(absorb(k, 0, noise._CONFIDENCE) + 0.5) / 2**32 for k in keys]
+
+
 def test_keyed_uniforms_are_uniform_and_independent():
     """2^18 uniforms of 4,096 slots (consecutive steps and positions of one row) × 64 token ids: the 64 bins of a
     chi-square test hold them evenly, and neighbouring token ids, positions and steps are uncorrelated (a hash that
