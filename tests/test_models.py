@@ -774,3 +774,20 @@ def test_a_longer_canvas_after_a_short_one_gets_its_own_rope_angles(family: str)
     used(canvas(1, 16))
     long = canvas(1, 300, seed=1)
     assert torch.equal(used(long).logits, make(family, **context)(long).logits)
+
+
+def test_rope_rounds_in_the_activation_dtype_unless_the_config_says_float32() -> None:
+    """Dream rotates bf16 activations in bf16 (its official ``q * cos + rotate_half(q) * sin`` on bf16 tables);
+    LLaDA rotates in float32 and rounds once (``rope_full_precision``). The two round differently, so each path
+    must be the one its flag names."""
+    from hf_blockbatch.models.layers import apply_rope, rope_cos_sin
+
+    x = torch.randn(64, 4, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    cos, sin = rope_cos_sin(torch.arange(64) * 3, 32, 10000.0)
+    rotated = torch.cat([-x[..., 16:], x[..., :16]], -1)  # the official rotate_half
+    plain_sin = torch.cat([-sin[..., :16], sin[..., 16:]], -1)  # (rope_cos_sin signs the sine's first half)
+    low = x * cos.to(torch.bfloat16) + rotated * plain_sin.to(torch.bfloat16)
+    full = (x.float() * cos + rotated.float() * plain_sin).to(torch.bfloat16)
+    assert not torch.equal(low, full)  # the two roundings differ here
+    assert torch.equal(apply_rope(x, cos, sin, full_precision=False), low)
+    assert torch.equal(apply_rope(x, cos, sin, full_precision=True), full)
