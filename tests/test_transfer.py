@@ -339,17 +339,22 @@ def test_probability_map_size_is_exact_for_the_merge_threshold():
     (0.0, "low_confidence", 0, False), (0.0, "low_confidence", 1, True), (0.0, "low_confidence", 3, False),
     (0.7, "low_confidence", 2, True), (1.0, "random", 0, False),
 ])  # fmt: skip
-def test_sample_tokens_in_row_chunks_proposes_the_same(monkeypatch, temperature, remasking, top_k, entropy):
+@pytest.mark.parametrize("keyed", [False, True], ids=["generator", "keyed"])
+def test_sample_tokens_in_row_chunks_proposes_the_same(monkeypatch, temperature, remasking, top_k, entropy, keyed):
     """Rows proposed in chunks (what bounds the float copies of a large vocabulary's logits) give the same
-    proposals, confidences and maps as one pass, sampled noise included (a CPU draws it in the same order)."""
+    proposals, confidences and maps as one pass, sampled noise included (a CPU draws it in the same order; keyed
+    noise: each chunk hashes its own rows' keys)."""
     from hf_blockbatch.generation import sampling
 
     logits = torch.randn(23, 40, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     kwargs = dict(suppress_logit_ids=torch.tensor([4]), low_confidence_ids=torch.tensor([7, 9]), mask_id=39,
                   entropy=entropy)  # fmt: skip
-    whole = sample_tokens(logits, temperature, remasking, top_k, torch.Generator().manual_seed(5), **kwargs)
+    if keyed:
+        kwargs["noise_keys"] = torch.randint(0, 2**32, (23,), generator=torch.Generator().manual_seed(6))
+    whole = sample_tokens(logits, temperature, remasking, top_k, None if keyed else torch.Generator().manual_seed(5), **kwargs)
     monkeypatch.setattr(sampling, "SAMPLE_CHUNK_ELEMENTS", 5 * 40)  # rows in chunks of 5 (the last of 3)
-    chunked = sample_tokens(logits, temperature, remasking, top_k, torch.Generator().manual_seed(5), **kwargs)
+    chunked = sample_tokens(logits, temperature, remasking, top_k, None if keyed else torch.Generator().manual_seed(5),
+                            **kwargs)  # fmt: skip
     for name in ("tokens", "confidence", "probability", "top_probs", "top_ids", "entropy"):
         a, b = getattr(whole, name), getattr(chunked, name)
         assert (a is None and b is None) or torch.equal(a, b), name
