@@ -504,3 +504,14 @@ def test_the_noise_designs_benchmark_measures_what_it_says():
     p = (logits[0] / 0.5).softmax(-1).index_fill(0, torch.tensor([3]), 0.0)
     freq = torch.bincount(tokens, minlength=8).double() / 20000
     assert freq[3] == 0 and torch.allclose(freq, (p / p.sum()).double(), atol=0.01)
+
+
+def test_a_pruned_draw_breaks_a_tie_by_the_first_id_as_the_full_draw_does():
+    """A pruned or screened draw scores only some (row, id) pairs, then takes each row's best: on a tie the first id,
+    which is what the full draw's row max picks, whatever the order of the pairs' ids; a row without a finite score
+    is left to the full draw (None)."""
+    rows, ids = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([2, 5, 7, 1, 3])
+    scores = torch.tensor([1.0, 3.0, 3.0, 2.0, 2.0], dtype=torch.float64)
+    assert sampling._first_best(rows, ids, scores, 2, 10).tolist() == [5, 1]
+    assert sampling.row_max(torch.tensor([[0.0, 3.0, 3.0], [2.0, 2.0, 0.0]]))[1].tolist() == [1, 0]  # the same rule
+    assert sampling._first_best(rows, ids, scores.index_fill(0, torch.tensor([3, 4]), -float("inf")), 2, 10) is None
