@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hf_blockbatch.eval.runner import tuned_candidate, tuned_fast_dllm
+from hf_blockbatch.eval.runner import in_tuned_pool, tuned_fast_dllm
 from hf_blockbatch.eval.script_args import read_json, run_main
 from hf_blockbatch.eval.stats import paired_time_ratio
 
@@ -220,7 +220,7 @@ def _score_row(folder: Path, cells: Mapping[str, dict], tuned_name: str, presets
         "query_tokens": row["query_tokens_vs_tuned"] <= QUERY_TUNED,
     }  # fmt: skip
     row["cells"] = {k: cells[k] for k in {tuned_name, *(n for n in found.values() if n)}}
-    row["frontier"] = sorted((k for k, c in cells.items() if _on_frontier(k, c)), key=lambda k: cells[k]["block"])
+    row["frontier"] = sorted((k for k, c in cells.items() if in_tuned_pool(k, c)), key=lambda k: cells[k]["block"])
     row["cells"].update({k: cells[k] for k in row["frontier"]})
     return row
 
@@ -362,19 +362,13 @@ def heldout_scorecard() -> list[dict[str, Any]]:
         if pick is None:
             continue
         cells, _ = _folder_cells(folder)
-        at_block = {k: c for k, c in cells.items() if _on_frontier(k, c) and c["block"] == pick["block"]}
+        at_block = {k: c for k, c in cells.items() if in_tuned_pool(k, c) and c["block"] == pick["block"]}
         if not at_block:
             raise SystemExit(f"{folder.name}: no test run of Fast-dLLM with early stop at block {pick['block']}.")
         row = _score_row(folder, cells, tuned_fast_dllm(at_block), presets)
         row["heldout"] = pick
         out.append(row)
     return out
-
-
-def _on_frontier(name: str, cell: Mapping[str, Any]) -> bool:
-    """The fixed-block frontier: dense Fast-dLLM with early stop at each block of the sweep (the runs the tuned
-    baseline is picked from, ``eval.runner.tuned_fast_dllm``)."""
-    return bool(cell.get("early_stop")) and tuned_candidate(name)
 
 
 def _card_markdown(card: list[dict[str, Any]], tuned_header: str) -> list[str]:

@@ -253,6 +253,19 @@ def test_headline_tuned_baseline_compute_and_latency_columns():
     assert "| — |" in runner.render_markdown(bare)
 
 
+def test_the_scorecard_frontier_is_the_pool_the_tuned_pick_comes_from():
+    """paper_table drew its frontier from cells that recorded early stop, while the tuned pick also takes a cell whose
+    summary does not record it: the pick could then be off the frontier drawn around it. Both read one predicate."""
+    cells = {
+        "fast_dllm_b32": {"accuracy": 0.5, "nfe_mean": 4.0, "block": 32},  # an older summary: early stop not recorded
+        "fast_dllm_b64": {"accuracy": 0.4, "nfe_mean": 3.0, "block": 64, "early_stop": True},
+        "fast_dllm_b16": {"accuracy": 0.9, "nfe_mean": 9.0, "block": 16, "early_stop": False},  # turned off: no candidate
+        "fast_dllm": {"accuracy": 0.95, "nfe_mean": 12.0, "block": 32, "early_stop": False},  # the paper's baseline
+    }
+    assert runner.tuned_fast_dllm(cells) == "fast_dllm_b32"
+    assert [k for k, c in cells.items() if runner.in_tuned_pool(k, c)] == ["fast_dllm_b32", "fast_dllm_b64"]
+
+
 def test_summary_figures_at_their_edges():
     """A sweep point at BlockBatch's NFE and more accurate dominates it, one equal in both does not; the lowest-NFE
     block is the cheapest point; an even count's median NFE is the mean of the middle two; a speedup is the

@@ -371,6 +371,13 @@ def tuned_candidate(name: str) -> bool:
     return _sweep_block(name) is not None or name == "fast_dllm_early_stop"
 
 
+def in_tuned_pool(name: str, cell: Mapping[str, Any]) -> bool:
+    """Whether a summary cell is one the tuned Fast-dLLM is picked from (:func:`tuned_fast_dllm`), which is also the
+    fixed-block frontier the scorecard draws: a :func:`tuned_candidate` whose run did not turn early stop off (a cell
+    of a summary that does not record it counts, as it did for the pick; the frontier once left it out)."""
+    return tuned_candidate(name) and cell.get("early_stop") is not False
+
+
 def _sweep_block(name: str) -> int | None:
     rest = name[len(SWEEP_PREFIX) :]
     return int(rest) if name.startswith(SWEEP_PREFIX) and rest.isdigit() else None
@@ -1192,7 +1199,7 @@ def tuned_fast_dllm(cells: Mapping[str, Mapping[str, Any]]) -> str | None:
     Why this one: the paper compares with Fast-dLLM at block 32 without early stop, which a user
     choosing a method would not run. It is chosen on the same items it is reported on, which
     flatters it slightly, as the best of several configurations always is."""
-    pool = [(m, c) for m, c in cells.items() if tuned_candidate(m) and c.get("early_stop") is not False]
+    pool = [(m, c) for m, c in cells.items() if in_tuned_pool(m, c)]
     if not pool:
         return None
     return min(pool, key=lambda mc: (-mc[1]["accuracy"], mc[1]["nfe_mean"], mc[1].get("block") or 0))[0]
