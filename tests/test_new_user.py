@@ -175,23 +175,37 @@ def test_help_is_plain_text():
 
 
 @needs_weights
-def test_the_readme_example_prompt_is_one_the_tiny_models_answer():
-    """The README's example prompt is a test question of a suite, and both strategies of the
-    README's example answer it right on the embedded tiny-llada (by the suite's own scorer)."""
+def test_the_readme_example_runs_as_printed_and_every_decode_in_it_answers_right(monkeypatch):
+    """The README's "Use" example runs as printed, its prompt is a test question of a suite, and every
+    ``model.generate`` call in it (BlockBatch, the baselines, ``lean()``, the drafts) answers it right on the
+    embedded tiny-llada by the suite's own scorer. The example itself is executed, so that a decoder added to it,
+    or a config spelt differently there, is what gets checked (the test used to decode its own copy of five of
+    the example's seven configs)."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    prompt = re.search(r'^prompt = "([^"]+)"', readme, re.M).group(1)
+    code = re.search(r"^## Use\n\n```python\n(.*?)^```", readme, re.M | re.S).group(1)
+    prompt = re.search(r'^prompt = "([^"]+)"', code, re.M).group(1)
     found = [(get_suite(s), it) for s in ("arith", "code", "lists") for it in get_suite(s).items("test") if it.question == prompt]
     assert found, "the README's prompt is not a suite question"
     task, item = found[0]
-    model, tok = _load("tiny-llada")
-    ids = _ids(tok, prompt)
-    for cfg in (hb.BlockBatchConfig(max_new_tokens=64), hb.FastDLLMConfig(max_new_tokens=64, block_length=32, threshold=0.9),
-                hb.VanillaDiffusionConfig(max_new_tokens=64, steps=64, block_length=32),
-                hb.FastDLLMConfig(max_new_tokens=64, block_length=64, early_stop=True, lookahead=2),
-                hb.FastDLLMConfig.drafted(max_new_tokens=64, block_length=64)):
-        text = hb.answer_texts(tok, model.generate(ids, generation_config=cfg)[:, ids.shape[1] :],
-                               hb.end_token_ids(tok, model.config))[0]  # fmt: skip
-        assert task.score(item, text).correct, (cfg.strategy, text)
+    calls = []
+    generate = hb.LLaDAModelLM.generate
+
+    def recording(self, *args, **kwargs):
+        out = generate(self, *args, **kwargs)
+        calls.append((kwargs, out))
+        return out
+
+    monkeypatch.setattr(hb.LLaDAModelLM, "generate", recording)
+    printed = []
+    exec(compile(code, "README.md", "exec"), {"print": lambda *a: printed.append(a)})  # noqa: S102
+    assert len(calls) == code.count("model.generate(") > 0
+    (answers, nfe), = printed
+    assert task.score(item, answers[0]).correct and int(nfe[0]) > 0, printed
+    tok, config = _load("tiny-llada")[1], _load("tiny-llada")[0].config
+    for kwargs, out in calls:
+        sequences = out.sequences if hasattr(out, "sequences") else out
+        text = hb.answer_texts(tok, sequences[:, kwargs["input_ids"].shape[1] :], hb.end_token_ids(tok, config))[0]
+        assert task.score(item, text).correct, (kwargs["generation_config"], text)
 
 
 @needs_weights
