@@ -1065,3 +1065,16 @@ def test_retiring_a_request_clears_its_eos_hits_so_the_stop_rule_skips_it(monkey
     calls, real = [], stop.finished_requests
     monkeypatch.setattr(stop, "finished_requests", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert stop.StopRule(early_stop=True).ending(s, 3, EOS_ID) is None and not calls
+
+
+def test_canvas_positions_keeps_a_bounded_number_of_lengths():
+    """Every prompt length gives a new canvas length: a long-running server must not keep one positions
+    tensor per length it ever decoded (unbounded, 67 MB at a 4k context, held on the device)."""
+    from hf_blockbatch.generation.state import CANVAS_POSITIONS_CACHED, canvas_positions
+
+    canvas_positions.cache_clear()
+    for length in range(1, 4 * CANVAS_POSITIONS_CACHED):
+        assert torch.equal(canvas_positions(length, torch.device("cpu")), torch.arange(length))
+    assert canvas_positions.cache_info().currsize == CANVAS_POSITIONS_CACHED
+    first = canvas_positions(7, torch.device("cpu"))
+    assert canvas_positions(7, torch.device("cpu")) is first  # still built once per length while in use

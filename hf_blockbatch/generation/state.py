@@ -26,10 +26,16 @@ def _zeros(n: int, device, dtype=torch.long) -> torch.Tensor:
     return torch.zeros(n, dtype=dtype, device=device)
 
 
-@functools.cache
+# A decode reads two or three lengths (its canvas, and the forward's offsets); a server meets a new
+# canvas length with every prompt length, so the cache is bounded rather than one tensor per length
+# ever seen (unbounded, that is the sum of all lengths up to the context: 67 MB at 4k, on the device).
+CANVAS_POSITIONS_CACHED = 32
+
+
+@functools.lru_cache(maxsize=CANVAS_POSITIONS_CACHED)
 def canvas_positions(length: int, device: torch.device) -> torch.Tensor:
     """``[length]`` canvas positions ``0..length-1``, built once per length and device (window tests
-    run every step; read-only)."""
+    run every step; read-only). The last ``CANVAS_POSITIONS_CACHED`` (length, device) pairs are kept."""
     return torch.arange(length, device=device)
 
 
