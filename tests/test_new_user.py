@@ -366,6 +366,90 @@ def test_lm_eval_data_parallel_results_count_every_process_s_requests(monkeypatc
     assert [s["hf_blockbatch"][0]["nfe"] for s in results["samples"]["a"]] == [own, own + 10]
 
 
+def test_lm_eval_batches_only_requests_of_one_setting_up_to_the_batch_size():
+    """Requests decode together only when they share the generation length and temperature, at most ``batch_size``
+    at a time: each record says how many requests its batch held."""
+    lm = _adapter(method="fast_dllm", block_length=8, batch_size=2)
+    kwargs = {"until": ["\n"], "max_gen_toks": 8, "do_sample": False}
+    lm.generate_until([_Request(f"{a} + {a} =", kwargs, "a", a) for a in range(3)]
+                      + [_Request("9 + 9 =", {**kwargs, "max_gen_toks": 16}, "b", 0)])  # fmt: skip
+    assert sorted((r["task"], r["stats"]["batch"]) for r in lm.records) == [("a", 1), ("a", 2), ("a", 2), ("b", 1)]
+
+
+def test_lm_eval_generation_settings_come_from_model_args_then_the_task():
+    """The canvas: ``gen_length`` of model_args, else the task's ``max_gen_toks``, else ``max_new_tokens``, else 256;
+    the temperature is the task's unless it says ``do_sample: false`` (unset samples, as the harness's hf model)."""
+    from hf_blockbatch.eval.lm_eval_model import DEFAULT_GEN_LENGTH
+
+    lm = _adapter(method="fast_dllm", block_length=8)
+    assert lm._settings_key({"max_gen_toks": 8, "max_new_tokens": 16}) == (8, 0.0)
+    assert lm._settings_key({"max_new_tokens": 16}) == (16, 0.0)
+    assert lm._settings_key({}) == (DEFAULT_GEN_LENGTH, 0.0)
+    assert lm._settings_key({"max_gen_toks": 8, "temperature": 0.8}) == (8, 0.8)
+    assert lm._settings_key({"max_gen_toks": 8, "temperature": 0.8, "do_sample": False}) == (8, 0.0)
+    assert _adapter(method="fast_dllm", block_length=8, gen_length=24)._settings_key({"max_gen_toks": 8}) == (24, 0.0)
+
+
+def test_lm_eval_counts_only_the_prompts_it_cut():
+    """A batch with a prompt too long for the context cuts every row to the same width; a prompt that fitted
+    exactly lost nothing and is not counted as truncated."""
+    lm = _adapter(method="fast_dllm", block_length=8, batch_size=2)
+    tok, kwargs = lm.tokenizer, {"until": ["\n"], "max_gen_toks": 16, "do_sample": False}
+    keep = lm.model.config.context_length - 16
+    fits = "a" * (keep - len(tok("").input_ids))
+    long = "a" * (keep + 20)
+    assert len(tok(fits).input_ids) == keep and len(tok(long).input_ids) > keep
+    lm.generate_until([_Request(long, kwargs, "t", 0), _Request(fits, kwargs, "t", 1)])
+    assert lm.truncated == 1
+
+
+def test_lm_eval_a_stop_string_given_alone_is_one_stop():
+    """The harness may give ``until`` as one string: it is one stop string, not a list of its characters."""
+    lm = _adapter(method="fast_dllm", block_length=8)
+    kwargs = {"max_gen_toks": 16, "do_sample": False}
+    free = lm.generate_until([_Request("Question: 1 + 2\nAnswer:", {**kwargs, "until": []}, "t", 0)])[0]
+    stop = free[len(free) // 2] + "\x00"  # its first character occurs in the answer, the whole never
+    assert free and stop not in free
+    assert lm.generate_until([_Request("Question: 1 + 2\nAnswer:", {**kwargs, "until": stop}, "t", 0)]) == [free]
+
+
+def test_lm_eval_cuts_at_the_earliest_stop_string():
+    from hf_blockbatch.eval.lm_eval_model import _cut
+
+    assert _cut("a\nb Question: c", ["Question:", "\n"]) == "a"
+    assert _cut("a Question: b\nc", ["\n", "Question:"]) == "a "
+    assert _cut("abc", ["", "c"]) == "ab" and _cut("abc", ["x"]) == _cut("abc", []) == "abc"
+
+
+def test_lm_eval_task_summaries():
+    """Per task: requests, NFE mean / median / min / max, decoding seconds (a batch's seconds shared by its requests,
+    which each report the whole batch's) and BlockBatch's winning block sizes."""
+    from hf_blockbatch.eval.lm_eval_model import task_summaries
+
+    records = [{"task": "a", "nfe": n, "stats": {"seconds": 2.0, "batch": 2, "winner_block_size": w}}
+               for n, w in ((4, 8), (10, 8))] + [  # fmt: skip
+        {"task": "a", "nfe": 7, "stats": {"seconds": 1.5, "batch": 1, "winner_block_size": 16}},
+        {"task": "b", "nfe": 3, "stats": {"seconds": 0.5, "batch": 1}},
+    ]
+    s = task_summaries(records)
+    assert s["a"] == {"requests": 3, "mean_nfe": 7.0, "median_nfe": 7, "min_nfe": 4, "max_nfe": 10, "seconds": 3.5,
+                      "winner_block_sizes": {"8": 2, "16": 1}}  # fmt: skip
+    assert s["b"]["seconds"] == 0.5 and s["b"]["winner_block_sizes"] == {}
+
+
+def test_lm_eval_annotates_a_run_with_the_adapters_made_since_the_last():
+    """Without ``lm``, annotate_results reads the adapters made since its last call, then forgets them: a second
+    run's results do not count the first run's requests."""
+    from hf_blockbatch.eval.lm_eval_model import annotate_results
+
+    annotate_results(None)  # forget the adapters of earlier tests
+    lm = _adapter(method="fast_dllm", block_length=8)
+    lm.generate_until([_Request("1 + 2 =", {"until": ["\n"], "max_gen_toks": 8, "do_sample": False}, "a", 0)])
+    first = annotate_results({"results": {"a": {}}})
+    assert first["config"]["hf_blockbatch_tasks"]["a"]["requests"] == 1 and first["results"]["a"]["mean_nfe,none"] > 0
+    assert annotate_results({"results": {"a": {}}}) == {"results": {"a": {}}}
+
+
 def test_hf_blockbatch_lm_eval_is_the_harness_cli(tmp_path, capsys, monkeypatch):
     """``hf-blockbatch lm-eval`` takes the harness's own arguments, ``--model hf_blockbatch`` works,
     and the printed table, the results JSON and every logged sample carry NFE; the device recorded
