@@ -8,6 +8,7 @@ Wilson intervals, files written, sharded == single process.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -159,6 +160,22 @@ def test_config_file_defines_a_method(tmp_path):
     assert cfgs["blockbatch"].sync is False and cfgs["blockbatch"].sync_threshold == 4
 
 
+def test_the_command_line_wins_over_the_configs_file_and_the_last_set_wins(tmp_path):
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps({"blockbatch": {"sync": False, "sync_threshold": 2}}))
+    ov = parse_overrides(["blockbatch.sync=true", "blockbatch.sync_threshold=4", "blockbatch.sync_threshold=6"], path)
+    assert ov == {"blockbatch": {"sync": True, "sync_threshold": 6}}
+
+
+def test_fast_dllm_overrides_without_a_fast_dllm_run_are_refused():
+    """fast_dllm's and fast_dllm_sweep's overrides reach every Fast-dLLM variant; a run with none would ignore them."""
+    for key in ("fast_dllm", "fast_dllm_sweep"):
+        with pytest.raises(ValueError, match=f"Overrides for '{key}' would be ignored"):
+            build_method_configs(["blockbatch", "vanilla"], 32, {key: {"threshold": 0.8}})
+    swept = build_method_configs(["blockbatch"], 32, {"fast_dllm": {"threshold": 0.8}}, sweep_blocks=[16])
+    assert swept["fast_dllm_b16"].threshold == 0.8
+
+
 def test_shard_range_covers_every_item_once():
     for n in range(0, 11):
         for world in (1, 2, 3, 4):
@@ -296,6 +313,7 @@ def test_the_tuned_block_reads_an_aliased_sweep_point_s_rows():
 def test_the_progress_bar_counts_each_shard_s_retimed_items():
     """Each method decodes the shard's items and, again alone, those of the task's first ``retimed`` items it holds."""
     assert [runner._count_timed(r, 2) for r in (range(0, 6), range(1, 4), range(6, 12))] == [8, 4, 6]
+    assert runner._count_timed(range(0, 3), 5) == 6  # a task of 3 items: each once more, not 5
 
 
 def test_rows_sort_by_task_method_and_item_with_unknown_names_last():
@@ -342,6 +360,46 @@ def test_bench_runs_presets_at_each_tasks_tuned_block(tiny, tmp_path):
         ours = [(r["output"], r["nfe"]) for r in rows if r["task"] == task and r["method"] == "fast_dllm_sparse"]
         assert ours == [(r["output"], r["nfe"]) for r in hand if r["task"] == task]
         assert by_hand["tasks"][task]["methods"]["fast_dllm_sparse"]["nfe_mean"] == cells["fast_dllm_sparse"]["nfe_mean"]
+
+
+def test_only_a_sweep_point_is_decoded_as_the_method_it_equals(tiny, tmp_path):
+    """A sweep point whose config is a method's is that method's rows; two named methods are each decoded and each
+    have their rows, even when their configs agree (here ``fast_dllm`` told to stop early)."""
+    model, tok, _ = tiny
+    settings = BenchSettings(model="x", tasks=["arith"], methods=["fast_dllm", "fast_dllm_early_stop"], limit=1,
+                             gen_length=8, sweep_blocks=[32], overrides=parse_overrides(["fast_dllm.early_stop=true"]),
+                             output_dir=str(tmp_path), progress=False, plots=False)  # fmt: skip
+    cells = run_bench(settings, model, tok, shard=ShardInfo())["tasks"]["arith"]["methods"]
+    assert [r["method"] for r in runner.read_samples(tmp_path)] == ["fast_dllm", "fast_dllm_early_stop"]
+    assert [cells[m]["alias_of"] for m in ("fast_dllm", "fast_dllm_early_stop", "fast_dllm_b32")] == [None, None, "fast_dllm"]
+
+
+def test_at_batch_size_1_no_item_is_decoded_again_alone(tiny, tmp_path):
+    """``latency_batch_1`` re-times items of a batched run; at batch size 1 every item was alone already: its own
+    time is its batch-1 latency, and it is not decoded twice."""
+    model, tok, _ = tiny
+    settings = BenchSettings(model="x", tasks=["arith"], methods=["fast_dllm"], limit=2, gen_length=8, latency_batch_1=1,
+                             output_dir=str(tmp_path), progress=False, plots=False)  # fmt: skip
+    run_bench(settings, model, tok, shard=ShardInfo())
+    rows = runner.read_samples(tmp_path)
+    assert [r["same_output_b1"] for r in rows] == [None, None]
+    assert all(r["latency_b1_s"] == r["batch_seconds"] for r in rows)
+
+
+def test_a_method_at_the_tuned_block_keeps_fast_dllm_s_overrides_and_its_own(tiny, tmp_path):
+    """Rebuilt at the tuned block, a Fast-dLLM preset still gets ``fast_dllm``'s overrides and its own, as every
+    Fast-dLLM variant does, and, sampling, the run's seed (keyed noise); run.json records the config it ran with."""
+    model, tok, _ = tiny
+    overrides = parse_overrides(["fast_dllm.threshold=0.8", "fast_dllm_sparse.requery_radius=4",
+                                 "fast_dllm_sparse.temperature=0.7"])
+    settings = BenchSettings(model="x", tasks=["arith"], methods=["fast_dllm_early_stop", "fast_dllm_sparse"], limit=1,
+                             gen_length=8, sweep_blocks=[4], at_tuned_block=["fast_dllm_sparse"], overrides=overrides,
+                             seed=5, output_dir=str(tmp_path), progress=False, plots=False)  # fmt: skip
+    summary = run_bench(settings, model, tok, shard=ShardInfo())
+    cells = summary["tasks"]["arith"]["methods"]
+    cfg = json.loads((tmp_path / "run.json").read_text())["tasks"]["arith"]["configs"]["fast_dllm_sparse"]
+    tuned = cells[runner.tuned_fast_dllm(cells)]["block"]
+    assert (cfg["threshold"], cfg["requery_radius"], cfg["temperature"], cfg["seed"], cfg["block_length"]) == (0.8, 4, 0.7, 5, tuned)
 
 
 @pytest.mark.parametrize(
@@ -727,6 +785,8 @@ def test_cli_bench(tiny, tmp_path, capsys):
         (["--batch-size", "0"], "--batch-size: must be >= 1"),
         (["--threads", "-1"], "--threads: must be >= 0"),
         (["--data", "gsm8k"], "expected TASK=PATH"),
+        (["--data", "gsm8k="], "expected TASK=PATH"),
+        (["--data", "=g.jsonl"], "expected TASK=PATH"),
         (["--sweep-blocks", "0,16"], "expected positive block sizes"),
         (["--sweep-blocks", "auto:0"], "'auto' or 'auto:S' with S >= 1"),
     ],
@@ -847,6 +907,43 @@ def test_cli_bench_repeated_options_add_up(tiny, tmp_path):
     args = build_parser().parse_args(["bench", "--task", "arith", "--task", "code,lists", "--methods", "vanilla",
                                       "--methods", "blockbatch"])  # fmt: skip
     assert args.task == ["arith", "code,lists"] and args.methods == ["vanilla", "blockbatch"]
+
+
+def test_cli_bench_hands_its_options_to_the_run(monkeypatch):
+    """What ``bench`` passes to run_bench: comma lists split (``--at-tuned-block`` as ``--methods``), the chat template
+    left to the tokenizer unless ``--no-chat``, data files by task, the switches."""
+    from hf_blockbatch.cli import main
+
+    seen = []
+    monkeypatch.setattr(runner, "run_bench", lambda settings, **_: seen.append(settings))
+    assert main(["bench", "--task", "gsm8k", "--methods", "fast_dllm_early_stop,fast_dllm_drafted", "--sweep-blocks",
+                 "16,32", "--at-tuned-block", "fast_dllm_drafted,", "--data", "gsm8k=g.jsonl", "--latency-batch-1", "2",
+                 "--no-progress"]) == 0  # fmt: skip
+    assert main(["bench", "--no-chat", "--no-plots"]) == 0
+    s, bare = seen
+    assert (s.tasks, s.methods, s.at_tuned_block) == (["gsm8k"], ["fast_dllm_early_stop", "fast_dllm_drafted"],
+                                                      ["fast_dllm_drafted"])  # fmt: skip
+    assert (s.sweep_blocks, s.data_paths, s.latency_batch_1, s.chat, s.progress, s.plots) == (
+        [16, 32], {"gsm8k": "g.jsonl"}, 2, None, False, True)
+    assert (bare.tasks, bare.methods, bare.sweep_blocks, bare.at_tuned_block) == (
+        list(runner.TINY_TASKS), list(runner.BASE_METHODS), [], [])
+    assert (bare.chat, bare.progress, bare.plots) == (False, True, False)
+
+
+def test_cli_bench_says_a_missing_configs_file_in_one_line(tmp_path, capsys):
+    from hf_blockbatch.cli import main
+
+    assert main(["bench", "--configs", str(tmp_path / "none.json")]) == 2
+    assert capsys.readouterr().err == f"error: --configs {str(tmp_path / 'none.json')!r}: no such file.\n"
+
+
+def test_cli_demo_port_edges():
+    from hf_blockbatch.cli import port_number
+
+    assert (port_number("1"), port_number("65535")) == (1, 65535)
+    for text in ("0", "65536", "-1", "http"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            port_number(text)
 
 
 def test_missing_model_is_a_clear_error(tmp_path):

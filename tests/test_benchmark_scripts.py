@@ -299,6 +299,7 @@ def test_the_shared_argument_types_and_run_main(tmp_path, capsys) -> None:
         return main
 
     assert sa.run_main(lambda: None) == 0 and sa.run_main(lambda: 3) == 3 and sa.run_main(lambda: {"report": 1}) == 0
+    assert sa.run_main(lambda: True) == 0 and sa.run_main(lambda: False) == 0  # a bool is a report, not a status
     capsys.readouterr()
     for err, says in ((ValueError("bad --x"), "bad --x"), (KeyError("unknown suite 'y'"), "unknown suite 'y'"),
                       (NotADirectoryError("f is a file"), "f is a file")):  # fmt: skip
