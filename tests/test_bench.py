@@ -1025,6 +1025,8 @@ def test_lm_eval_adapter_refuses_a_bad_field_before_loading_the_model(monkeypatc
     monkeypatch.setattr(hub, "load_model", no_load)
     with pytest.raises(ValueError, match="threshold must be in"):
         HFBlockBatchLM(pretrained="tiny-llada", method="blockbatch", threshold=1.5)
+    with pytest.raises(ValueError, match=r"gen_length must be a positive integer, got 0\."):  # was taken for unset
+        HFBlockBatchLM(pretrained="tiny-llada", method="blockbatch", gen_length=0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")

@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from hf_blockbatch.checks import check_positive_int
 from hf_blockbatch.eval.runner import METHODS, build_method_configs, partial_state, shard_info
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
 
@@ -126,6 +127,8 @@ class HFBlockBatchLM(_LMBase):
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         self.method = method
         self.gen_length = int(gen_length) if gen_length is not None else None
+        if self.gen_length is not None:  # 0 was taken for "unset" by the check below, and refused at the first request
+            check_positive_int("gen_length", self.gen_length)
         self.overrides = {method: {k: _field_value(v) for k, v in config_fields.items()}}
         # fail on a bad field now, before loading the model and the data (at the length the first request will
         # likely use)
