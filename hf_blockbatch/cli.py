@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     demo.add_argument("--concurrency", type=positive_int, default=1, help="decodes at once (the model is shared)")
     demo.add_argument("--max-new-tokens", type=positive_int, default=None, help="upper limit of the slider (256; 512 on GPU)")
-    demo.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (0, the default: torch's choice)")
+    demo.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     demo.add_argument("--app", default=None, help="path of the app (default: demo/app.py of this checkout)")
     demo.set_defaults(func=cmd_demo)
 

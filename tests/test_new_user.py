@@ -174,6 +174,16 @@ def test_help_is_plain_text():
     assert not any("``" in t for t in texts)
 
 
+def test_an_option_whose_help_offers_0_takes_it():
+    """``demo --threads`` said "(0, the default: torch's choice)" while refusing 0 (must be >= 1)."""
+    from hf_blockbatch.cli import build_parser
+
+    for name, sub in build_parser()._subparsers._group_actions[0].choices.items():
+        for action in sub._actions:
+            if action.option_strings and "(0, " in (action.help or ""):
+                assert action.type("0") == 0, (name, action.option_strings)
+
+
 @needs_weights
 def test_the_readme_example_runs_as_printed_and_every_decode_in_it_answers_right(monkeypatch):
     """The README's "Use" example runs as printed, its prompt is a test question of a suite, and every
