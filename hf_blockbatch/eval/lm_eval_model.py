@@ -70,6 +70,10 @@ _RUNS: list[tuple[list[dict[str, Any]], str]] = []
 #: the canvas length when neither ``gen_length`` nor the task's ``max_gen_toks`` sets one
 DEFAULT_GEN_LENGTH = 256
 
+#: config fields that every request's ``gen_kwargs`` decide (:meth:`HFBlockBatchLM._settings_key`), so ``model_args``
+#: cannot set them
+_PER_REQUEST_FIELDS = ("temperature", "do_sample")
+
 try:  # pragma: no cover - depends on the optional extra
     from lm_eval.api.model import LM as _LMBase
     from lm_eval.api.registry import register_model
@@ -129,6 +133,12 @@ class HFBlockBatchLM(_LMBase):
         self.gen_length = int(gen_length) if gen_length is not None else None
         if self.gen_length is not None:  # 0 was taken for "unset" by the check below, and refused at the first request
             check_positive_int("gen_length", self.gen_length)
+        per_request = sorted(set(config_fields) & set(_PER_REQUEST_FIELDS))
+        if per_request:  # each request's gen_kwargs set them (greedy unless they sample): given here, they were ignored
+            raise ValueError(
+                f"model_args {', '.join(per_request)}: each task sets this per request (its generation_kwargs); give it "
+                f"to the harness instead, e.g. --gen_kwargs temperature=0.7, and drop it from model_args."
+            )
         self.overrides = {method: {k: _field_value(v) for k, v in config_fields.items()}}
         # fail on a bad field now, before loading the model and the data (at the length the first request will
         # likely use)
