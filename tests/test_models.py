@@ -640,6 +640,7 @@ def test_unknown_backend_name(family: str) -> None:
         ("dream", {"use_sliding_window": True}),
         ("dream", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
         ("dream", {"hidden_act": "gelu"}),
+        ("dream", {"num_key_value_heads": 3}),  # 4 query heads do not share 3 KV heads
     ],
 )
 def test_unsupported_options_refused(family: str, options: dict) -> None:
@@ -791,3 +792,120 @@ def test_rope_rounds_in_the_activation_dtype_unless_the_config_says_float32() ->
     assert not torch.equal(low, full)  # the two roundings differ here
     assert torch.equal(apply_rope(x, cos, sin, full_precision=False), low)
     assert torch.equal(apply_rope(x, cos, sin, full_precision=True), full)
+
+
+# ------------------------------------------------------------------------------ the official math, written out
+def _official_logits(model, ids: torch.Tensor, theta: float | None = None) -> torch.Tensor:
+    """The official forward (no cache, no mask, positions 0..L-1) written out from the official modeling
+    code, on our model's parameters: embedding (LLaDA: times sqrt(d_model) with ``input_emb_norm``), pre-norm
+    blocks of RoPE attention (``x * cos + rotate_half(x) * sin``, theta from the config, KV heads repeated
+    in place), SwiGLU (silu of ``ff_proj`` / ``gate_proj`` times ``up_proj``), final norm, head (LLaDA: the
+    embedding when ``weight_tying``, times 1/sqrt(d_model) with ``scale_logits``). Without the official code
+    (tests/test_official_parity.py skips) this is what pins each line of the families' forwards. ``theta``: another
+    RoPE base than the config's."""
+    cfg, dream = model.config, model.logit_shift == 1
+    theta = cfg.rope_theta if theta is None else theta
+
+    def norm(x, module):
+        return module.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps))
+
+    def attention(x, q_proj, k_proj, v_proj, o_proj, heads, kv_heads):
+        B, L, _ = x.shape
+        q, k, v = (p(x).view(B, L, -1, cfg.head_dim_).transpose(1, 2) for p in (q_proj, k_proj, v_proj))
+        dim = cfg.head_dim_
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2).float() / dim))
+        angles = torch.arange(L).float()[:, None] * inv_freq
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+        def rotate_half(t):
+            return torch.cat([-t[..., dim // 2 :], t[..., : dim // 2]], -1)
+
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+        scores = (q @ k.transpose(-1, -2)) / dim**0.5
+        return o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, L, -1))
+
+    if dream:
+        x = model.model.embed_tokens(ids)
+        for layer in model.model.layers:
+            a = layer.self_attn
+            x = x + attention(norm(x, layer.input_layernorm), a.q_proj, a.k_proj, a.v_proj,
+                              a.o_proj, cfg.num_attention_heads, cfg.num_key_value_heads)  # fmt: skip
+            h = norm(x, layer.post_attention_layernorm)
+            x = x + layer.mlp.down_proj(torch.nn.functional.silu(layer.mlp.gate_proj(h)) * layer.mlp.up_proj(h))
+        return model.lm_head(norm(x, model.model.norm))
+    t = model.model.transformer
+    x = t.wte(ids) * (cfg.d_model**0.5 if cfg.input_emb_norm else 1.0)
+    for block in t.blocks:
+        x = x + attention(norm(x, block.attn_norm), block.q_proj, block.k_proj, block.v_proj, block.attn_out,
+                          cfg.n_heads, cfg.effective_n_kv_heads)  # fmt: skip
+        h = norm(x, block.ff_norm)
+        x = x + block.ff_out(torch.nn.functional.silu(block.ff_proj(h)) * block.up_proj(h))
+    x = norm(x, t.ln_f)
+    logits = x @ t.wte.weight.T if cfg.weight_tying else t.ff_out(x)
+    return logits / cfg.d_model**0.5 if cfg.scale_logits else logits
+
+
+@pytest.mark.parametrize(
+    ("family", "options"),
+    [
+        ("llada", {}),
+        ("llada", {"n_kv_heads": 2, "include_bias": True, "input_emb_norm": True, "scale_logits": True}),
+        ("llada", {"weight_tying": True, "rope_theta": 500000.0}),
+        ("dream", {}),
+        ("dream", {"num_key_value_heads": 1, "rope_theta": 1000000.0}),
+    ],
+)
+@torch.no_grad()
+def test_logits_equal_the_official_math_written_out(family: str, options: dict) -> None:
+    """Every option the forwards compute, against :func:`_official_logits`: ``input_emb_norm`` scaled the
+    embeddings and ``scale_logits`` the logits with nothing to catch a wrong factor (the trained checkpoints use
+    neither, and the window/full tests compare the model with itself)."""
+    model = make(family, **options)
+    with torch.no_grad():
+        for p in model.parameters():  # norms and biases away from their 1 / 0 initialisation
+            p.add_(torch.randn_like(p) * 0.05)
+    ids = canvas(2, 12, seed=3)
+    expected = _official_logits(model, ids)
+    torch.testing.assert_close(model(ids).logits, expected, atol=ATOL, rtol=0)
+    assert (_official_logits(model, ids, theta=77.0) - expected).abs().max() > 100 * ATOL  # it sees a wrong RoPE base
+
+
+def test_config_fields_read_as_the_official_formats() -> None:
+    """The fields the official configs leave to defaults, and the sizes they give the modules: the end-of-turn
+    token of each official vocabulary, LLaDA's ``n_kv_heads: null`` (``multi_query_attention`` decides),
+    Dream's ``num_key_value_heads: null`` (every head its own), LLaDA's MLP width (``mlp_hidden_size``, else
+    ``mlp_ratio * d_model``) and its tables of ``embedding_size`` rows (padded past ``vocab_size``)."""
+    assert hb.LLaDAConfig().eot_token_id == 126348 and hb.LLaDAConfig(vocab_size=1000).eot_token_id is None
+    assert DreamConfig().eot_token_id == 151645 and DreamConfig(vocab_size=1000).eot_token_id is None
+    for mqa, kv_heads in ((True, 1), (False, 4), (None, 4)):
+        block = make_tiny_llada(n_kv_heads=None, multi_query_attention=mqa).model.transformer.blocks[0]
+        assert block.k_proj.out_features == block.v_proj.out_features == kv_heads * 16, mqa
+    assert DreamConfig(num_attention_heads=6, num_key_value_heads=None).num_key_value_heads == 6
+    assert make_tiny_llada().model.transformer.blocks[0].ff_proj.out_features == 128  # mlp_hidden_size
+    assert make_tiny_llada(mlp_hidden_size=None, mlp_ratio=3).model.transformer.blocks[0].up_proj.out_features == 192
+    padded = make_tiny_llada(embedding_size=VOCAB + 32)
+    assert padded.get_input_embeddings().num_embeddings == VOCAB + 32
+    assert padded(canvas(1, 4)).logits.shape == (1, 4, VOCAB + 32)
+
+
+@pytest.mark.parametrize(("family", "options", "full_precision"),
+                         [("llada", {}, True), ("llada", {"rope_full_precision": False}, False), ("dream", {}, False)])  # fmt: skip
+@torch.no_grad()
+def test_rope_rounds_where_each_config_says(family: str, options: dict, full_precision: bool, monkeypatch) -> None:
+    """Which rounding each forward's RoPE takes (test_rope_rounds_in_the_activation_dtype_unless_the_config_says_float32
+    checks the two roundings): LLaDA's ``rope_full_precision``, Dream always in the activation dtype."""
+    from hf_blockbatch.models import layers
+
+    seen, rope = [], layers.apply_rope
+
+    def recorded(x, cos, sin, full_precision):
+        seen.append(full_precision)
+        return rope(x, cos, sin, full_precision)
+
+    monkeypatch.setattr(layers, "apply_rope", recorded)
+    model = make(family, **options)
+    model(canvas(1, 6))
+    model.forward_windows(canvas(1, 6), [2], [5], model(canvas(1, 6), use_cache=True).cache)
+    assert seen and set(seen) == {full_precision}
+
