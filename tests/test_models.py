@@ -571,7 +571,10 @@ def test_cache_mismatch_errors(filled) -> None:
         deeper, narrower = make_tiny_llada(n_layers=3), make_tiny_llada(n_kv_heads=2)
     else:
         deeper, narrower = make_tiny_dream(num_hidden_layers=3), make_tiny_dream(num_key_value_heads=1)
-    for other in (deeper, narrower):
+    # the other family at this cache's very geometry: only the model type tells them apart
+    twin = make_tiny_dream(num_key_value_heads=4) if model.logit_shift == 0 else make_tiny_llada(n_kv_heads=2)
+    assert twin.config.kv_geometry() == model.config.kv_geometry()
+    for other in (deeper, narrower, twin):
         with pytest.raises(ValueError, match="another model"):
             other.forward_windows(ids, [2, 3, 4], [6, 7, 8], cache)
     # another canvas length
@@ -909,3 +912,46 @@ def test_rope_rounds_where_each_config_says(family: str, options: dict, full_pre
     model.forward_windows(canvas(1, 6), [2], [5], model(canvas(1, 6), use_cache=True).cache)
     assert seen and set(seen) == {full_precision}
 
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_a_new_rope_theta_takes_effect_after_a_forward(family: str) -> None:
+    """The RoPE table is kept between forwards: a changed ``config.rope_theta`` (as the official-parity test's
+    sensitivity check sets it) must rebuild it, not rotate by the old base."""
+    used = make(family)
+    ids = canvas(1, 10)
+    before = used(ids).logits
+    used.config.rope_theta = 77.0
+    after = used(ids).logits
+    assert not torch.allclose(before, after)
+    assert torch.equal(after, make(family, rope_theta=77.0)(ids).logits)
+
+
+def test_the_backend_is_chosen_again_for_a_new_dtype(monkeypatch) -> None:
+    """``model.to(dtype)`` after a forward: the backend must be the one chosen for the new dtype (flash-attn runs
+    in 16-bit only, so a float32 model cast to bfloat16 gets it, and one cast back to float32 must not keep it)."""
+    from hf_blockbatch.models import base
+
+    asked, get = [], base.get_backend
+    monkeypatch.setattr(base, "get_backend", lambda name, device, dtype: asked.append(dtype) or get(name, device, dtype))
+    model = make_tiny_llada()
+    model(canvas(1, 4))
+    model.to(torch.float64)(canvas(1, 4))
+    assert asked == [torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_a_canvas_of_exactly_the_context_length_is_served(family: str) -> None:
+    """The context is a limit the canvas may reach: ``max_sequence_length`` / ``max_position_embeddings``
+    positions are served (a cache of them too), one more is refused."""
+    context = {"max_sequence_length": 12} if family == "llada" else {"max_position_embeddings": 12}
+    model = make(family, **context)
+    ids = canvas(1, 12)
+    cache = model.new_cache(1, 12)
+    assert model(ids, cache=cache).logits.shape == (1, 12, VOCAB)
+    assert model.forward_windows(ids, [4], [12], cache).logits.shape == (8, VOCAB)
+    with pytest.raises(ValueError, match="the model's context is 12"):
+        model(canvas(1, 13))
+    with pytest.raises(ValueError, match="exceeds the model's context of 12"):
+        model.new_cache(1, 13)
