@@ -86,3 +86,81 @@ def test_a_refused_attention_backend_leaves_the_model_as_it_was() -> None:
 
     with pytest.raises(ValueError, match="device='tpu' is not a device PyTorch knows"):
         get_backend("sdpa", "tpu", torch.float32)
+
+
+def test_an_embedded_name_without_weights_says_so(monkeypatch, tmp_path) -> None:
+    """An installation built without the tiny weights: the name resolves to an empty folder, which transformers
+    would report as a missing config.json of a path the user never typed."""
+    from hf_blockbatch import hub
+
+    monkeypatch.setattr(hub, "_ALIASES", {"tiny-llada": str(tmp_path)})
+    with pytest.raises(FileNotFoundError, match="'tiny-llada' has no weights in .*Train it with `python -m hf_blockbatch.training.sft`"):
+        hub.resolve_model_path("tiny-llada")
+
+
+def test_load_model_refuses_a_device_this_torch_does_not_see(monkeypatch) -> None:
+    """device='cuda' on a machine without one failed inside ``model.to`` ("Torch not compiled with CUDA enabled")."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device='cuda' but this PyTorch sees no CUDA device: use device='cpu'"):
+        hb.load_model("tiny-llada", device="cuda")
+
+
+def test_a_hub_id_offline_loads_model_and_tokenizer_from_the_cache(monkeypatch) -> None:
+    """A Hub id (one slash) with the Hub unreachable but cached: the model and the tokenizer are both loaded with
+    ``local_files_only`` (else each retries the Hub for 23-28 s), and the tokenizer at the model's revision."""
+    from hf_blockbatch import hub
+
+    calls = {}
+    monkeypatch.setattr(hub, "hub_unreachable", lambda: "offline (test)")
+    monkeypatch.setattr(hub, "_cached_on_this_machine", lambda repo_id: repo_id == "some-org/some-model")
+
+    def model_from_pretrained(path, dtype, kwargs):
+        calls["model"] = kwargs
+        return _TinyStub()
+
+    class _Tokenizers:
+        @staticmethod
+        def from_pretrained(path, **kwargs):
+            calls["tokenizer"] = (path, kwargs)
+            return _TinyStub()
+
+    monkeypatch.setattr(hub, "_from_pretrained_whole", model_from_pretrained)
+
+    monkeypatch.setattr(hub, "AutoTokenizer", _Tokenizers)
+    _, tok = hb.load_model("some-org/some-model", device="cpu", revision="v2")
+    assert calls["model"] == {"local_files_only": True, "revision": "v2"}
+    assert calls["tokenizer"] == ("some-org/some-model", {"local_files_only": True, "revision": "v2"})
+    assert tok.padding_side == "left"
+    with pytest.raises(FileNotFoundError, match="the Hub cannot be reached to look for it"):
+        hb.load_model("other-org/other-model", device="cpu")
+
+
+class _TinyStub:
+    """Stands for a model and a tokenizer where only the calls are checked."""
+
+    padding_side = "right"
+
+    def to(self, device):
+        return self
+
+    def eval(self):
+        return self
+
+
+def test_load_model_pads_left_and_picks_the_dtype_of_the_device(tmp_path) -> None:
+    """A checkpoint whose tokenizer pads right (as the official LLaDA and Dream ones save it) comes back padding left,
+    where the decoders put the prompts' padding; ``device_map`` loads in float32 where no GPU is (bfloat16 on one)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "right-padded"
+    shutil.copytree(hb.TINY_LLADA, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "padding_side": "right"}))
+    assert AutoTokenizer.from_pretrained(folder).padding_side == "right"
+    model, tok = hb.load_model(str(folder), device="cpu")
+    assert tok.padding_side == "left" and model.dtype == torch.float32
+    model, _ = hb.load_model(str(folder), device_map="cpu")
+    assert model.dtype == (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
