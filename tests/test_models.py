@@ -630,6 +630,7 @@ def test_unknown_backend_name(family: str) -> None:
         ("llada", {"alibi": True}),
         ("llada", {"attention_layer_norm": True}),
         ("llada", {"layer_norm_type": "default"}),
+        ("llada", {"layer_norm_with_affine": False}),  # its checkpoints hold no norm weights: ones would stand in
         ("llada", {"activation_type": "gelu"}),
         ("llada", {"block_group_size": 2}),
         ("llada", {"include_bias": True, "bias_for_layer_norm": None}),
