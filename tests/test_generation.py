@@ -580,6 +580,20 @@ def test_a_model_offloaded_by_accelerate_decodes_as_loaded(family, tied, offload
         assert torch.equal(model.generate(ids, generation_config=cfg), expected), type(cfg).__name__
 
 
+def test_the_execution_device_is_read_through_a_chain_of_hooks():
+    """A module holding several accelerate hooks (``add_hook_to_module(..., append=True)`` over an offloading one)
+    has a ``SequentialHook``, which has no execution device of its own: the one inside it is where the forward runs."""
+    from accelerate import cpu_offload
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    model = make_tiny_llada()
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    for module in [m for m in model.modules() if getattr(m, "_hf_hook", None) is not None]:
+        add_hook_to_module(module, ModelHook(), append=True)
+    assert type(model.model.transformer.wte._hf_hook).__name__ == "SequentialHook"
+    assert next(model.parameters()).device.type == "meta" and model.device == torch.device("cpu")
+
+
 def test_a_model_left_on_meta_is_refused_with_what_to_do():
     """Weights on ``meta`` with no accelerate hook (``init_empty_weights`` never loaded) cannot compute:
     said before any forward, not as torch's "cannot copy out of meta tensor"."""
