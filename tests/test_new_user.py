@@ -166,6 +166,32 @@ def test_an_unreachable_hub_fails_at_once(monkeypatch):
     assert time.perf_counter() - start < 2.0
 
 
+def test_the_hub_probe_knocks_on_the_endpoint_s_port_unless_a_proxy_stands_between(monkeypatch):
+    """An endpoint without a port is tried on its scheme's (a mirror over http: 80, not 443, which would call a
+    reachable mirror unreachable); behind a proxy the direct connection says nothing, so the Hub may be reached."""
+    from huggingface_hub import constants
+
+    from hf_blockbatch import hub
+
+    tried = []
+
+    def connect(address, timeout):
+        tried.append(address)
+        raise OSError("refused (test)")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub.socket, "create_connection", connect)
+    for key in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(key, raising=False)
+    for endpoint, address in (("http://mirror.example", ("mirror.example", 80)),
+                              ("https://mirror.example", ("mirror.example", 443)),
+                              ("http://mirror.example:8080", ("mirror.example", 8080))):  # fmt: skip
+        monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+        assert "cannot be reached" in hub.hub_unreachable() and tried[-1] == address
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    assert hub.hub_unreachable() is None and len(tried) == 3
+
+
 def test_help_is_plain_text():
     from hf_blockbatch.cli import build_parser
 
