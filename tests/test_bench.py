@@ -1027,6 +1027,11 @@ def test_lm_eval_adapter_refuses_a_bad_field_before_loading_the_model(monkeypatc
         HFBlockBatchLM(pretrained="tiny-llada", method="blockbatch", threshold=1.5)
     with pytest.raises(ValueError, match=r"gen_length must be a positive integer, got 0\."):  # was taken for unset
         HFBlockBatchLM(pretrained="tiny-llada", method="blockbatch", gen_length=0)
+    with pytest.raises(ValueError, match=r"gen_length must be a positive integer, got 'abc'\."):  # int()'s "invalid literal"
+        HFBlockBatchLM(pretrained="tiny-llada", method="blockbatch", gen_length="abc")
+    # the bench's own refusal named its --gen-length, which the harness has not
+    with pytest.raises(ValueError, match=r"model_args max_new_tokens: the generation length is model_args gen_length=N"):
+        HFBlockBatchLM(pretrained="tiny-llada", method="blockbatch", max_new_tokens=64)
     # the task's gen_kwargs set these per request: in model_args they were ignored (greedy at temperature=0.7)
     for field in ({"temperature": 0.7}, {"do_sample": True, "temperature": 0.7}):
         with pytest.raises(ValueError, match=r"model_args (do_sample, )?temperature: each task sets this per request"):

@@ -130,9 +130,14 @@ class HFBlockBatchLM(_LMBase):
         if method not in METHODS:  # every method the bench knows (a new one is one entry of METHODS)
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         self.method = method
-        self.gen_length = int(gen_length) if gen_length is not None else None
-        if self.gen_length is not None:  # 0 was taken for "unset" by the check below, and refused at the first request
-            check_positive_int("gen_length", self.gen_length)
+        if isinstance(gen_length, str) and gen_length.strip().isdigit():  # the harness parses numbers; Python callers may not
+            gen_length = int(gen_length)
+        if gen_length is not None:  # 0 was taken for "unset" by the check below, and refused at the first request
+            check_positive_int("gen_length", gen_length)  # "abc" got int()'s "invalid literal" before
+        self.gen_length = gen_length
+        if "max_new_tokens" in config_fields:  # the bench's refusal names its --gen-length, which is not this interface's
+            raise ValueError("model_args max_new_tokens: the generation length is model_args gen_length=N (else the task's "
+                             "max_gen_toks, else 256); drop max_new_tokens.")  # fmt: skip
         per_request = sorted(set(config_fields) & set(_PER_REQUEST_FIELDS))
         if per_request:  # each request's gen_kwargs set them (greedy unless they sample): given here, they were ignored
             raise ValueError(
