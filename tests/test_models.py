@@ -752,6 +752,10 @@ def test_the_forwards_and_new_cache_refuse_ids_sizes_and_masks_they_cannot_use()
         model(torch.tensor([[5, size + 5, 7]]))
     with pytest.raises(ValueError, match="input_ids must be an integer tensor of token ids, got torch.float32"):
         model(torch.tensor([[5.0, 6.0, 7.0]]))
+    for bad in (size, -1):  # the first id past the table, and a negative one (the embedding's IndexError before)
+        with pytest.raises(ValueError, match=f"input_ids holds token id {bad}, outside this model's vocabulary"):
+            model(torch.tensor([[5, bad, 7]]))
+    assert model(torch.tensor([[0, size - 1]])).logits.shape[1] == 2  # both ends of the table embed
     for args, message in (((-1, 12), "num_rows must be a positive integer"), ((2.0, 12), "num_rows must be a positive"),
                           ((2, 0), "length must be a positive integer"), ((1, 10**5), "exceeds the model's context"),
                           ((1, 4, [[0, 1, 1, 1]]), "attention_mask must be a .num_rows, length. tensor")):  # fmt: skip
