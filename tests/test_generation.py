@@ -1092,3 +1092,33 @@ def test_canvas_positions_keeps_a_bounded_number_of_lengths():
     assert canvas_positions.cache_info().currsize == CANVAS_POSITIONS_CACHED
     first = canvas_positions(7, torch.device("cpu"))
     assert canvas_positions(7, torch.device("cpu")) is first  # still built once per length while in use
+
+
+def test_rule_bounds_take_their_edges():
+    """The edges of the rules' ranges: a threshold of exactly 1 is in (0, 1] (commit only certain tokens, one forced
+    per step), an entropy budget of 0 nats and ``many_masks=0`` are >= 0; a factor or a divergence threshold of 0 is
+    not > 0 and is refused by name."""
+    for cfg in (FastDLLMConfig(threshold=1.0), BlockBatchConfig(threshold=1.0), BlockBatchConfig(merge_threshold=1.0),
+                FastDLLMConfig(rule="entropy", entropy_bound=0.0), BlockBatchConfig(rule="entropy", entropy_bound=0),
+                FastDLLMConfig(many_masks_threshold=0.85, many_masks=0)):  # fmt: skip
+        cfg.validate()
+    for make, name in ((lambda: FastDLLMConfig(factor=0.0), "factor"), (lambda: BlockBatchConfig(factor=0), "factor"),
+                       (lambda: BlockBatchConfig(divergence_threshold=0.0), "divergence_threshold")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{name} must be > 0, got 0"):
+            make()
+
+
+def test_end_token_ids_and_token_ids_read_every_source_and_refuse_a_bool():
+    """``end_token_ids`` joins the model config's end of turn (``eot_token_id``) to the EOS ids and the tokenizer's
+    end-of-turn tokens; ``as_token_ids`` refuses ``True`` (an int to ``operator.index``, so token 1)."""
+    from types import SimpleNamespace
+
+    from hf_blockbatch.generation.outputs import as_token_ids
+
+    tok = SimpleNamespace(eos_token_id=2, get_vocab=lambda: {"<|im_end|>": 7, "<|eot_id|>": 8, "a": 9})
+    assert hb.end_token_ids(tok) == [2, 7, 8]
+    assert hb.end_token_ids(tok, SimpleNamespace(eos_token_id=[3, 4], eot_token_id=5)) == [2, 3, 4, 5, 7, 8]
+    assert as_token_ids(torch.tensor([4, 5])) == [4, 5] and as_token_ids(None) == []
+    for bad in (True, [4, False]):
+        with pytest.raises(ValueError, match="eos_token_id must be an integer token id"):
+            as_token_ids(bad)
