@@ -1122,3 +1122,34 @@ def test_end_token_ids_and_token_ids_read_every_source_and_refuse_a_bool():
     for bad in (True, [4, False]):
         with pytest.raises(ValueError, match="eos_token_id must be an integer token id"):
             as_token_ids(bad)
+
+
+def test_the_defaults_are_the_documented_ones():
+    """Each strategy's defaults as its docstring and README state them (the paper's and the official codes'):
+    a changed default changes every decode that leaves the field unset, and no other test pins most of them."""
+    for cls in (VanillaDiffusionConfig, FastDLLMConfig, BlockBatchConfig):
+        cfg = cls()
+        assert (cfg.max_new_tokens, cfg.temperature, cfg.do_sample, cfg.remasking, cfg.seed, cfg.output_trace) == (
+            128, 0.0, False, "low_confidence", None, False)  # fmt: skip
+    assert VanillaDiffusionConfig().resolved() == (128, 128)
+    fast = FastDLLMConfig()
+    assert {k: getattr(fast, k) for k in ("cache", "threshold", "factor", "steps", "block_length", "early_stop",
+                                          "skip_completed_block_step", "window_queries", "requery_radius", "lookahead")} == {
+        "cache": "dual", "threshold": 0.9, "factor": None, "steps": None, "block_length": 32, "early_stop": False,
+        "skip_completed_block_step": False, "window_queries": "all", "requery_radius": 3, "lookahead": 0}  # fmt: skip
+    bb = BlockBatchConfig()
+    assert {k: getattr(bb, k) for k in ("block_sizes", "threshold", "factor", "merge", "merge_threshold", "sync",
+                                        "sync_threshold", "refresh", "refresh_interval", "divergence_threshold",
+                                        "early_stop", "eos_confidence", "skip_completed_block_step", "variant")} == {
+        "block_sizes": [4, 8, 16, 32, 64, 128], "threshold": 0.9, "factor": None, "merge": True, "merge_threshold": 0.5,
+        "sync": True, "sync_threshold": 8, "refresh": "periodic", "refresh_interval": 32, "divergence_threshold": 0.1,
+        "early_stop": True, "eos_confidence": "completion", "skip_completed_block_step": False, "variant": "ours"}  # fmt: skip
+
+
+def test_seed_takes_the_whole_64_bit_range_only():
+    """``seed`` is hashed as 64 bits: 0 and 2**64 - 1 are seeds, 2**64 and -1 are refused by name."""
+    for seed in (0, 2**64 - 1):
+        FastDLLMConfig(seed=seed).validate()
+    for seed in (2**64, -1):
+        with pytest.raises(ValueError, match=r"seed must be None or an integer in \[0, 2\*\*64\)"):
+            FastDLLMConfig(seed=seed)
