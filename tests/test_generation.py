@@ -1153,3 +1153,33 @@ def test_seed_takes_the_whole_64_bit_range_only():
     for seed in (2**64, -1):
         with pytest.raises(ValueError, match=r"seed must be None or an integer in \[0, 2\*\*64\)"):
             FastDLLMConfig(seed=seed)
+
+
+def test_a_canvas_that_fills_the_context_exactly_decodes():
+    """Prompt + max_new_tokens equal to the model's context fits (positions 0..context - 1); one more is refused,
+    naming the prompt alone once the prompt fills the context by itself."""
+    from types import SimpleNamespace
+
+    from hf_blockbatch.generation.mixin import check_context
+
+    config = SimpleNamespace(context_length=16)
+    check_context(config, 8, 8)
+    check_context(SimpleNamespace(context_length=None), 10**6, 10**6)  # no stated context: nothing to check
+    with pytest.raises(ValueError, match=r"= 17 exceeds the model's context of 16 positions: shorten the prompt or lower"):
+        check_context(config, 8, 9)
+    with pytest.raises(ValueError, match=r"context of 16 positions: shorten the prompt\.$"):
+        check_context(config, 16, 1)
+    m = make_tiny_llada(max_sequence_length=16)
+    assert m.generate(torch.tensor([PROMPT]), generation_config=FastDLLMConfig(max_new_tokens=16 - len(PROMPT),
+                                                                                block_length=3)).shape == (1, 16)  # fmt: skip
+
+
+def test_a_plain_config_that_samples_without_a_temperature_samples_at_1():
+    """transformers' ``do_sample=True`` with the temperature left unset samples at 1.0, its default: the default
+    decode takes that temperature (the diff of a plain config leaves the default out)."""
+    from hf_blockbatch.generation.mixin import _from_model_defaults
+
+    cfg = _from_model_defaults(GenerationConfig(do_sample=True, max_new_tokens=8))
+    assert (type(cfg), cfg.do_sample, cfg.temperature, cfg.max_new_tokens) == (BlockBatchConfig, True, 1.0, 8)
+    assert _from_model_defaults(GenerationConfig(do_sample=True, temperature=0.5)).temperature == 0.5
+    assert _from_model_defaults(GenerationConfig(max_new_tokens=8)).do_sample is False
