@@ -1183,3 +1183,18 @@ def test_a_plain_config_that_samples_without_a_temperature_samples_at_1():
     assert (type(cfg), cfg.do_sample, cfg.temperature, cfg.max_new_tokens) == (BlockBatchConfig, True, 1.0, 8)
     assert _from_model_defaults(GenerationConfig(do_sample=True, temperature=0.5)).temperature == 0.5
     assert _from_model_defaults(GenerationConfig(max_new_tokens=8)).do_sample is False
+
+
+def test_padding_falls_back_to_the_first_eos_id():
+    """With no pad id in the generation or model config, padding is the first EOS id, as transformers' generate
+    takes ``eos_token_id[0]``; a given pad id wins, the generation config's before the model's."""
+    from types import SimpleNamespace
+
+    from hf_blockbatch.generation.mixin import _token_ids
+
+    model_config = SimpleNamespace(mask_token_id=9, eos_token_id=[4, 3], pad_token_id=None)
+    assert _token_ids(FastDLLMConfig(), model_config) == (9, [4, 3], 4)
+    assert _token_ids(FastDLLMConfig(eos_token_id=[6, 5]), model_config) == (9, [6, 5], 6)
+    model_config.pad_token_id = 7
+    assert _token_ids(FastDLLMConfig(), model_config) == (9, [4, 3], 7)
+    assert _token_ids(FastDLLMConfig(pad_token_id=8, mask_token_id=2), model_config) == (2, [4, 3], 8)
