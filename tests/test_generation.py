@@ -1198,3 +1198,31 @@ def test_padding_falls_back_to_the_first_eos_id():
     model_config.pad_token_id = 7
     assert _token_ids(FastDLLMConfig(), model_config) == (9, [4, 3], 7)
     assert _token_ids(FastDLLMConfig(pad_token_id=8, mask_token_id=2), model_config) == (2, [4, 3], 8)
+
+
+def test_special_ids_one_past_the_vocabulary_are_refused_before_any_forward(tiny_llada):
+    """The mask, EOS and padding ids must index the embedding table: the id equal to its size is the first one
+    outside, refused by name before any forward (as is -1)."""
+    size = tiny_llada.get_input_embeddings().num_embeddings
+    calls = _counting(tiny_llada)
+    for name in ("mask_token_id", "eos_token_id", "pad_token_id"):
+        for bad in (size, -1):
+            with pytest.raises(ValueError, match=rf"^{name}={bad} is outside this model's vocabulary of {size} ids"):
+                tiny_llada.generate(torch.tensor([PROMPT]), generation_config=FastDLLMConfig(max_new_tokens=4), **{name: bad})
+    assert calls["n"] == 0
+
+
+def test_return_dict_in_generate_from_the_config_unless_the_call_says(tiny_llada):
+    """A config's ``return_dict_in_generate=True`` returns the output object (sequences, NFE, stats), as in
+    transformers; the call's own ``return_dict_in_generate`` wins either way."""
+    from hf_blockbatch.generation.outputs import DiffusionGenerateOutput
+
+    ids = torch.tensor([PROMPT])
+    on, off = (FastDLLMConfig(max_new_tokens=4, block_length=4, return_dict_in_generate=flag) for flag in (True, False))
+    out = tiny_llada.generate(ids, generation_config=on)
+    assert isinstance(out, DiffusionGenerateOutput) and out.sequences.shape == (1, len(PROMPT) + 4)
+    assert out.nfe.tolist() == [out.stats[0]["nfe"]]
+    plain = tiny_llada.generate(ids, generation_config=on, return_dict_in_generate=False)
+    assert isinstance(plain, torch.Tensor) and torch.equal(plain, out.sequences)
+    assert isinstance(tiny_llada.generate(ids, generation_config=off), torch.Tensor)
+    assert isinstance(tiny_llada.generate(ids, generation_config=off, return_dict_in_generate=True), DiffusionGenerateOutput)
