@@ -624,6 +624,8 @@ def test_generate_takes_transformers_argument_names_and_refuses_left_to_right_on
         "inputs_embeds": (dict(inputs_embeds=torch.zeros(1, 7, 64)), "remove inputs_embeds and pass the prompts as token ids"),
         "position_ids": (dict(input_ids=ids, position_ids=torch.arange(7)[None]), "builds the canvas.*remove position_ids"),
         "token_type_ids": (dict(input_ids=ids, token_type_ids=torch.ones_like(ids)), "no token types"),
+        # a second segment after the first (a pair encoded as two sentences): one token of another type is refused
+        "token_type_ids_pair": (dict(input_ids=ids, token_type_ids=(torch.arange(7) >= 4).long()[None]), "no token types"),
     }  # fmt: skip
     for kwargs, message in refused.values():
         with pytest.raises(ValueError, match=message):
