@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from hf_blockbatch.training.eval_quick import aligned_logits, greedy_decode
+from hf_blockbatch.training import sft
+from hf_blockbatch.training.eval_quick import (
+    aligned_logits,
+    completion_text,
+    greedy_decode,
+    masked_token_accuracy,
+)
 from hf_blockbatch.training.objective import apply_noise, sft_loss
-from hf_blockbatch.training.sft import Example, TrainConfig, build_model, make_batch, train
+from hf_blockbatch.training.sft import Example, TrainConfig, build_model, encode_items, make_batch, train
 from hf_blockbatch.training.tokenizer import asset_dir, special_token_ids
 
 FAMILIES = ("llada", "dream")
@@ -43,6 +51,9 @@ def test_make_batch_right_pads_with_eos():
     assert is_prompt.sum(1).tolist() == [4, 2, 3]
     with pytest.raises(ValueError):
         make_batch(_examples(), gen_length=3, eos_id=0)
+    # a response exactly as long as the canvas fits (the row's padding is then only the longer prompt's)
+    ids, _ = make_batch(_examples(), gen_length=4, eos_id=0)
+    assert ids[2].tolist() == [1, 14, 15, 23, 24, 25, 3, 0]
 
 
 def test_masking_never_touches_prompt():
@@ -59,6 +70,68 @@ def test_masking_never_touches_prompt():
     assert torch.equal(all_masked, ~is_prompt)
     _, one = apply_noise(ids, is_prompt, 2, g, t=torch.zeros(ids.shape[0]))
     assert one.sum(1).tolist() == [1] * ids.shape[0]
+
+
+def test_noise_level_is_drawn_between_t_min_and_one():
+    """t ~ U(t_min, 1) per row: the masked share of a long response averages (1 + t_min) / 2 and no row is masked
+    much below t_min; a draw past 1 would mask whole responses."""
+    ids = torch.zeros((400, 2 + 400), dtype=torch.long)
+    is_prompt = torch.zeros_like(ids, dtype=torch.bool)
+    is_prompt[:, :2] = True
+    _, masked = apply_noise(ids, is_prompt, 2, torch.Generator().manual_seed(0), t_min=0.5)
+    share = masked[:, 2:].float().mean(1)
+    assert abs(float(share.mean()) - 0.75) < 0.02 and float(share.min()) > 0.4
+    assert int((share == 1).sum()) <= 4  # t close to 1 only
+
+
+def test_loss_is_the_mean_over_masked_positions():
+    """Mean (not summed) cross-entropy over the masked positions; a batch with none masked costs 0, not NaN."""
+    V = 8
+    targets = torch.tensor([[1, 2, 3, 4]])
+    logits = torch.zeros((1, 4, V))  # uniform: log(V) per position
+    for masked in ([False, True, False, False], [False, True, True, True]):
+        assert float(sft_loss(logits, targets, torch.tensor([masked]), 0)) == pytest.approx(math.log(V))
+    confident = torch.zeros((1, 4, V))
+    confident[0, 2, 3] = 50.0  # position 2 right (loss ~0), position 1 uniform
+    loss = sft_loss(confident, targets, torch.tensor([[False, True, True, False]]), 0)
+    assert float(loss) == pytest.approx(math.log(V) / 2)
+    leaf = logits.clone().requires_grad_()
+    none = sft_loss(leaf, targets, torch.zeros((1, 4), dtype=torch.bool), 0)
+    none.backward()
+    assert float(none.detach()) == 0.0 and bool((leaf.grad == 0).all())
+
+
+def test_held_out_metrics_weight_each_masked_position_once():
+    """Loss and accuracy over the masked positions of all batches together: a batch's mean counts as many times as
+    it has masked positions, and unmasked positions (here predicted right) count in neither."""
+    V, big = 4, 50.0
+    clean = torch.tensor([[0, 1, 2, 3]])
+
+    class Stub:
+        device = torch.device("cpu")
+        logit_shift = 0
+
+        def __call__(self, noisy):
+            logits = torch.full((1, 4, V), -big)
+            logits[0, torch.arange(4), clean[0]] = big  # every position right ...
+            logits[0, 2] = 0.0  # ... but position 2: uniform, and its argmax (token 0) is wrong
+            return type("Out", (), {"logits": logits})()
+
+    batches = [
+        (clean, clean, torch.tensor([[False, True, True, False]])),  # one right, one uniform
+        (clean, clean, torch.tensor([[False, False, True, False]])),  # one uniform
+    ]
+    got = masked_token_accuracy(Stub(), batches)
+    assert got["heldout_acc"] == pytest.approx(1 / 3)
+    assert got["heldout_loss"] == pytest.approx(2 * math.log(V) / 3)
+
+
+def test_completion_stops_at_the_first_end_token(family_tok):
+    _, tok = family_tok
+    ids = special_token_ids(tok)
+    first, second = (tok(text, add_special_tokens=False)["input_ids"] for text in ("#### 12", " and 34"))
+    assert completion_text(tok, first + [ids["eot"]] + second, (ids["eot"], ids["eos"])) == "#### 12"
+    assert completion_text(tok, first + [ids["eos"]] + second + [ids["eot"]], (ids["eot"], ids["eos"])) == "#### 12"
 
 
 def test_loss_shift_on_hand_made_tensors():
@@ -114,6 +187,24 @@ def test_model_config_uses_tokenizer_ids(family_tok):
     assert cfg.context_length == 512 and cfg.rope_theta == 10000.0
     if family == "dream":
         assert cfg.num_key_value_heads == 2
+    grown = AutoTokenizer.from_pretrained(str(asset_dir(family)))
+    grown.add_tokens(["<x1>", "<x2>"])  # 1026 tokens: the embedding rounds up to a multiple of 8
+    assert build_model(_tiny(family), grown).config.vocab_size == 1032
+
+
+def test_encode_items_appends_the_end_of_turn_and_keeps_what_fits(family_tok):
+    """The response is the target and the end of turn; an item whose response is exactly ``max_response`` long is
+    kept, one token longer is dropped."""
+    from hf_blockbatch.tasks import get_suite
+
+    family, tok = family_tok
+    task, eot = get_suite("lists"), special_token_ids(tok)["eot"]
+    item = task.items("test", 1)[0]
+    target = tok(item.target, add_special_tokens=False)["input_ids"]
+    (ex,) = encode_items([item], task, tok, eot, len(target) + 1)
+    assert ex.response == target + [eot] and ex.suite == "lists"
+    assert ex.prompt == tok(task.prompt(item, tok), add_special_tokens=False)["input_ids"]
+    assert encode_items([item], task, tok, eot, len(target)) == []
 
 
 def test_greedy_decode_fills_every_position(family_tok):
@@ -121,6 +212,60 @@ def test_greedy_decode_fills_every_position(family_tok):
     model = build_model(_tiny(family), tok).eval()
     out = greedy_decode(model, [[1, 10, 11], [1, 12]], gen_length=10, mask_id=2, pad_id=0, tokens_per_step=3)
     assert out.shape == (2, 10) and not bool((out == 2).any())
+
+
+@pytest.mark.skipif(not (Path(asset_dir("llada")) / "model.safetensors").exists(), reason="embedded weights absent")
+def test_quick_decode_of_the_embedded_checkpoint_answers_right():
+    """The decode that picks the best checkpoint, on ``lists`` test items the embedded tiny-llada answers right with
+    it: each block's committed tokens are read by the next steps (a canvas left out of attention decoded noise)."""
+    import hf_blockbatch as hb
+    from hf_blockbatch.tasks import get_suite
+    from hf_blockbatch.training.eval_quick import decode_accuracy
+
+    model, tok = hb.load_model("tiny-llada", device="cpu")
+    task = get_suite("lists")
+    items = [task.items("test", 8)[i] for i in (0, 3, 5, 6, 7)]
+    acc, texts = decode_accuracy(model, tok, task, items, 64, special_token_ids(tok))
+    assert acc == 1.0, texts
+
+
+def test_lr_schedule_warms_up_then_decays_to_its_floor():
+    lr = sft._lr_factor
+    assert [lr(0.0, s, 4, 0.1) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]  # linear warmup, full LR at its end
+    assert lr(0.0, 4, 4, 0.1) == 1.0 and lr(0.5, 9, 4, 0.1) == pytest.approx(0.55)
+    assert lr(1.0, 9, 4, 0.1) == pytest.approx(0.1) and lr(1.5, 9, 4, 0.1) == pytest.approx(0.1)  # the floor
+
+
+def test_train_follows_its_schedule_mix_and_keeps_the_best(tmp_path, monkeypatch):
+    """The LR of each step follows the schedule over ``steps``; batches draw suites by weight (a weight of 1e-6 is
+    never drawn in 20 rows); the held-out batches hold ``eval_items_per_suite`` items per suite; an evaluation runs
+    every ``eval_every`` steps and after the last step; the checkpoint kept is the evaluation of lowest held-out loss
+    (no decode: accuracy 0 throughout); a fixed canvas (gen_min = gen_max) trains at that length."""
+    drawn, heldout_rows = [], []
+    monkeypatch.setattr(sft, "make_batch", lambda ex, *a: drawn.append({e.suite for e in ex}) or make_batch(ex, *a))
+    real_accuracy = sft.masked_token_accuracy
+
+    def accuracy(model, batches):
+        heldout_rows.append(sum(b[0].shape[0] for b in batches))
+        return real_accuracy(model, batches)
+
+    monkeypatch.setattr(sft, "masked_token_accuracy", accuracy)
+    cfg = _tiny(
+        "llada", steps=5, batch_size=4, warmup_steps=2, eval_every=2, log_every=1, suites={"lists": 1.0, "code": 1e-6},
+        train_items_per_suite=64, eval_items_per_suite=3, decode_items_per_suite=0, gen_min=48, gen_max=48,
+        max_positions=384, lr=1e-2,
+    )  # fmt: skip
+    best = train(cfg, tmp_path, show_progress=False)
+    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    steps = [r for r in log if r["event"] == "train"]
+    assert [r["lr"] for r in steps] == pytest.approx([1e-2 * sft._lr_factor(i / 5, i, 2, 0.1) for i in range(5)])
+    assert {r["gen_length"] for r in steps} == {48}
+    assert drawn[-5:] == [{"lists"}] * 5
+    evals = [r for r in log if r["event"] == "eval"]
+    assert [r["step"] for r in evals] == [2, 4, 5] and heldout_rows == [6, 6, 6]
+    lowest = min(evals, key=lambda r: r["heldout_loss"])
+    assert len({r["heldout_loss"] for r in evals}) == 3 and best["step"] == lowest["step"]
+    assert json.loads((tmp_path / "best_metrics.json").read_text())["step"] == lowest["step"]
 
 
 def test_train_saves_reloadable_checkpoint(family_tok, tmp_path):
@@ -153,9 +298,11 @@ def test_train_saves_reloadable_checkpoint(family_tok, tmp_path):
         ({"eval_every": 0}, "eval_every must be an integer >= 1"),
         ({"lr": float("nan")}, "lr must be a finite number > 0"),
         ({"t_min": 1.5}, "t_min must be below 1"),
+        ({"t_min": 1.0}, "t_min must be below 1"),
         ({"min_lr_ratio": 2.0}, "min_lr_ratio must be at most 1"),
         ({"gen_min": 100, "gen_max": 90}, r"gen_max \(90\) must be >= gen_min \(100\)"),
         ({"n_heads": 3}, r"d_model \(32\) must divide by n_heads \(3\) into an even head dim"),
+        ({"n_heads": 32}, r"d_model \(32\) must divide by n_heads \(32\) into an even head dim"),
         ({"n_kv_heads": 3}, "n_kv_heads must divide n_heads"),
         ({"suites": {}}, "suites is empty"),
         ({"suites": {"nosuch": 1.0}}, "suite 'nosuch' is unknown"),
@@ -167,8 +314,11 @@ def test_train_saves_reloadable_checkpoint(family_tok, tmp_path):
 def test_bad_settings_are_refused_before_training(tmp_path, options, message):
     """Each used to fail inside torch, divide by zero, or (steps=0, t_min=1.5) train nothing or
     something else than asked; the run now stops before writing anything, naming the option."""
+    # a one-step run on a few items, so that a setting the checks let through fails fast instead of training 5000 steps
+    quick = _tiny("llada", steps=1, suites={"lists": 1.0}, train_items_per_suite=16, eval_items_per_suite=2,
+                  decode_items_per_suite=0)  # fmt: skip
     with pytest.raises(ValueError, match="Bad training settings: .*" + message):
-        train(dataclasses.replace(_tiny("llada"), **options), tmp_path / "out", show_progress=False)
+        train(dataclasses.replace(quick, **options), tmp_path / "out", show_progress=False)
     assert not (tmp_path / "out").exists()
 
 
