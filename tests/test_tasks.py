@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 
 import pytest
@@ -64,6 +65,7 @@ def test_train_deterministic_distinct_and_disjoint(name):
     assert not test_q & {i.question for i in a}
     assert not test_q & {i.question for i in other}
     assert suite.items("train", limit=50) == a[:50]
+    assert suite.items("test", limit=0) == [] and suite.items("train", limit=0) == []  # 0: no item, not an error
     with pytest.raises(ValueError):
         suite.items("validation")
 
@@ -152,6 +154,38 @@ def test_code_targets_pass_and_corruptions_fail():
     assert suite.score(it, it.target[: -len("```")]).correct
 
 
+def _hidden_cases(item: EvalItem) -> list[tuple[tuple, object]]:
+    """``(arguments, expected)`` of each hidden ``assert f(args) == expected``, read without executing anything."""
+    cases = []
+    for test in item.tests:
+        node = ast.parse(test).body[0].test
+        cases.append((tuple(ast.literal_eval(a) for a in node.left.args), ast.literal_eval(node.comparators[0])))
+    return cases
+
+
+#: per code template (given its question), plausible wrong answers that its hidden asserts must reject
+NEAR_MISSES = {
+    "clamp": lambda q: (lambda x: x,),  # never clamps
+    "max_min": lambda q: (lambda a, b: a, lambda a, b: b),  # one argument, whichever is larger
+    "abs_diff": lambda q: (lambda a, b: a - b,),
+    "divisible": lambda q: (lambda n: True, lambda n: False),
+    "first_last": lambda q: (lambda xs: xs[-1],) if "the first item" in q else (lambda xs: xs[0],),  # the other end
+    "even_step": lambda q: (lambda x: x,),
+}
+
+
+def test_code_asserts_reject_near_misses():
+    """The inputs of the hidden asserts tell the right function from its near misses on every test item: a clamp
+    gets an input above its bound, max/min a pair in both orders and one with a clear winner, and so on."""
+    checked = 0
+    for it in get_suite("code").items("test"):
+        cases = _hidden_cases(it)
+        for miss in NEAR_MISSES.get(it.meta["template"], lambda q: ())(it.question):
+            assert not all(miss(*args) == expected for args, expected in cases), (it.question, it.tests)
+            checked += 1
+    assert checked >= 100
+
+
 @pytest.mark.parametrize("name", SUITES)
 def test_prompt_and_lengths_fit(name):
     suite = get_suite(name)
@@ -159,6 +193,7 @@ def test_prompt_and_lengths_fit(name):
     assert suite.prompt(items[0], None) == items[0].question
     assert suite.prompt(items[0], object(), chat=False) == items[0].question
     tok = load_tokenizer("llada")
+    assert suite.prompt(items[0], tok, chat=False) == items[0].question  # chat=False: the bare question
     p = suite.prompt(items[0], tok)
     assert p.startswith("<|startoftext|><|start_header_id|>user<|end_header_id|>\n\n" + items[0].question)
     assert p.endswith("<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
