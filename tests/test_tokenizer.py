@@ -77,6 +77,16 @@ def test_special_token_ids(family_tok):
     assert all(i >= NUM_SPECIAL for i in tok("hi there")["input_ids"])
 
 
+def test_special_token_ids_read_the_pad_token_and_fall_back_to_eos(family_tok):
+    """A tokenizer whose pad token is not its EOS reports its own pad id; one without a pad token pads with EOS."""
+    family, _ = family_tok
+    tok = AutoTokenizer.from_pretrained(str(asset_dir(family)))
+    tok.pad_token = SPECIAL_TOKENS[family][-1]
+    assert special_token_ids(tok)["pad"] == NUM_SPECIAL - 1 and special_token_ids(tok)["eos"] == EOS_ID
+    tok.pad_token = None
+    assert special_token_ids(tok)["pad"] == EOS_ID
+
+
 def test_families_share_merges_and_ordinary_ids():
     specs = [json.loads((asset_dir(f) / "tokenizer.json").read_text()) for f in FAMILIES]
     assert specs[0]["model"]["merges"] == specs[1]["model"]["merges"]
@@ -129,6 +139,17 @@ def test_training_is_deterministic():
     b = train_tokenizer(None, "dream", vocab_size=400, seed=3, per_suite=150)
     assert a.backend_tokenizer.to_str() == b.backend_tokenizer.to_str()
     assert len(a) == 400
+
+
+def test_a_trained_tokenizer_reloads_with_its_roles(tmp_path):
+    """What ``train_tokenizer`` returns, and what it saves once reloaded (by the portable class name), has each role at
+    its fixed id (the slow byte-for-byte test covers the shipped assets only)."""
+    trained = train_tokenizer(tmp_path, "llada", vocab_size=400, per_suite=150)
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    for tok in (trained, AutoTokenizer.from_pretrained(str(tmp_path))):
+        assert tok.mask_token == "<|mdm_mask|>" and tok.eos_token == tok.pad_token == "<|endoftext|>"
+        assert (tok.mask_token_id, tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == (MASK_ID, EOS_ID, PAD_ID, BOS_ID)
+        assert special_token_ids(tok) == {"mask": MASK_ID, "eos": EOS_ID, "pad": PAD_ID, "bos": BOS_ID, "eot": EOT_ID}
 
 
 @pytest.mark.slow
