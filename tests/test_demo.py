@@ -9,6 +9,7 @@ Playwright is never allowed to download a browser of its own.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import socket
 import sys
@@ -57,6 +58,108 @@ def test_build_frames_replays_commits_merges_and_syncs() -> None:
     assert synced.window == (0, 4)  # its own block holding its first mask (position 3)
     assert frames[4].branches[0].new == {3} and "refresh" in frames[4].branches[0].badges
     assert [line.kind for line in log] == ["init", "merge", "sync", "refresh"]
+
+
+def _synced_frames() -> list:
+    """A hand-written trace of 12 positions: b=4 finishes its first block, b=8 its first and one more; b=4 syncs."""
+    from hf_blockbatch.generation.trace import event_from_dict
+
+    trace = [event_from_dict(e) for e in (
+        {"step": 1, "phase": "init", "branch": 0, "window": [0, 4], "committed": [0, 1, 2, 3], "tokens": [7] * 4},
+        {"step": 1, "phase": "init", "branch": 1, "window": [0, 8], "committed": list(range(8)), "tokens": [7] * 8},
+        {"step": 2, "phase": "block", "branch": 1, "window": [8, 12], "committed": [8], "tokens": [7]},
+        {"step": 2, "phase": "sync", "branch": 0, "leader": 1},
+    )]  # fmt: skip
+    return app.build_frames(trace, [4, 8], 12)[0]
+
+
+def test_a_synced_branch_takes_the_window_of_its_first_mask() -> None:
+    """After a sync a branch re-derives its window from the copied canvas: b=4 copies b=8's nine tokens, so its
+    window moves from (0, 4) to the block of its first mask (position 9), (8, 12)."""
+    frames = _synced_frames()
+    assert frames[1].branches[0].window == (0, 4) and frames[2].branches[0].window == (8, 12)
+    assert frames[2].branches[0].copied_now == {4, 5, 6, 7, 8}
+
+
+def _hand_side(frames, winner: int = 1, nfe: int = 2, seconds: float = 1.0) -> app.SideResult:
+    return app.SideResult(key="blockbatch", title="BlockBatch", subtitle="", nfe=nfe, seconds=seconds, text="",
+                          tokens=[(f"t{p}", "tok") for p in range(12)], answer_tokens=12, stats={}, block_sizes=[4, 8],
+                          winner=winner, frames=frames, log=[])  # fmt: skip
+
+
+def test_canvas_shows_the_winner_and_counters_stop_at_the_sides_own_nfe() -> None:
+    """The canvas is the winning branch's (b=8 here: nine tokens after step 2, not b=4's four); a side that finished
+    before the other keeps its own NFE and a full bar while the other still replays."""
+    frames = _synced_frames()
+    side = _hand_side(frames)
+    canvas = app.render_canvas(side, frames[1], final=False)
+    assert canvas.count('class="bb-chip new"') == 8  # b=8's initial eight, not b=4's four
+    later = app.render_side(side, 5)  # the other side is at forward 5: this one stopped at 2
+    assert '<span class="v">2</span><span class="l">NFE</span>' in later and 'style="width:100.0%"' in later
+
+
+def test_banner_reports_the_saving_and_speedup_of_blockbatch_over_fast_dllm() -> None:
+    frames = _synced_frames()
+    fast = dataclasses.replace(_hand_side(frames), key="fast_dllm", nfe=40, seconds=2.0)
+    block = _hand_side(frames, nfe=30, seconds=0.5)
+    banner = app.render_banner(fast, block, None)
+    assert "25.0% fewer forward passes" in banner and "<b>30</b> NFE vs Fast-dLLM <b>40</b>" in banner
+    assert "wall-clock <b>4.00×</b> (0.50s vs 2.00s)" in banner
+    assert "20.0% more forward passes" in app.render_banner(block, dataclasses.replace(block, nfe=36), None)
+
+
+def test_frame_steps_end_on_the_last_forward() -> None:
+    """A long run replays several forwards per frame, and its last frame is still the last forward (the one that
+    shows the answers and the numbers)."""
+    assert app._frame_steps(5) == [0, 1, 2, 3, 4, 5]
+    steps = app._frame_steps(250)
+    assert steps[0] == 0 and steps[-1] == 250 and len(steps) <= app.MAX_FRAMES + 2
+    assert steps == sorted(set(steps))
+
+
+def test_every_setting_reaches_the_config_it_names() -> None:
+    """Each slider of the page reaches the decoder it is labelled for (both where it says "both")."""
+    s = app.check_settings("hi", max_new_tokens=40, fast_block="8", block_sizes=["16", "4"], threshold=0.7,
+                           merge_threshold=0.6, temperature=0.3, seed=7, sync_threshold=5, refresh_interval=12)  # fmt: skip
+    f, b = s.fast_config(), s.blockbatch_config()
+    assert (f.max_new_tokens, f.block_length, f.threshold, f.temperature, f.seed, f.cache) == (40, 8, 0.7, 0.3, 7, "dual")
+    assert (b.max_new_tokens, b.block_sizes, b.threshold, b.merge_threshold, b.temperature, b.seed, b.sync_threshold,
+            b.refresh_interval) == (40, [4, 16], 0.7, 0.6, 0.3, 7, 5, 12)  # fmt: skip
+    assert app.check_settings("hi", block_sizes=["4", "16"], guarded=True).blockbatch_config().prune_after_syncs == 1
+    with pytest.raises(app.InputError, match=f"Max new tokens must be between {app.MIN_NEW_TOKENS} and 256"):
+        app.check_settings("hi", max_new_tokens=app.MIN_NEW_TOKENS - 4)
+
+
+def test_a_request_that_just_fits_the_context_decodes(loaded, monkeypatch) -> None:
+    """Prompt + max new tokens equal to the model's context fits; one token more is refused with the message."""
+    ids = app.encode_prompt(loaded.tokenizer, "Hi")
+    monkeypatch.setattr(loaded.model.config, "max_sequence_length", ids.shape[1] + 8)
+    fast, block = app.compare_once(loaded, app.check_settings("Hi", max_new_tokens=8, fast_block="8", block_sizes=["8"]))
+    assert len(fast.tokens) == len(block.tokens) == 8
+    with pytest.raises(app.InputError, match="exceeds this model's context"):
+        app.compare_once(loaded, app.check_settings("Hi", max_new_tokens=16, fast_block="8", block_sizes=["8"]))
+
+
+@pytest.mark.skipif(not (Path(hb.TINY_LLADA) / "model.safetensors").exists(), reason="embedded weights absent")
+def test_the_last_frame_shows_both_answers_and_the_saving() -> None:
+    """The replay's last frame holds both answers and the raw numbers, whose saving is BlockBatch's over Fast-dLLM's
+    (the embedded tiny-llada, where the two NFEs differ: the random model commits one token a forward on both)."""
+    loaded = app.load_for_demo("tiny-llada", device="cpu", warmup=False)
+    prompt = app.example_prompts()[0]
+    compare = _compare_fn(app.build_demo(loaded, examples=[prompt]))
+    *_, last = compare(prompt, *SETTINGS)
+    stats = last[5]
+    assert last[3] == stats["fast_dllm"]["text"] and last[4] == stats["blockbatch"]["text"]
+    f, b = stats["fast_dllm"]["nfe"], stats["blockbatch"]["nfe"]
+    assert f != b and stats["nfe_saving_percent"] == round(100.0 * (1 - b / f), 2)
+
+
+def test_a_code_answer_is_judged_by_its_tests() -> None:
+    from hf_blockbatch.tasks import get_suite
+
+    item = get_suite("code").items("test", 1)[0]
+    verdict = app.suite_verdict(item.question, item.target)
+    assert verdict == {"suite": "code", "correct": True, "reference": "its tests", "extracted": verdict["extracted"]}
 
 
 def test_eos_stop_line_explains_which_hitter_won() -> None:
@@ -145,6 +248,18 @@ def test_examples_are_answered_right_by_both_and_marked() -> None:
     wrong = app.suite_verdict(app.example_prompts()[0], "#### 12345")
     assert wrong["correct"] is False and wrong["suite"] == "arith"
     assert app.suite_verdict("What is 7 * 8?", "56") is None  # not a suite question: no mark
+
+
+@pytest.mark.skipif(not (Path(hb.TINY_LLADA) / "model.safetensors").exists(), reason="embedded weights absent")
+def test_drafts_switch_leaves_blockbatch_syncs_as_syncs() -> None:
+    """With Fast-dLLM's drafts on, BlockBatch's syncs (the embedded tiny-llada syncs on the first example) are still
+    logged as syncs: only the Fast-dLLM side reads a sync event as an adopted draft."""
+    loaded = app.load_for_demo("tiny-llada", device="cpu", warmup=False)
+    settings = app.check_settings(app.example_prompts()[0], fast_drafts=True)
+    fast, block = app.compare_once(loaded, settings)
+    kinds = [line.kind for line in block.log]
+    assert block.stats["syncs"] > 0 and "sync" in kinds and "draft" not in kinds
+    assert sum(line.kind == "draft" for line in fast.log) == fast.stats["lookahead_adopted"] > 0
 
 
 def test_fast_dllm_baseline_is_chosen_by_the_visitor() -> None:
