@@ -24,6 +24,8 @@ def test_geometries_are_the_real_models():
     small = hb.LLaDAConfig(d_model=64, n_heads=4, n_kv_heads=2, n_layers=3, mlp_hidden_size=96, vocab_size=50,
                            embedding_size=64)  # fmt: skip
     assert Geometry.from_config(small) == Geometry("llada", 3, 64, 32, 96, 64)
+    # what the weights occupy in bf16 (the head and the untied embedding table both): 16.03 GB at LLaDA-8B
+    assert llada.weight_bytes == 2 * (llada.body_params + 2 * llada.head_params) == 16_030_629_888
 
 
 def test_resident_kv_per_request_and_the_batch_it_leaves_room_for():
@@ -39,6 +41,8 @@ def test_resident_kv_per_request_and_the_batch_it_leaves_room_for():
         room // (4 * 1024 * llada.kv_bytes_per_token))
     assert kv_residency(0, llada, hw, 1024)["max_batch"] is None  # no cache: the K/V bound no batch
     assert kv_residency(1, dream, hw, 1024)["max_batch"] > 8 * one["max_batch"]
+    # a device smaller than the weights leaves room for no request: 0, not a negative batch
+    assert kv_residency(1, llada, Hardware(memory=8e9), 1024)["max_batch"] == 0
 
 
 def test_a_forward_costs_its_weights_read_until_its_flops_outweigh_it():
@@ -72,6 +76,12 @@ def test_a_decode_s_three_host_settings():
     assert p["eager_ms_item"] == pytest.approx(
         1e3 * (sum(max(h, price(r, g, Hardware())[0]) for h, r in zip(host, records)) + 315 * 5e-6) / 2
     )
+    # what the forwards carried: 60 and 20 query tokens, 1 and 3 rows; both memory-bound (about 3.9 ms each)
+    assert (p["query_tokens_per_forward"], p["rows_per_forward"], p["compute_bound_share"]) == (40, 2, 0)
+    assert p["forward_ops_per_forward"] == (340 + 409) / 2
+    # host-bound: a forward whose operations' host time outlasts its roofline (340 and 409 operations)
+    shares = [project(records, 5, g, Hardware(op_us=us))["host_bound_share"] for us in (5.0, 11.0, 20.0)]
+    assert shares == [0.0, 0.5, 1.0]  # 1.7 and 2.0 ms; 3.7 and 4.5 ms; 6.8 and 8.2 ms
     free = project(records, 5, g, Hardware(op_us=0.0))  # no host time: every setting is the roofline
     assert free["eager_ms_item"] == free["graphed_ms_item"] == free["async_ms_item"] == pytest.approx(2 * gpu)
 
