@@ -8,7 +8,7 @@ import torch
 from conftest import EOS_ID, MASK_ID, load_benchmark, make_tiny_dream, make_tiny_llada
 
 import hf_blockbatch as hb
-from hf_blockbatch.eval.forward_log import ForwardLog, is_sync
+from hf_blockbatch.eval.forward_log import ForwardLog, OpCounter, is_sync
 
 
 def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +115,65 @@ def test_host_syncs_are_the_calls_that_read_the_device_back():
     assert all(is_sync(f, args, {}) for f, args in syncs)
     assert not any(is_sync(f, args, {}) for f, args in queued)
     assert not is_sync(torch.repeat_interleave, (x, torch.tensor([1] * 6)), {"output_size": 6})
+
+
+def test_the_overlap_ends_at_a_bucket_s_first_sync():
+    """``before_sync`` (a record's ``policy_overlap_ops``) is the operations before the bucket's first sync, not its
+    last; ``torch.where`` with its operands as keywords queues work like the three-argument form."""
+    x, mask = torch.arange(6.0), torch.tensor([True, False] * 3)
+    with OpCounter() as counter:
+        counter.bucket = "policy"
+        y = x + 1
+        y.sum().item()  # the third operation, the first sync: two before it
+        y = y * 2
+        y.tolist()  # the fifth, a second sync
+        torch.where(mask, input=x, other=y)
+        counter.bucket = None
+    assert (counter.counts, counter.syncs, counter.before_sync) == ({"policy": 6}, {"policy": 2}, {"policy": 2})
+
+
+def test_a_sync_after_the_last_layer_is_a_late_sync_of_the_forward():
+    """What a forward does after its last decoder layer (its "head" bucket) is the forward's own: a sync there is one
+    of ``model_syncs`` and a ``late_syncs`` (the host waits for the whole forward)."""
+    model = make_tiny_llada()
+    ids, mask = _prompts()
+    cfg = hb.FastDLLMConfig(max_new_tokens=16, block_length=16, threshold=0.05, mask_token_id=MASK_ID)
+    model.generate(ids, attention_mask=mask, generation_config=cfg)  # a first forward builds what later ones reuse
+    with ForwardLog(model) as plain:
+        model.generate(ids, attention_mask=mask, generation_config=cfg)
+
+    def read_back(*_) -> None:  # after the log's own hook: in the head's bucket
+        torch.zeros(1).item()
+
+    with ForwardLog(model) as log:
+        hook = list(model._decoder_layers())[-1].register_forward_hook(read_back)
+        try:
+            model.generate(ids, attention_mask=mask, generation_config=cfg)
+        finally:
+            hook.remove()
+    assert len(log.records) == len(plain.records) > 0
+    for a, b in zip(plain.records, log.records):
+        assert (b.model_ops, b.model_syncs, b.late_syncs) == (a.model_ops + 2, a.model_syncs + 1, a.late_syncs + 1)
+
+
+def test_the_policy_s_operations_add_up_over_decodes_closed_or_not():
+    """``tail_ops`` adds every closed decode's operations after its last forward, and ``policy_ops`` counts those of
+    a decode not yet closed by ``end_decode()`` too: the same decode logged once, twice, or left open."""
+    model = make_tiny_llada()
+    ids, mask = _prompts()
+    cfg = hb.FastDLLMConfig(max_new_tokens=16, block_length=8, threshold=0.05, mask_token_id=MASK_ID)
+    model.generate(ids, attention_mask=mask, generation_config=cfg)  # a first forward builds what later ones reuse
+    logs = []
+    for decodes, close in ((1, True), (2, True), (1, False)):
+        with ForwardLog(model) as log:
+            for _ in range(decodes):
+                model.generate(ids, attention_mask=mask, generation_config=cfg)
+                if close:
+                    log.end_decode()
+        logs.append(log)
+    once, twice, left_open = logs
+    assert twice.tail_ops == 2 * once.tail_ops > 0 and twice.policy_ops == 2 * once.policy_ops
+    assert left_open.tail_ops == 0 and left_open.policy_ops == once.policy_ops
 
 
 def test_the_policy_s_operations_are_counted_per_calling_function():
