@@ -45,8 +45,9 @@ def test_bytes_per_row_are_the_cache_s_own(make):
 @pytest.mark.parametrize("cfg,rows,advice", [
     (hb.FastDLLMConfig.drafted(max_new_tokens=16), 4, "fewer draft rows (lookahead=1 keeps 2 rows a request"),
     (hb.BlockBatchConfig(max_new_tokens=16), 6, "fewer block sizes (each is a row; BlockBatchConfig.lean() keeps 3)"),
+    (hb.BlockBatchConfig(max_new_tokens=16, block_sizes=[4, 8]), 2, "fewer block sizes (each is a row; "),
     (hb.FastDLLMConfig(max_new_tokens=16), 1, "a shorter canvas (max_new_tokens, or shorter prompts)."),
-], ids=["drafted", "blockbatch", "fast_dllm"])  # fmt: skip
+], ids=["drafted", "blockbatch", "two_sizes", "fast_dllm"])  # fmt: skip
 def test_a_cache_too_large_for_memory_says_what_to_change(monkeypatch, cfg, rows, advice):
     model = make_tiny_llada()
     monkeypatch.setattr(cache_module._StoragePool, "take", _refuse(RuntimeError(CPU_OOM)))
@@ -100,6 +101,17 @@ def test_on_a_gpu_it_says_how_many_requests_fit(monkeypatch):
     assert "5 request(s) × 4 cache row(s) each" in text and " on cuda:0, " in text
     assert "is free there: 3 request(s) of this size fit." in text
     assert "the model in bfloat16 (torch_dtype=torch.bfloat16), which halves the cache" in text
+
+
+def test_an_explained_error_is_not_explained_again():
+    """An error already explained (its message starts "Out of memory") comes back as it is, not wrapped in a second
+    explanation around the first."""
+    model = make_tiny_llada()
+    plan = plan_from_config(hb.FastDLLMConfig(max_new_tokens=16), [model.config.eos_token_id], [])
+    raw = RuntimeError(CPU_OOM)
+    once = memory.explain_decode_error(raw, model, plan, requests=3, num_rows=3, length=19, in_forward=True)
+    assert once is not raw and str(once).startswith("Out of memory in a model forward, decoding 3 request(s) × 1 row(s)")
+    assert memory.explain_decode_error(once, model, plan, requests=3, num_rows=3, length=19, in_forward=False) is once
 
 
 def _fails_on_call(fn, n: int, error: BaseException):
