@@ -329,6 +329,27 @@ def test_generate_options_choose_the_rule_as_the_constructor_does(cls, kwargs):
     assert cfg.threshold == 0.9  # the caller's config is not changed
 
 
+def test_a_plan_holds_the_parts_its_config_names():
+    """``plan_from_config`` passes each option to the part that reads it: the probability map's size (the top
+    ``ceil(1/t) - 1`` entries are exact: fewer than 1/t tokens can each hold more than t), the merge's guards, the
+    threshold rule's many-masks count, and the reference variant's floor of 0.1 on what a merge takes."""
+    from hf_blockbatch.generation.plans import map_size, plan_from_config
+    from hf_blockbatch.generation.policies import Merge
+
+    assert [map_size(t) for t in (0.9, 0.5, 0.3, 0.25, 0.2)] == [1, 1, 3, 3, 4]
+    guarded = plan_from_config(BlockBatchConfig(max_new_tokens=16, block_sizes=[4, 8], merge_threshold=0.3,
+                                                merge_agreement=2, merge_source_confidence=0.7), [EOS_ID], [])  # fmt: skip
+    merges = [p for p in guarded.policies if isinstance(p, Merge)]
+    assert merges == [Merge(0.3, 2, 0.7)] and guarded.map_k == 3
+    many = plan_from_config(FastDLLMConfig(max_new_tokens=16, threshold=0.9, many_masks_threshold=0.7, many_masks=5),
+                            [EOS_ID], [])  # fmt: skip
+    assert (many.rule.threshold, many.rule.many_masks_threshold, many.rule.many_masks) == (0.9, 0.7, 5)
+    ref = plan_from_config(BlockBatchConfig(max_new_tokens=16, block_sizes=[8, 4], merge_threshold=0.05,
+                                            variant="reference"), [EOS_ID], [])  # fmt: skip
+    assert ref.block_sizes == [4, 8] and [p for p in ref.policies if isinstance(p, Merge)] == [Merge(0.1)]
+    assert ref.map_k == map_size(0.1) == 9
+
+
 @pytest.mark.parametrize("make_cfg,kwargs,exc,message", BAD)
 def test_bad_config_fails_before_any_forward(tiny_llada, make_cfg, kwargs, exc, message):
     calls = _counting(tiny_llada)
