@@ -200,6 +200,21 @@ def test_window_queries_errors(make, match):
         make().validate()
 
 
+@pytest.mark.parametrize("make", [lambda: hb.FastDLLMConfig(max_new_tokens=8, window_queries="sparse"),
+                                  lambda: hb.BlockBatchConfig(max_new_tokens=8, window_queries="sparse")])
+def test_sparse_queries_on_a_model_without_position_forwards_fail_before_any_forward(make):
+    """A model that declares no ``forward_positions`` (``supports_position_queries = False``) is refused sparse
+    queries with what to set, before its first forward."""
+    model = make_tiny_llada()
+    model.supports_position_queries = False
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match=r"window_queries='sparse' needs a model with forward_positions \(LLaDA"):
+        model.generate(torch.tensor([[5, 6, 7]]), generation_config=make())
+    assert not calls
+    assert model.generate(torch.tensor([[5, 6, 7]]), generation_config=hb.FastDLLMConfig(max_new_tokens=8)).shape == (1, 11)
+
+
 def test_sparse_config_saves_and_loads(tmp_path):
     cfg = hb.BlockBatchConfig(window_queries="sparse")
     cfg.save_pretrained(tmp_path)
