@@ -44,30 +44,33 @@ def test_single_branch_blockbatch_is_fast_dllm_dual(family, b, threshold):
 
 
 # ----------------------------------------------------------------------------- 3. invariants
-def _replay(trace: list, G: int, n_branches: int) -> tuple[set[int], set[int], list[set[int]]]:
-    """Replay a trace (typed events) per branch; returns (block-step NFEs, refresh NFEs, decoded sets)."""
+def _replay(trace: list, G: int, n_branches: int) -> tuple[set[int], set[int], list[dict[int, int]]]:
+    """Replay a trace (typed events) per branch; returns (block-step NFEs, refresh NFEs, each branch's decoded
+    positions and the tokens the events wrote there)."""
     from hf_blockbatch.generation.trace import CommitEvent, MergeEvent, SyncEvent
 
-    decoded: list[set[int]] = [set() for _ in range(n_branches)]
+    decoded: list[dict[int, int]] = [{} for _ in range(n_branches)]
     block_steps, refresh_steps = set(), set()
     for ev in trace:
         br, phase = ev.branch, ev.phase
         if isinstance(ev, CommitEvent):
             lo, hi = ev.window
-            for p in ev.committed:
+            assert len(ev.tokens) == len(ev.committed)
+            for p, token in zip(ev.committed, ev.tokens):
                 assert lo <= p < hi, f"{phase} commit at {p} outside the window {ev.window}"
                 assert p not in decoded[br], f"branch {br} committed position {p} twice without a sync"
-                decoded[br].add(p)
+                decoded[br][p] = token
             (block_steps if phase == "block" else refresh_steps if phase == "refresh" else set()).add(ev.step)
             if phase == "init":
                 assert ev.step == 1
         elif isinstance(ev, MergeEvent):
-            for p in ev.positions:
+            assert len(ev.tokens) == len(ev.positions)
+            for p, token in zip(ev.positions, ev.tokens):
                 assert p not in decoded[br], f"merge into branch {br} overwrote committed position {p}"
-                decoded[br].add(p)
+                decoded[br][p] = token
         elif isinstance(ev, SyncEvent):
             assert ev.leader != br
-            decoded[br] = set(decoded[ev.leader])
+            decoded[br] = dict(decoded[ev.leader])
         else:
             raise AssertionError(f"unknown trace event {ev!r}")
         assert all(0 <= p < G for p in decoded[br])
@@ -232,6 +235,8 @@ def test_the_prune_and_guard_examples_exercise_them():
 
 
 def _check_invariants(cfg: dict, kind: str, prompt: list[int], seed: int) -> dict:
+    from hf_blockbatch.generation.trace import MergeEvent, SyncEvent
+
     model = _model(kind)
     G = 16
     n = len(cfg["block_sizes"])
@@ -259,14 +264,22 @@ def _check_invariants(cfg: dict, kind: str, prompt: list[int], seed: int) -> dic
         assert stats["merged"] == 0
     if not cfg["sync"] or n == 1:
         assert stats["syncs"] == 0
+    # the request's and each branch's syncs and merged tokens are the trace's
+    syncs = [sum(isinstance(ev, SyncEvent) and ev.branch == b for ev in stats["trace"]) for b in range(n)]
+    merged = [sum(len(ev.positions) for ev in stats["trace"] if isinstance(ev, MergeEvent) and ev.branch == b)
+              for b in range(n)]  # fmt: skip
+    assert [branch["syncs"] for branch in stats["branches"]] == syncs and stats["syncs"] == sum(syncs)
+    assert [branch["merged"] for branch in stats["branches"]] == merged and stats["merged"] == sum(merged)
     # the replayed decoded sets are the branches' final decoded counts, and the winner's canvas
     for b, branch in enumerate(stats["branches"]):
         assert len(decoded[b]) == branch["decoded"]
     win = decoded[stats["winner_branch"]]
     if stats["stopped_by"] == "complete":
-        assert win == set(range(G))
+        assert win.keys() == set(range(G))
     else:
-        assert set(range(first_eos + 1)) <= win
+        assert set(range(first_eos + 1)) <= win.keys()
+    # and the tokens the events wrote are the answer's (up to its first EOS: a stopped request's tail is filled)
+    assert all(gen[p] == token for p, token in win.items() if p <= first_eos)
     # a pruned branch is touched by nothing after the step that pruned it (no commit, so no query;
     # no merge in or sync), is never a leader, never wins, and the stats say which were pruned
     pruned_at = _pruned_at(stats["trace"], cfg["prune_after_syncs"], n)
@@ -496,6 +509,18 @@ def test_eos_prefer_widest_gives_the_widest_hitter(family):
         assert all(b["eos_probability"] is None for b in stats["branches"])  # nothing was ranked by it
         several += len(hitters) > 1
     assert several > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_only_early_stop_over_several_branches_reports_eos_hits(family):
+    """Each branch's ``eos_hit`` and ``eos_probability`` are what ranked a request's EOS hitters: reported with early
+    stop over several branches alone (``DiffusionGenerateOutput``), not for a decode that nothing ranked."""
+    for early_stop, sizes in ((False, [2, 4, 8, 16]), (True, [8]), (True, [2, 4, 8, 16])):
+        cfg = BlockBatchConfig(max_new_tokens=32, block_sizes=sizes, threshold=0.3, early_stop=early_stop)
+        for prompt in _EOS_PROMPTS[:2]:
+            branches = _gen(_model(f"{family}-eos"), prompt, cfg).stats[0]["branches"]
+            ranked = early_stop and len(sizes) > 1
+            assert all(("eos_hit" in b) == ranked and ("eos_probability" in b) == ranked for b in branches)
 
 
 def test_commit_probabilities_cover_exactly_the_decoded_positions(monkeypatch):
