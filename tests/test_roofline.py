@@ -59,6 +59,10 @@ def test_a_forward_costs_its_weights_read_until_its_flops_outweigh_it():
     seconds, compute_bound = price(many, g, hw)
     flops = 2 * (g.body_params + g.head_params) * 8192 + 4 * g.layers * g.d_model * 8192 * 8192
     assert compute_bound and seconds == pytest.approx(flops / (hw.flops * hw.flops_eff))
+    # the head's flops go with the slots sent through it, not with every query token
+    few_heads = ForwardRecord("windows", 1, 8192, 64, [8192], [8192], 0)
+    flops = 2 * g.body_params * 8192 + 2 * g.head_params * 64 + 4 * g.layers * g.d_model * 8192 * 8192
+    assert price(few_heads, g, hw) == (pytest.approx(flops / (hw.flops * hw.flops_eff)), True)
 
 
 def test_a_decode_s_three_host_settings():
