@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import re
 
 import pytest
 
@@ -163,11 +164,20 @@ def _hidden_cases(item: EvalItem) -> list[tuple[tuple, object]]:
     return cases
 
 
+def _bound(question: str) -> int:
+    """The ``k`` of a "greater than k" question."""
+    return int(re.search(r"greater than (\d+)", question).group(1))
+
+
 #: per code template (given its question), plausible wrong answers that its hidden asserts must reject
 NEAR_MISSES = {
     "clamp": lambda q: (lambda x: x,),  # never clamps
     "max_min": lambda q: (lambda a, b: a, lambda a, b: b),  # one argument, whichever is larger
-    "abs_diff": lambda q: (lambda a, b: a - b,),
+    "abs_diff": lambda q: (lambda a, b: a - b, lambda a, b: b - a),  # a signed difference, either way round
+    # "greater than k" read as "at least k" (the random lists often miss k itself)
+    "filter_gt": lambda q: (lambda xs: [x for x in xs if x >= _bound(q)],),
+    "count_gt": lambda q: (lambda xs: sum(1 for x in xs if x >= _bound(q)),),
+    "sum_gt": lambda q: (lambda xs: sum(x for x in xs if x >= _bound(q)),),
     "divisible": lambda q: (lambda n: True, lambda n: False),
     "first_last": lambda q: (lambda xs: xs[-1],) if "the first item" in q else (lambda xs: xs[0],),  # the other end
     "even_step": lambda q: (lambda x: x,),
@@ -175,15 +185,19 @@ NEAR_MISSES = {
 
 
 def test_code_asserts_reject_near_misses():
-    """The inputs of the hidden asserts tell the right function from its near misses on every test item: a clamp
-    gets an input above its bound, max/min a pair in both orders and one with a clear winner, and so on."""
+    """The inputs of the hidden asserts tell the right function from its near misses on every test item and on
+    2,000 training items: a clamp gets an input above its bound, max/min a pair in both orders and one with a clear
+    winner, abs_diff both orders, a "greater than k" filter a list holding k (before: ``b - a`` passed 4 of the 12
+    abs_diff test items, ``x >= k`` 37 of the 86 greater-than ones, and ``return a`` 1.8 % of generated max/min
+    items)."""
     checked = 0
-    for it in get_suite("code").items("test"):
+    code = get_suite("code")
+    for it in code.items("test") + code.items("train", limit=2000):
         cases = _hidden_cases(it)
         for miss in NEAR_MISSES.get(it.meta["template"], lambda q: ())(it.question):
             assert not all(miss(*args) == expected for args, expected in cases), (it.question, it.tests)
             checked += 1
-    assert checked >= 100
+    assert checked >= 1000
 
 
 @pytest.mark.parametrize("name", SUITES)

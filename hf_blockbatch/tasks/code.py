@@ -51,6 +51,12 @@ def _lists(rng: random.Random, n: int = 3) -> list[tuple[list[int]]]:
     return [([],), *out] if rng.random() < 0.3 else out + [([rng.randint(0, 12) for _ in range(4)],)]
 
 
+def _lists_around(rng: random.Random, k: int) -> list[tuple[list[int]]]:
+    """``_lists`` and one list holding ``k`` and ``k + 1``: a "greater than k" spec whose random lists miss ``k``
+    let ``x >= k`` pass (14 of 33 filter, 8 of 25 count and 15 of 28 sum items of the test split)."""
+    return [*_lists(rng), ([k, k + 1],)]
+
+
 def _ret(*exprs: str) -> list[str]:
     return [f"    return {e}" for e in exprs]
 
@@ -125,6 +131,7 @@ def _max_min(rng: random.Random) -> _Spec:
     pairs = [(rng.randint(-9, 20), rng.randint(-9, 20)) for _ in range(2)]
     pairs.append((pairs[0][1], pairs[0][0]))
     pairs.append((pairs[1][0] + 5, pairs[1][0]))
+    pairs.append((pairs[1][0], pairs[1][0] + 5))  # with a tied first pair, `return a` passed every other pair
     return _Spec(
         f"takes a and b and returns the {word} of the two",
         "a, b",
@@ -146,7 +153,8 @@ def _clamp(rng: random.Random) -> _Spec:
 
 
 def _abs_diff(rng: random.Random) -> _Spec:
-    pairs = [(rng.randint(0, 20), rng.randint(0, 20)) for _ in range(2)] + [(3, 9)]
+    # both orders fixed: with two random pairs both a <= b (a quarter of the items), (3, 9) alone let b - a pass
+    pairs = [(rng.randint(0, 20), rng.randint(0, 20)) for _ in range(2)] + [(3, 9), (9, 3)]
     return _Spec(
         "takes a and b and returns the absolute difference of a and b",
         "a, b",
@@ -187,7 +195,7 @@ def _filter_gt(rng: random.Random) -> _Spec:
         "xs",
         _ret(f"[x for x in xs if x > {k}]", f"[x for x in xs if {k} < x]"),
         lambda xs: [x for x in xs if x > k],
-        _lists(rng),
+        _lists_around(rng, k),
     )
 
 
@@ -198,7 +206,7 @@ def _count_gt(rng: random.Random) -> _Spec:
         "xs",
         _ret(f"len([x for x in xs if x > {k}])", f"sum(1 for x in xs if x > {k})"),
         lambda xs: sum(1 for x in xs if x > k),
-        _lists(rng),
+        _lists_around(rng, k),
     )
 
 
@@ -209,7 +217,7 @@ def _sum_gt(rng: random.Random) -> _Spec:
         "xs",
         _ret(f"sum(x for x in xs if x > {k})", f"sum([x for x in xs if x > {k}])"),
         lambda xs: sum(x for x in xs if x > k),
-        _lists(rng),
+        _lists_around(rng, k),
     )
 
 
