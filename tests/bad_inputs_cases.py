@@ -470,6 +470,27 @@ def _(capsys, **_):
 # --------------------------------------------------------------------------------- lm-eval adapter
 
 
+@case("lm-eval-gen-length")
+def _(**_):
+    from hf_blockbatch.eval.lm_eval_model import HFBlockBatchLM
+
+    return _message(lambda: HFBlockBatchLM(pretrained="tiny-llada", method="blockbatch", gen_length=0))
+
+
+@case("lm-eval-temperature")
+def _(**_):
+    from hf_blockbatch.eval.lm_eval_model import HFBlockBatchLM
+
+    return _message(lambda: HFBlockBatchLM(pretrained="tiny-llada", method="fast_dllm", temperature=0.7))
+
+
+@case("lm-eval-max-new-tokens")
+def _(**_):
+    from hf_blockbatch.eval.lm_eval_model import HFBlockBatchLM
+
+    return _message(lambda: HFBlockBatchLM(pretrained="tiny-llada", method="blockbatch", max_new_tokens=64))
+
+
 @case("lm-eval-method")
 def _(**_):
     from conftest import make_tiny_llada
