@@ -140,7 +140,7 @@ def _check(model, tok, prompts: list[list[int]], cfg, options: dict) -> None:
             if isinstance(cfg, hb.FastDLLMConfig):
                 assert st["nfe"] == 1 + len(block_steps) + len(refresh_steps), options
             if st["stopped_by"] != "eos":  # the winner decoded what the output holds
-                assert decoded[st["winner_branch"]] == {k for k, t in enumerate(gen) if t != mask_id}, options
+                assert decoded[st["winner_branch"]] == {k: t for k, t in enumerate(gen) if t != mask_id}, options
         if sampled_unkeyed or (cfg.temperature and p in prompts[:i]):
             continue
         alone = run_padded(model, [p], cfg)
