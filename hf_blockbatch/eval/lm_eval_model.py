@@ -137,7 +137,7 @@ class HFBlockBatchLM(_LMBase):
         self.gen_length = gen_length
         if "max_new_tokens" in config_fields:  # the bench's refusal names its --gen-length, which is not this interface's
             raise ValueError("model_args max_new_tokens: the generation length is model_args gen_length=N (else the task's "
-                             "max_gen_toks, else 256); drop max_new_tokens.")  # fmt: skip
+                             f"max_gen_toks, else {DEFAULT_GEN_LENGTH}); drop max_new_tokens.")  # fmt: skip
         per_request = sorted(set(config_fields) & set(_PER_REQUEST_FIELDS))
         if per_request:  # each request's gen_kwargs set them (greedy unless they sample): given here, they were ignored
             raise ValueError(
