@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.utils import ModelOutput
@@ -51,23 +52,28 @@ from hf_blockbatch.models.layers import ForwardContext, RopeTable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DiffusionLMOutput", "PositionOutput", "WindowOutput", "DiffusionLMMixin", "check_model_type"]
+__all__ = ["DiffusionLMOutput", "PositionOutput", "WindowOutput", "DiffusionLMMixin", "OwnModelTypeConfig"]
 
 
-def check_model_type(config_cls: type, config_dict: dict) -> None:
-    """Refuse a config.json of another ``model_type`` (called by our configs' ``from_dict``, which every
-    ``from_pretrained`` goes through). transformers only warns, then builds the class's config from the fields both
-    formats share and the class's defaults for the rest. Ours default to the official 7-8B geometries, so
-    ``DreamModel.from_pretrained(<a LLaDA folder>)`` built a 7B Dream from the defaults (out of memory on a laptop,
-    random weights otherwise), and ``LLaDAModelLM.from_pretrained(<a Dream folder>)`` failed inside transformers
-    (``property 'hidden_size' of 'LLaDAConfig' object has no setter``). No ``model_type``: nothing to tell, accepted."""
-    given = config_dict.get("model_type")
-    if given is not None and given != config_cls.model_type:
-        raise ValueError(
-            f"This config is of model_type {given!r}, and {config_cls.__name__} reads {config_cls.model_type!r} ones: "
-            "load the checkpoint with AutoModel.from_pretrained (or hb.load_model), which picks the class from its "
-            "model_type."
-        )
+class OwnModelTypeConfig:
+    """A base for our model configs (before ``PreTrainedConfig``): ``from_dict``, which every ``from_pretrained``
+    goes through, refuses a config.json of another ``model_type``. transformers only warns, then builds the class's
+    config from the fields both formats share and the class's defaults for the rest. Ours default to the official
+    7-8B geometries, so ``DreamModel.from_pretrained(<a LLaDA folder>)`` built a 7B Dream from the defaults (out of
+    memory on a laptop, random weights otherwise), and ``LLaDAModelLM.from_pretrained(<a Dream folder>)`` failed
+    inside transformers (``property 'hidden_size' of 'LLaDAConfig' object has no setter``). No ``model_type``: nothing
+    to tell, accepted."""
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        given = config_dict.get("model_type")
+        if given is not None and given != cls.model_type:
+            raise ValueError(
+                f"This config is of model_type {given!r}, and {cls.__name__} reads {cls.model_type!r} ones: "
+                "load the checkpoint with AutoModel.from_pretrained (or hb.load_model), which picks the class from its "
+                "model_type."
+            )
+        return super().from_dict(config_dict, **kwargs)  # type: ignore[misc]
 
 
 def _check_forward_extras(kwargs: dict) -> None:

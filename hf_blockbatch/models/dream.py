@@ -13,14 +13,12 @@ The official remote code no longer imports on transformers 5 (it needs
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from hf_blockbatch.generation.mixin import BlockBatchGenerationMixin
-from hf_blockbatch.models.base import DiffusionLMMixin, check_model_type
+from hf_blockbatch.models.base import DiffusionLMMixin, OwnModelTypeConfig
 from hf_blockbatch.models.layers import (
     ForwardContext,
     RMSNorm,
@@ -33,7 +31,7 @@ from hf_blockbatch.models.layers import (
 __all__ = ["DreamConfig", "DreamModel"]
 
 
-class DreamConfig(PreTrainedConfig):
+class DreamConfig(OwnModelTypeConfig, PreTrainedConfig):
     """The official Dream config fields; defaults are those of Dream-v0-7B (Qwen2.5-7B geometry).
 
     ``window_attention`` (ours) names the attention backend for window forwards (``auto``).
@@ -101,12 +99,6 @@ class DreamConfig(PreTrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
-
-    @classmethod
-    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> DreamConfig:
-        """As transformers', refusing a config of another ``model_type`` (:func:`~hf_blockbatch.models.base.check_model_type`)."""
-        check_model_type(cls, config_dict)
-        return super().from_dict(config_dict, **kwargs)
 
     @property
     def head_dim_(self) -> int:

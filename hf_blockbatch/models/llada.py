@@ -23,7 +23,7 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from hf_blockbatch.generation.mixin import BlockBatchGenerationMixin
-from hf_blockbatch.models.base import DiffusionLMMixin, check_model_type
+from hf_blockbatch.models.base import DiffusionLMMixin, OwnModelTypeConfig
 from hf_blockbatch.models.layers import (
     ForwardContext,
     RMSNorm,
@@ -36,7 +36,7 @@ from hf_blockbatch.models.layers import (
 __all__ = ["LLaDAConfig", "LLaDAModelLM"]
 
 
-class LLaDAConfig(PreTrainedConfig):
+class LLaDAConfig(OwnModelTypeConfig, PreTrainedConfig):
     """The official LLaDA config fields; defaults are those of LLaDA-8B-Instruct.
 
     ``window_attention`` (ours) names the attention backend for window forwards (``auto``).
@@ -142,12 +142,6 @@ class LLaDAConfig(PreTrainedConfig):
         # ties (or unties) behind our back
         kwargs["tie_word_embeddings"] = False
         super().__init__(eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)
-
-    @classmethod
-    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> LLaDAConfig:
-        """As transformers', refusing a config of another ``model_type`` (:func:`~hf_blockbatch.models.base.check_model_type`)."""
-        check_model_type(cls, config_dict)
-        return super().from_dict(config_dict, **kwargs)
 
     # ---- the names the rest of the package reads ------------------------------------------
     @property
