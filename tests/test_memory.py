@@ -114,6 +114,30 @@ def test_an_explained_error_is_not_explained_again():
     assert memory.explain_decode_error(once, model, plan, requests=3, num_rows=3, length=19, in_forward=False) is once
 
 
+@pytest.mark.parametrize("where", ["cache", "forward"])
+def test_a_contract_only_model_keeps_its_out_of_memory_error(where):
+    """A model given ``generate`` by ``hb.enable`` need not say what its cache holds (``_placement``,
+    ``config.kv_geometry``): its out-of-memory error comes back as it was, not replaced by an AttributeError that
+    accelerate's batch-size finder and the bench's halving do not read as out of memory."""
+    from test_generation import _ContractOnly
+
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 134.00 GiB.")
+
+    class Fails(_ContractOnly):
+        def new_cache(self, *args, **kwargs):
+            if where == "cache":
+                raise error
+            return super().new_cache(*args, **kwargs)
+
+        def forward_windows(self, *args, **kwargs):
+            raise error
+
+    model = hb.enable(Fails(make_tiny_llada()))
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        model.generate(torch.tensor([[5, 6, 7]]), generation_config=hb.FastDLLMConfig(max_new_tokens=8))
+    assert caught.value is error
+
+
 def _fails_on_call(fn, n: int, error: BaseException):
     """``fn``, except that its ``n``-th call raises ``error``."""
     calls = []

@@ -37,6 +37,14 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(s in str(error) for s in _OUT_OF_MEMORY)
 
 
+def _sizable(model) -> bool:
+    """Whether ``model`` says what its cache holds (ours: ``_placement`` and ``config.kv_geometry``). A model that
+    only implements the forward contract (:func:`hf_blockbatch.enable`) need not: its out-of-memory error passes
+    unexplained, rather than replaced by an AttributeError that no out-of-memory handler recognises."""
+    config = getattr(model, "config", None)
+    return callable(getattr(model, "_placement", None)) and callable(getattr(config, "kv_geometry", None))
+
+
 def cache_bytes_per_row(model, length: int) -> int:
     """Bytes of K/V one cache row of ``length`` positions holds for ``model`` (all layers, keys and values)."""
     g = model.config.kv_geometry()
@@ -51,7 +59,7 @@ def new_cache(model, num_rows: int, length: int, attention_mask: torch.Tensor, p
     try:
         return model.new_cache(num_rows, length, attention_mask)
     except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError too
-        if not is_out_of_memory(err):
+        if not is_out_of_memory(err) or not _sizable(model):
             raise
         raise _explained(err, _cache_message(model, num_rows, length, plan, requests)) from err
 
@@ -62,7 +70,7 @@ def explain_decode_error(err: RuntimeError, model, plan: DecodePlan, requests: i
     an allocator out of memory; then the same type, saying where (a model forward, or the policy between them),
     what the decode's cache already holds, and the same settings that shrink it. A forward's activations are
     not what the decoders multiply, but the cache they share memory with is, and so are the rows a forward carries."""
-    if not is_out_of_memory(err) or str(err).startswith(_PREFIX):
+    if not is_out_of_memory(err) or str(err).startswith(_PREFIX) or not _sizable(model):
         return err
     rows, per_request, device, dtype = _held(model, num_rows, length, requests)
     where = ("in a model forward" if in_forward
