@@ -30,6 +30,9 @@ __all__ = ["RULES", "TransferRule", "candidate_scores", "make_rule", "needs_entr
 
 
 class TransferRule(Protocol):
+    """What the engine asks of a rule: ``select`` one step's commits, with the flags that say which per-row counters
+    (``keeps_quota``) the state must keep for it."""
+
     name: ClassVar[str]
     keeps_quota: ClassVar[bool]
 
@@ -52,6 +55,8 @@ def needs_entropy(rule: TransferRule) -> bool:
 
 
 def make_rule(name: str, **options: Any) -> TransferRule:
+    """The registered rule ``name`` built with ``options`` (its dataclass fields); an unknown name is refused with
+    the known ones."""
     if name not in RULES:
         raise ValueError(f"Unknown transfer rule {name!r}; known: {', '.join(sorted(RULES))}.")
     return RULES[name](**options)

@@ -8,11 +8,15 @@ code, behind on arith."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from hf_blockbatch.generation.rules import register
+
+if TYPE_CHECKING:
+    from hf_blockbatch.generation.forward import Span
+    from hf_blockbatch.generation.state import DecodeState
 
 __all__ = ["EntropyBoundRule", "entropy_select"]
 
@@ -31,12 +35,18 @@ def entropy_select(scores: torch.Tensor, entropy: torch.Tensor, bound: float) ->
 @register
 @dataclass(frozen=True)
 class EntropyBoundRule:
+    """Entropy-bounded commits as a :class:`~hf_blockbatch.generation.rules.TransferRule`: ``needs_entropy`` asks the
+    sampling for each proposal's entropy, which :func:`~hf_blockbatch.generation.commit.write_commits` passes on."""
+
     name: ClassVar[str] = "entropy"
     keeps_quota: ClassVar[bool] = False
     needs_entropy: ClassVar[bool] = True  # the step's proposals carry their predictive entropy
     bound: float = 0.2
 
-    def select(self, scores, state, rows, span, entropy: torch.Tensor | None = None) -> torch.Tensor:
+    def select(self, scores: torch.Tensor, state: DecodeState, rows: torch.Tensor, span: Span,
+               entropy: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """The slots to commit this step (see :func:`entropy_select`); ``entropy`` ``[A, W]`` is required, and
+        ``state``, ``rows`` and ``span`` are not read."""
         if entropy is None:
             raise ValueError("rule='entropy' reads each proposal's entropy: the step did not compute it.")
         return entropy_select(scores, entropy, self.bound)

@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from hf_blockbatch.generation.rules import register
 from hf_blockbatch.generation.rules.quota import quota_select
+
+if TYPE_CHECKING:
+    from hf_blockbatch.generation.forward import Span
+    from hf_blockbatch.generation.state import DecodeState
 
 __all__ = ["FactorRule", "factor_select"]
 
@@ -26,9 +30,13 @@ def factor_select(scores: torch.Tensor, factor: float) -> torch.Tensor:
 @register
 @dataclass(frozen=True)
 class FactorRule:
+    """Fast-dLLM's factor rule as a :class:`~hf_blockbatch.generation.rules.TransferRule`: the larger ``factor``,
+    the more tokens a confident step commits."""
+
     name: ClassVar[str] = "factor"
     keeps_quota: ClassVar[bool] = False
     factor: float = 1.0
 
-    def select(self, scores, state, rows, span) -> torch.Tensor:
+    def select(self, scores: torch.Tensor, state: DecodeState, rows: torch.Tensor, span: Span) -> torch.Tensor:
+        """The slots to commit this step (see :func:`factor_select`); ``state``, ``rows`` and ``span`` are not read."""
         return factor_select(scores, self.factor)

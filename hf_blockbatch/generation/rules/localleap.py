@@ -34,12 +34,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from numbers import Real
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from hf_blockbatch.generation.rules import register
 from hf_blockbatch.generation.rules.threshold import threshold_select
+
+if TYPE_CHECKING:
+    from hf_blockbatch.generation.configs import BlockBatchConfig, FastDLLMConfig
+    from hf_blockbatch.generation.forward import Span
+    from hf_blockbatch.generation.state import DecodeState
 
 __all__ = [
     "ANCHOR_THRESHOLD",
@@ -112,7 +117,7 @@ class LocalLeapRule:
     radius: int = RADIUS
 
     @classmethod
-    def from_config(cls, cfg) -> LocalLeapRule:
+    def from_config(cls, cfg: FastDLLMConfig | BlockBatchConfig) -> LocalLeapRule:
         """The rule a config asks for: anchors at its ``threshold``; its ``relaxed_threshold`` and
         ``leap_radius``, or the paper's defaults where they are unset."""
         return cls(cfg.threshold, RELAXED_THRESHOLD if cfg.relaxed_threshold is None else cfg.relaxed_threshold,
@@ -136,7 +141,8 @@ class LocalLeapRule:
                 f"the paper uses {RADIUS}."
             )
 
-    def select(self, scores: torch.Tensor, state=None, rows=None, span=None) -> torch.Tensor:
+    def select(self, scores: torch.Tensor, state: DecodeState | None = None, rows: torch.Tensor | None = None,
+               span: Span | None = None) -> torch.Tensor:  # fmt: skip
         """The slots to commit this step (see :func:`localleap_select`)."""
         return localleap_select(
             scores,

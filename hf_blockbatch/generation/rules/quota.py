@@ -5,11 +5,15 @@ remasking) or in random order (``random``, through random confidences)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from hf_blockbatch.generation.rules import register
+
+if TYPE_CHECKING:
+    from hf_blockbatch.generation.forward import Span
+    from hf_blockbatch.generation.state import DecodeState
 
 __all__ = ["QuotaRule", "quota_schedule", "quota_select"]
 
@@ -32,11 +36,17 @@ def quota_schedule(masked_at_block_start: torch.Tensor, steps_per_block: int, st
 @register
 @dataclass(frozen=True)
 class QuotaRule:
+    """LLaDA's fixed quota as a :class:`~hf_blockbatch.generation.rules.TransferRule`, the one rule with per-row
+    state: ``select`` reads and advances the schedule counters (``steps_in_block``, ``masked_at_block_start``) that
+    the state keeps because ``keeps_quota`` says so."""
+
     name: ClassVar[str] = "quota"
     keeps_quota: ClassVar[bool] = True  # the state counts steps since each window moved
     steps_per_block: int = 1
 
-    def select(self, scores, state, rows, span) -> torch.Tensor:
+    def select(self, scores: torch.Tensor, state: DecodeState, rows: torch.Tensor, span: Span) -> torch.Tensor:
+        """Each row's share of its block's masks this step (:func:`quota_schedule`, at least one), the best
+        candidates first. Advances ``state.steps_in_block`` of ``rows``: call it once per step."""
         count = quota_schedule(state.masked_at_block_start[rows], self.steps_per_block, state.steps_in_block[rows])
         state.steps_in_block[rows] += 1
         return quota_select(scores, count.clamp_min(1))

@@ -12,11 +12,15 @@ up to 1.5 points on tiny-llada code and arith, the same threshold only above 16 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from hf_blockbatch.generation.rules import register
+
+if TYPE_CHECKING:
+    from hf_blockbatch.generation.forward import Span
+    from hf_blockbatch.generation.state import DecodeState
 
 __all__ = ["MANY_MASKS", "ThresholdRule", "threshold_select"]
 
@@ -35,6 +39,9 @@ def threshold_select(scores: torch.Tensor, threshold: float | torch.Tensor) -> t
 @register
 @dataclass(frozen=True)
 class ThresholdRule:
+    """Fast-dLLM's threshold rule as a :class:`~hf_blockbatch.generation.rules.TransferRule`, with the optional
+    lower threshold while a window has many masks left (module docstring)."""
+
     name: ClassVar[str] = "threshold"
     keeps_quota: ClassVar[bool] = False
     threshold: float = 0.9
@@ -43,7 +50,9 @@ class ThresholdRule:
     many_masks_threshold: float | None = None
     many_masks: int = MANY_MASKS
 
-    def select(self, scores, state, rows, span) -> torch.Tensor:
+    def select(self, scores: torch.Tensor, state: DecodeState, rows: torch.Tensor, span: Span) -> torch.Tensor:
+        """The slots to commit this step (see :func:`threshold_select`), at ``many_masks_threshold`` in rows whose
+        window has more than ``many_masks`` candidates; ``state``, ``rows`` and ``span`` are not read."""
         if self.many_masks_threshold is None:
             return threshold_select(scores, self.threshold)
         # the candidates are the masks inside the row's window (finite scores), so the count is per row: a padded
