@@ -8,6 +8,7 @@ each slot (the initial step's branches share their request's logits).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +33,12 @@ class Proposal:
     entropy: torch.Tensor | None = None  # [A, W] at the read slots, when the sampling computed it
 
 
-def propose(state: DecodeState, span: Span, sampled: Sampled, slot_index: torch.Tensor | None, slots,
-            suppressed: bool) -> Proposal:  # fmt: skip
-    """The rule's scores and the proposed tokens, and the probability map update. ``suppressed``:
-    some confidences may be ``-inf`` (``confidence_eos_eot_inf``); they stay candidates."""
+def propose(state: DecodeState, span: Span, sampled: Sampled, slot_index: torch.Tensor | None,
+            slots: Callable[[torch.Tensor | None, int, int], torch.Tensor], suppressed: bool) -> Proposal:  # fmt: skip
+    """The rule's scores and the proposed tokens, and the probability map update. ``slots``: how the
+    packed rows map to ``[A, W]`` slots when every slot is read and no ``slot_index`` is given
+    (:meth:`~hf_blockbatch.generation.forward.Forwards.slots`). ``suppressed``: some confidences may
+    be ``-inf`` (``confidence_eos_eot_inf``); they stay candidates."""
     A, W = span.positions.shape
     if span.keep is not None:  # greedy: proposals at the slots read (the masked ones, + EOS slots)
         need = span.keep
@@ -73,7 +76,8 @@ def propose(state: DecodeState, span: Span, sampled: Sampled, slot_index: torch.
     return Proposal(scores, tokens, sampled, slot_index, entropy)
 
 
-def write_commits(state: DecodeState, span: Span, proposal: Proposal, rule: TransferRule):
+def write_commits(state: DecodeState, span: Span, proposal: Proposal,
+                  rule: TransferRule) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Apply the rule and write its commits to the canvas; returns ``(select [A, W], new [A, W],
     commits per row [A])``."""
     rows, positions = span.rows, span.positions

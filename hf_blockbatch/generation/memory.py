@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(s in str(error) for s in _OUT_OF_MEMORY)
 
 
-def _sizable(model) -> bool:
+def _sizable(model: Any) -> bool:
     """Whether ``model`` says what its cache holds (ours: ``_placement`` and ``config.kv_geometry``). A model that
     only implements the forward contract (:func:`hf_blockbatch.enable`) need not: its out-of-memory error passes
     unexplained, rather than replaced by an AttributeError that no out-of-memory handler recognises."""
@@ -45,14 +46,15 @@ def _sizable(model) -> bool:
     return callable(getattr(model, "_placement", None)) and callable(getattr(config, "kv_geometry", None))
 
 
-def cache_bytes_per_row(model, length: int) -> int:
-    """Bytes of K/V one cache row of ``length`` positions holds for ``model`` (all layers, keys and values)."""
+def cache_bytes_per_row(model: Any, length: int) -> int:
+    """Bytes of K/V one cache row of ``length`` positions holds for ``model`` (all layers, keys and values): one of
+    our models (``config.kv_geometry``, ``_placement``; generation never imports the model classes, hence ``Any``)."""
     g = model.config.kv_geometry()
     _, dtype = model._placement()
     return 2 * g["num_layers"] * length * g["num_kv_heads"] * g["head_dim"] * dtype.itemsize
 
 
-def new_cache(model, num_rows: int, length: int, attention_mask: torch.Tensor, plan: DecodePlan,
+def new_cache(model: Any, num_rows: int, length: int, attention_mask: torch.Tensor, plan: DecodePlan,
               requests: int) -> BranchCache:  # fmt: skip
     """``model.new_cache(num_rows, length, attention_mask)``; an allocation that runs out of memory is
     raised again with what the cache needed and how to make it smaller (see the module docstring)."""
@@ -64,7 +66,7 @@ def new_cache(model, num_rows: int, length: int, attention_mask: torch.Tensor, p
         raise _explained(err, _cache_message(model, num_rows, length, plan, requests)) from err
 
 
-def explain_decode_error(err: RuntimeError, model, plan: DecodePlan, requests: int, num_rows: int, length: int,
+def explain_decode_error(err: RuntimeError, model: Any, plan: DecodePlan, requests: int, num_rows: int, length: int,
                          in_forward: bool) -> RuntimeError:  # fmt: skip
     """The error to raise for ``err``, raised while decoding once the cache was built: ``err`` itself unless it is
     an allocator out of memory; then the same type, saying where (a model forward, or the policy between them),
@@ -122,7 +124,7 @@ def _fixes(plan: DecodePlan, rows: int, device: torch.device, dtype: torch.dtype
     return " To fit: " + "; ".join(fixes) + "."
 
 
-def _cache_message(model, num_rows: int, length: int, plan: DecodePlan, requests: int) -> str:
+def _cache_message(model: Any, num_rows: int, length: int, plan: DecodePlan, requests: int) -> str:
     """One line: what the cache needed, per request, and the settings that shrink it."""
     rows, per_request, device, dtype = _held(model, num_rows, length, requests)
     msg = (f"{_PREFIX} for the K/V cache: {requests} request(s) × {rows} cache row(s) each{_why(plan, rows)} × "
@@ -133,7 +135,7 @@ def _cache_message(model, num_rows: int, length: int, plan: DecodePlan, requests
     return msg + _fixes(plan, rows, device, dtype)
 
 
-def _held(model, num_rows: int, length: int, requests: int) -> tuple[int, int, torch.device, torch.dtype]:
+def _held(model: Any, num_rows: int, length: int, requests: int) -> tuple[int, int, torch.device, torch.dtype]:
     """Cache rows per request, their bytes, and the cache's device and dtype."""
     rows = num_rows // max(requests, 1)
     device, dtype = model._placement()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from hf_blockbatch.generation.configs import (
     VanillaDiffusionConfig,
 )
 from hf_blockbatch.generation.policies import Advance, BranchPolicy, Lookahead, Merge, Prune, Sync
-from hf_blockbatch.generation.refresh import Off, make_refresh
+from hf_blockbatch.generation.refresh import Off, Periodic, ReferenceRefresh, make_refresh
 from hf_blockbatch.generation.rules import TransferRule, make_rule
 from hf_blockbatch.generation.rules.threshold import MANY_MASKS
 from hf_blockbatch.generation.stop import StopRule
@@ -41,7 +42,7 @@ class DecodePlan:
     block_sizes: list[int]
     rule: TransferRule
     policies: list[BranchPolicy]
-    refresh: object = field(default_factory=Off)  # a refresh policy (refresh.py)
+    refresh: Periodic | ReferenceRefresh | Off = field(default_factory=Off)  # refresh.py (AfterCommits, Divergence: Periodic)
     stop: StopRule = field(default_factory=StopRule)
     cache: str = "dual"  # "none" | "prefix" | "dual"
     temperature: float = 0.0
@@ -69,8 +70,9 @@ class DecodePlan:
     lookahead: Lookahead | None = None
 
 
-def check_model(plan: DecodePlan, model) -> None:
-    """Refuse, before any forward, a plan the model cannot run as intended."""
+def check_model(plan: DecodePlan, model: Any) -> None:
+    """Refuse, before any forward, a plan the model cannot run as intended (``model``: any model that implements
+    the forward contract of :mod:`hf_blockbatch.models.base`)."""
     if plan.unshifted_only and model.logit_shift:
         raise ValueError(
             "variant='reference' reproduces the authors' LLaDA decoder; their Dream decoder is another algorithm "
@@ -90,7 +92,7 @@ def map_size(merge_threshold: float) -> int:
     return max(1, math.ceil(1.0 / merge_threshold) - 1)
 
 
-def _rule(cfg, steps_per_block: int | None) -> TransferRule:
+def _rule(cfg: FastDLLMConfig | BlockBatchConfig, steps_per_block: int | None) -> TransferRule:
     if cfg.rule == "localleap":
         from hf_blockbatch.generation.rules.localleap import LocalLeapRule
 
@@ -116,6 +118,8 @@ def _eos_rank(cfg: BlockBatchConfig) -> str:
 
 
 def plan_from_config(cfg: DiffusionGenerationConfig, eos_ids: list[int], eot_ids: list[int]) -> DecodePlan:
+    """The plan of a config that ``validate()`` accepted (its options are not checked again here; a config class
+    not of this package is refused). ``eos_ids``, ``eot_ids``: the resolved token ids."""
     common = dict(
         strategy=cfg.strategy,
         max_new_tokens=cfg.max_new_tokens,

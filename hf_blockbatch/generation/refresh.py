@@ -41,6 +41,10 @@ __all__ = ["AfterCommits", "Divergence", "Off", "Periodic", "ReferenceRefresh", 
 
 @dataclass(frozen=True)
 class Periodic:
+    """Due once the window advanced ``interval`` generated tokens since the row's last full forward: Fast-dLLM's
+    block-start forward (``interval = block_length``) and BlockBatch's periodic refresh. The base of the policies
+    that add other triggers (:meth:`stale`)."""
+
     interval: int = 32
     every_step: ClassVar[bool] = False  # a row ages only as its window moves
 
@@ -95,10 +99,14 @@ class AfterCommits(Periodic):
 
 @dataclass(frozen=True)
 class Divergence(Periodic):
+    """Periodic, and a row whose last-layer keys over the generated region drift more than ``threshold`` (relative)
+    from its request's mean; asked after every step, since drift needs no window move."""
+
     threshold: float = 0.1
     every_step: ClassVar[bool] = True
 
     def stale(self, state: DecodeState, cache: BranchCache) -> torch.Tensor:
+        """Also a row whose keys drifted from its request's mean (each request's rows compared among themselves)."""
         keys = cache.layers[-1].keys[:, state.gen_start :].float().flatten(1)  # [R, G*H*D]
         B = int(state.request.max()) + 1
         sums = torch.zeros(B, keys.shape[1], device=keys.device).index_add_(0, state.request, keys)
@@ -123,10 +131,12 @@ class ReferenceRefresh:
     every_step: ClassVar[bool] = False
 
     def due(self, state: DecodeState, cache: BranchCache) -> torch.Tensor:
+        """[R] bool: every active row of a request with a due row (synced rows too)."""
         due = (state.moves * state.block >= self.interval) & ~state.done
         return state.per_request(due).any(-1).repeat_interleave(state.branches) & ~state.done
 
     def refresh(self, run: Run) -> bool:
+        """Refresh the due rows in one full forward, with no advance after it; returns whether any were."""
         rows = self.due(run.state, run.cache).nonzero().squeeze(1)
         if not rows.numel():
             return False
@@ -137,13 +147,17 @@ class ReferenceRefresh:
 
 @dataclass(frozen=True)
 class Off:
+    """Never refresh: vanilla (no cache), and a cache kept as the window steps wrote it (``refresh="off"``)."""
+
     every_step: ClassVar[bool] = False
 
     def refresh(self, run: Run) -> bool:
+        """Nothing is ever due: ``False``."""
         return False
 
 
-def make_refresh(policy: str, interval: int, divergence_threshold: float, cached: bool, after_commits: int | None = None):
+def make_refresh(policy: str, interval: int, divergence_threshold: float, cached: bool,
+                 after_commits: int | None = None) -> Periodic | ReferenceRefresh | Off:  # fmt: skip
     """The refresh policy of a plan; a strategy without a cache has nothing to refresh."""
     if policy == "off" or not cached:
         return Off()

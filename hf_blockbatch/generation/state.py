@@ -22,7 +22,7 @@ import torch
 __all__ = ["DecodeState", "canvas_positions", "in_window"]
 
 
-def _zeros(n: int, device, dtype=torch.long) -> torch.Tensor:
+def _zeros(n: int, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     return torch.zeros(n, dtype=dtype, device=device)
 
 
@@ -47,6 +47,9 @@ def in_window(at: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> torch
 
 @dataclass
 class DecodeState:
+    """Every row of a decode as ``[R, ...]`` tensors, request-major (module docstring); build it with :meth:`start`.
+    The policies change it in place; fields a plan does not need (its ``features``) stay ``None``."""
+
     canvas: torch.Tensor  # [R, L] prompt (left-padded) + generated region
     attention_mask: torch.Tensor  # [R, L] bool, False on left padding
     request: torch.Tensor  # [R] index of the row's request in the caller's batch
@@ -183,10 +186,12 @@ class DecodeState:
 
     @property
     def num_rows(self) -> int:
+        """R: rows (requests × branches), finished requests included until :meth:`select` drops them."""
         return self.canvas.shape[0]
 
     @property
     def length(self) -> int:
+        """L: canvas positions, prompt (left-padded) and generated region."""
         return self.canvas.shape[1]
 
     def first_rows(self) -> torch.Tensor:
@@ -242,6 +247,7 @@ class DecodeState:
         gen.masked_fill_((gen == self.mask_id) & rows[:, None], fill_id)
 
     def window_mask_count(self, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        """[R] masks in each row's ``[start, end)`` (``[R]`` each): a window's masks, or where it would move."""
         inside = in_window(canvas_positions(self.length, self.canvas.device), start, end)
         return ((self.canvas == self.mask_id) & inside).sum(-1)
 
