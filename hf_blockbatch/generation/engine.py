@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -49,15 +50,16 @@ logger = logging.getLogger(__name__)
 __all__ = ["Run", "run_plan"]
 
 
-def _ids(ids: list[int], device) -> torch.Tensor | None:
+def _ids(ids: list[int], device: torch.device) -> torch.Tensor | None:
     return torch.tensor(ids, device=device, dtype=torch.long) if ids else None
 
 
 class Run:
     """One call of :func:`run_plan`: the state and the steps that change it."""
 
-    def __init__(self, model, input_ids, attention_mask, plan: DecodePlan, mask_id: int, eos_ids: list[int],
-                 pad_id: int, generator, streamer) -> None:  # fmt: skip
+    def __init__(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, plan: DecodePlan,
+                 mask_id: int, eos_ids: list[int], pad_id: int, generator: torch.Generator | None,
+                 streamer: Any) -> None:  # fmt: skip
         self.model, self.plan, self.generator, self.pad_id = model, plan, generator, pad_id
         device = input_ids.device
         self.eos_ids = torch.tensor(eos_ids, device=device, dtype=torch.long)
@@ -321,9 +323,11 @@ class Run:
         return DecodeResult(self.sequences, self.recorder.total_nfe(), self.recorder.stats)
 
 
-def run_plan(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, plan: DecodePlan, mask_id: int,
-             eos_ids: list[int], pad_id: int, generator: torch.Generator | None = None, streamer=None) -> DecodeResult:  # fmt: skip
-    """Decode ``plan.max_new_tokens`` new tokens for every row of ``input_ids`` (left-padded).
+def run_plan(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, plan: DecodePlan,
+             mask_id: int, eos_ids: list[int], pad_id: int, generator: torch.Generator | None = None,
+             streamer: Any = None) -> DecodeResult:  # fmt: skip
+    """Decode ``plan.max_new_tokens`` new tokens for every row of ``input_ids`` (left-padded), on any ``model``
+    that implements the forward contract; ``streamer``: a transformers-style one (``put``/``end``).
 
     The decode runs in ``torch.inference_mode``: no tensor of it needs autograd's version counters
     or views tracking, and skipping them makes each of the policy's many small operations cheaper

@@ -19,13 +19,18 @@ are known from each row's ``refreshes`` (see ``trace.Recorder.finished``).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from hf_blockbatch.attention.metadata import packed_index
 from hf_blockbatch.generation.state import DecodeState, canvas_positions, in_window
+
+if TYPE_CHECKING:
+    from hf_blockbatch.cache import BranchCache
 
 __all__ = ["Forwards", "Span", "neighbourhood"]
 
@@ -62,9 +67,9 @@ class Forwards:
     """Builds spans over a state and runs the model's full and window forwards on them, timed apart
     from the policy."""
 
-    def __init__(self, model, state: DecodeState, cache, cache_mode: str, pad_id: int, eos_ids: torch.Tensor,
-                 masked_only: bool, eos_slot: bool, requery_radius: int = 0, draft_depth: int = 0,
-                 draft_radius: int | None = None) -> None:  # fmt: skip
+    def __init__(self, model: Any, state: DecodeState, cache: BranchCache | None, cache_mode: str, pad_id: int,
+                 eos_ids: torch.Tensor, masked_only: bool, eos_slot: bool, requery_radius: int = 0,
+                 draft_depth: int = 0, draft_radius: int | None = None) -> None:  # fmt: skip
         self.requery_radius = requery_radius
         self.draft_radius = draft_radius  # draft rows' own re-query radius (Lookahead.draft_radius; None: r)
         self.draft_depth = draft_depth  # lookahead with sparse steps: the longest chain of drafts
@@ -84,7 +89,7 @@ class Forwards:
         self._layouts: list[list] = []  # [rows, query lengths, block steps] since the last flush
 
     # ------------------------------------------------------------------ timing and counting
-    def timed(self, fn, *args, **kwargs):
+    def timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A model forward, timed apart from the policy. On CUDA by a pair of events read once the
         run ends, so timing never stalls the host (a synchronize around every forward would stop
         the CPU from queueing the forward's kernels while the policy's still run). ``in_forward``
@@ -104,6 +109,8 @@ class Forwards:
         return out
 
     def forward_seconds(self) -> float:
+        """Seconds the model forwards took so far. On CUDA it synchronizes to read the events: call
+        it once, when the run ends."""
         if self.cuda:  # the call's wall time includes its last kernels; then the events can be read
             torch.cuda.synchronize()
             return sum(a.elapsed_time(b) for a, b in self._events) / 1000
@@ -115,6 +122,7 @@ class Forwards:
         self._layouts.append([rows, lengths, 0])
 
     def block_step(self) -> None:
+        """One more block step of the current layout (added to the rows' counts by :meth:`flush`)."""
         self._layouts[-1][2] += 1
 
     def flush(self, state: DecodeState) -> None:
@@ -144,7 +152,8 @@ class Forwards:
             positions = positions.masked_fill(~valid, self.L)
         return positions, valid
 
-    def span(self, state: DecodeState, rows: torch.Tensor, layout, window_only: bool, shared: bool = False) -> Span:
+    def span(self, state: DecodeState, rows: torch.Tensor, layout: tuple[torch.Tensor, torch.Tensor | None],
+             window_only: bool, shared: bool = False) -> Span:  # fmt: skip
         """The slots of a :meth:`layout` of each row and what the rows' canvases hold there;
         ``window_only`` says the spans are exactly the rows' windows."""
         positions, valid = layout
@@ -250,7 +259,7 @@ class Forwards:
         return out.logits
 
     def _draft_records(self, state: DecodeState, rows: torch.Tensor, queries: torch.Tensor,
-                       queried) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                       queried: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Lookahead's draft rows in a sparse step. A draft row stands for its parent's next step (its
         main row's, or in a chain another draft's), so its cache must read as the parent's will after
         this forward: its K/V records become the parent's, updated with the parent's queries (then its
