@@ -75,7 +75,8 @@ def _from_model_defaults(own: GenerationConfig | None) -> DiffusionGenerationCon
     return BlockBatchConfig(**carried)
 
 
-def _resolve_config(model, generation_config, kwargs) -> DiffusionGenerationConfig:
+def _resolve_config(model: Any, generation_config: GenerationConfig | None,
+                    kwargs: dict[str, Any]) -> DiffusionGenerationConfig:  # fmt: skip
     cfg = generation_config
     if cfg is None:
         own = getattr(model, "generation_config", None)
@@ -142,7 +143,7 @@ def _token_ids(cfg: DiffusionGenerationConfig, config: Any) -> tuple[int, list[i
     return mask_ids[0], eos_ids, pad_ids[0] if pad_ids else eos_ids[0]
 
 
-def _check_ids_in_vocabulary(model, mask_id: int, eos_ids: list[int], pad_id: int) -> None:
+def _check_ids_in_vocabulary(model: Any, mask_id: int, eos_ids: list[int], pad_id: int) -> None:
     """The mask id is written into the canvas and embedded, the padding id written into the output: one
     outside the vocabulary failed deep in the embedding (or wrote a token no tokenizer reads)."""
     size = vocabulary_size(model)
@@ -210,7 +211,7 @@ def _padding_without_a_mask(input_ids: torch.Tensor, pad_id: int, eos_ids: list[
     return None
 
 
-def _checked_inputs(model, cfg: DiffusionGenerationConfig, input_ids: Any, attention_mask: torch.Tensor | None,
+def _checked_inputs(model: Any, cfg: DiffusionGenerationConfig, input_ids: Any, attention_mask: torch.Tensor | None,
                     generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """The prompts and their mask on the model's device, refused before any forward when they
     cannot be decoded (shape, empty prompt, ids outside the vocabulary, context, padding side)."""
@@ -259,11 +260,11 @@ def _answer_end_ids(eos_ids: list[int], eot_ids: list[int], config: Any, tokeniz
 
 @torch.no_grad()
 def diffusion_generate(
-    model,
+    model: Any,
     input_ids: torch.LongTensor | None = None,
     attention_mask: torch.Tensor | None = None,
-    generation_config: DiffusionGenerationConfig | None = None,
-    streamer=None,
+    generation_config: GenerationConfig | None = None,
+    streamer: Any = None,
     generator: torch.Generator | None = None,
     return_dict_in_generate: bool | None = None,
     pad_after_end: bool = False,
@@ -276,7 +277,8 @@ def diffusion_generate(
         input_ids: ``[B, Lp]`` prompts, left-padded when of different lengths.
         attention_mask: ``[B, Lp]``, 0 on left padding; required when prompts are padded.
         generation_config: the strategy and its settings (default: the model's; a plain transformers
-            ``GenerationConfig`` there gives BlockBatch with what it sets that means the same here).
+            ``GenerationConfig`` there gives BlockBatch with what it sets that means the same here). One of
+            ours read back as transformers' class (``GenerationConfig.from_pretrained``) decodes as saved.
         streamer: a transformers streamer (``put``/``end``); receives request 0's text as its
             agreed left-to-right prefix grows.
         generator: a ``torch.Generator`` for sampling (temperature > 0, random remasking).
@@ -381,7 +383,8 @@ def _front_door(input_ids: Any, kwargs: dict[str, Any]) -> Any:
     return input_ids
 
 
-def custom_generate(inputs: torch.LongTensor | None = None, *, model, **kwargs: Any):
+def custom_generate(inputs: torch.LongTensor | None = None, *, model: Any,
+                    **kwargs: Any) -> torch.LongTensor | DiffusionGenerateOutput:  # fmt: skip
     """These strategies as a transformers Hub ``custom_generate``.
 
     ``model.generate(input_ids, generation_config=hb.BlockBatchConfig(), custom_generate=<repo>,
@@ -394,7 +397,7 @@ def custom_generate(inputs: torch.LongTensor | None = None, *, model, **kwargs: 
     return diffusion_generate(model, kwargs.pop("input_ids", None), inputs=inputs, **kwargs)  # the front door picks
 
 
-def enable(model):
+def enable(model: Any) -> Any:
     """Give any model that implements the forward contract a ``generate`` running these strategies.
 
     The contract (see :mod:`hf_blockbatch.models.base`): ``model(input_ids, attention_mask=...,
@@ -403,7 +406,7 @@ def enable(model):
     ``model.device``, and ``model.config.mask_token_id``/``eos_token_id``; optionally
     ``supports_logits_mask = True`` when both forwards take ``logits_mask`` (else the decoder selects
     from dense logits). The method is bound to the instance, as transformers binds a
-    ``custom_generate``; the class is left untouched.
+    ``custom_generate``; the class is left untouched. Returns ``model`` itself.
     """
     missing = [name for name in _CONTRACT if not hasattr(model, name)]
     if missing:
@@ -412,7 +415,8 @@ def enable(model):
             "see hf_blockbatch.models.base."
         )
 
-    def generate(input_ids=None, attention_mask=None, **kwargs):
+    def generate(input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                 **kwargs: Any) -> torch.LongTensor | DiffusionGenerateOutput:  # fmt: skip
         kwargs.update(_pipeline_options(kwargs))
         return diffusion_generate(model, input_ids, attention_mask, **kwargs)
 
@@ -442,12 +446,14 @@ def _pipeline_options(kwargs: dict[str, Any], depth: int = 2) -> dict[str, Any]:
     return {"pad_after_end": kwargs.get("pad_after_end", True), "tokenizer": kwargs.get("tokenizer") or caller.tokenizer}
 
 
-def _generate_with_hub_arguments(model, input_ids, attention_mask, kwargs: dict[str, Any]):
+def _generate_with_hub_arguments(model: Any, input_ids: torch.LongTensor | None, attention_mask: torch.Tensor | None,
+                                 kwargs: dict[str, Any]) -> Any:  # fmt: skip
     """``generate(..., custom_generate=..., trust_remote_code=...)`` on our classes, with the meaning
     transformers gives these arguments: ``custom_generate="<repo or folder>"`` loads that repo's
     ``custom_generate/generate.py`` (only with ``trust_remote_code=True``, as transformers asks) and
     runs it with ``model=`` and the other arguments (this repository's folder runs these same
-    strategies); ``trust_remote_code`` alone allows nothing more and is dropped."""
+    strategies); ``trust_remote_code`` alone allows nothing more and is dropped. Returns what the repo's
+    function returns (``Any``: it is the repo's code)."""
     custom = kwargs.pop("custom_generate", None)
     trust = kwargs.pop("trust_remote_code", None)
     if custom is None:
@@ -472,18 +478,23 @@ class BlockBatchGenerationMixin:
     """Gives a masked-diffusion model ``generate`` with the three strategies of this package."""
 
     def generate(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                 **kwargs: Any):  # fmt: skip
+                 **kwargs: Any) -> torch.LongTensor | DiffusionGenerateOutput:  # fmt: skip
+        """transformers' ``model.generate``, decoding with :func:`diffusion_generate` (its arguments); with
+        ``custom_generate="<repo or folder>"`` and ``trust_remote_code=True``, that repo's function instead, whose
+        result it returns, as transformers does."""
         kwargs.update(_pipeline_options(kwargs))
         if kwargs.get("custom_generate") is not None or "trust_remote_code" in kwargs:
             return _generate_with_hub_arguments(self, input_ids, attention_mask, kwargs)
         return diffusion_generate(self, input_ids, attention_mask, **kwargs)
 
-    def can_generate(self) -> bool:  # transformers asks before loading a generation config
+    def can_generate(self) -> bool:
+        """``True``: transformers asks before it loads a checkpoint's generation config."""
         return True
 
     _HUB_KWARGS = _HUB_KWARGS
 
-    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
+    def adjust_generation_fn(self, generation_config: GenerationConfig | None, from_auto_class: bool,
+                             from_pipeline: str | None, pretrained_model_name_or_path: str | os.PathLike | None,
                              **kwargs: Any) -> None:  # fmt: skip
         """Called by ``from_pretrained``, as on transformers' generative models: load the checkpoint's
         ``generation_config.json``. A strategy config saved with the model (``model.generation_config
