@@ -381,6 +381,8 @@ class VanillaDiffusionConfig(DiffusionGenerationConfig):
         return steps, block
 
     def validate(self, **kwargs: Any) -> None:
+        """The shared checks, then vanilla's: ``steps`` a multiple of the number of blocks, at most
+        ``block_length`` per block (``kwargs``, transformers' ``strict``, change nothing)."""
         super().validate()
         for name in ("steps", "block_length"):  # None takes the default; 0 must not (it did, silently)
             if getattr(self, name) is not None:
@@ -557,6 +559,8 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         return cls(**options)
 
     def validate(self, **kwargs: Any) -> None:
+        """The shared checks, then Fast-dLLM's: exactly one of threshold, factor or steps, the cache mode, and
+        lookahead and ``refresh_after_commits`` with what they combine with (``kwargs`` change nothing)."""
         super().validate()
         _check_rule(self)
         if self.cache not in ("none", "prefix", "dual"):
@@ -814,6 +818,8 @@ class BlockBatchConfig(DiffusionGenerationConfig):
         super().__setattr__(name, _as_block_sizes(value) if name == "block_sizes" else value)
 
     def validate(self, **kwargs: Any) -> None:
+        """The shared checks, then BlockBatch's: block sizes (distinct, positive), exactly one of threshold or
+        factor, merge, sync and refresh settings, and the reference variant's limits (``kwargs`` change nothing)."""
         super().validate()
         _check_rule(self)
         _check_beyond(self)

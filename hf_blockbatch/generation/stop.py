@@ -124,6 +124,9 @@ class Ending:
 
 @dataclass(frozen=True)
 class StopRule:
+    """When a request ends and which of its rows answers (module docstring): ``early_stop`` ends it at a completed
+    window holding EOS, ranked by ``eos_rank`` among several branches; else when a row has no mask left."""
+
     early_stop: bool = False
     eos_rank: str | None = None  # "completion" | "commit" | "widest" | None (see the module docstring)
     # the authors' variant: EOS hits are detected only after these phases' commits, and checked

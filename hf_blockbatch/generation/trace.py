@@ -39,6 +39,7 @@ class CommitEvent:
     tokens: list[int]
 
     def to_dict(self) -> dict[str, Any]:
+        """This event as plain JSON values; :func:`event_from_dict` reads it back."""
         return asdict(self)
 
 
@@ -53,6 +54,8 @@ class MergeEvent:
     phase: ClassVar[str] = "merge"
 
     def to_dict(self) -> dict[str, Any]:
+        """This event as plain JSON values, with its ``phase`` (a class constant, which ``asdict`` omits);
+        :func:`event_from_dict` reads it back."""
         return {"phase": self.phase, **asdict(self)}
 
 
@@ -66,6 +69,8 @@ class SyncEvent:
     phase: ClassVar[str] = "sync"
 
     def to_dict(self) -> dict[str, Any]:
+        """This event as plain JSON values, with its ``phase`` (a class constant, which ``asdict`` omits);
+        :func:`event_from_dict` reads it back."""
         return {"phase": self.phase, **asdict(self)}
 
 
@@ -150,11 +155,14 @@ class Recorder:
         return 1 + self.block_steps + int(self.nfe_refresh[request])
 
     def total_nfe(self) -> torch.Tensor:
+        """``[B]`` forwards per request: the initial forward, its block steps and its refreshes."""
         return 1 + self.nfe_block + self.nfe_refresh
 
     # ------------------------------------------------------------------ trace
     def commit(self, state: DecodeState, rows: torch.Tensor, positions: torch.Tensor, select: torch.Tensor,
                phase: str) -> None:  # fmt: skip
+        """Trace the tokens ``select`` ``[A, W]`` committed at ``positions`` of ``rows`` (a host read per row: only
+        with ``output_trace``)."""
         if not self.tracing:
             return
         gs = self.gen_start
@@ -176,6 +184,8 @@ class Recorder:
                                             state.canvas[i, self.gen_start + pos].tolist()))  # fmt: skip
 
     def sync(self, state: DecodeState, synced: torch.Tensor, leader: torch.Tensor) -> None:
+        """Trace the ``[R]`` bool ``synced`` rows as copies of their ``[R]`` ``leader`` rows (callers call it only
+        when tracing)."""
         for i in synced.nonzero().squeeze(1).tolist():
             r = int(state.request[i])
             self.trace[r].append(SyncEvent(self.nfe(r), int(state.branch[i]), int(state.branch[leader[i]])))
@@ -241,6 +251,7 @@ class Recorder:
         self._uncounted = []
 
     def timings(self, seconds: float, forward_seconds: float, sample_seconds: float) -> None:
+        """Every request's stats get the run's wall time, and its parts in forwards and in sampling (seconds)."""
         for st in self.stats:
             st.update(seconds=seconds, forward_seconds=forward_seconds, sample_seconds=sample_seconds)
 

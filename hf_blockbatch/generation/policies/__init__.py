@@ -34,6 +34,9 @@ class StepContext:
 
 
 class BranchPolicy(Protocol):
+    """What the engine asks of a policy: ``apply`` after each commit, in the plan's order. A policy may also say
+    which optional state tensors it reads (``needs``: ``DecodeState.features``), so a plan without it pays none."""
+
     def apply(self, ctx: StepContext) -> bool:
         """Change the rows in place; return whether a window may have moved."""
 

@@ -23,6 +23,8 @@ class Advance:
     always: bool = False
 
     def apply(self, ctx: StepContext) -> bool:
+        """Advance every row's window (``DecodeState.advance``), unless no window can have completed; returns
+        whether it advanced."""
         if not self.always and (not ctx.completed or (ctx.full and not self.after_full)):
             return False
         ctx.state.advance()

@@ -109,7 +109,7 @@ def _need(shape: tuple[int, ...]) -> int:
     return max(max(shape) + 1, len(shape) + 1)
 
 
-def _park(s) -> None:
+def _park(s: DecodeState) -> None:
     """Every draft row out of the steps (pruned-like and done) until the next draft."""
     s.pruned.masked_fill_(s.draft_row, True)
     s.done.masked_fill_(s.draft_row, True)
@@ -307,13 +307,14 @@ class Lookahead:
             before = canvas
 
     @staticmethod
-    def _main_completed(s) -> bool:
+    def _main_completed(s: DecodeState) -> bool:
         """Whether some main row that is not done holds a window with no mask left (after this step's adoptions)."""
         left = s.per_request(s.window_mask_count(s.win_start, s.win_end))[:, 0]
         return bool(((left == 0) & ~s.per_request(s.done)[:, 0]).any())
 
     @staticmethod
-    def _spare(s, open_: torch.Tensor, spare: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def _spare(s: DecodeState, open_: torch.Tensor,
+               spare: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """Runner-up drafts: ``([B, K] bool, [B, K], [B, K])``, which of the ``spare`` draft rows (``[B, K]``: their
         shape needs more masks than the window has left, and at least 2 are left) draft one (a runner-up token is
         known), the generated position of each row's mask and its token: a request's spare rows take its masks'

@@ -44,9 +44,11 @@ class Merge:
 
     @property
     def needs(self) -> tuple[str, ...]:
+        """The state's optional tensors this policy reads (``DecodeState.features``)."""
         return ("commit_prob",) if self.source_confidence is not None else ()
 
     def apply(self, ctx: StepContext) -> bool:
+        """One merge pass over every request (:func:`merge`); returns True: merged tokens may complete a window."""
         taken = merge(ctx.state, self.threshold, self.agreement, self.source_confidence)
         ctx.recorder.positions(ctx.state, taken, "merge")
         return True

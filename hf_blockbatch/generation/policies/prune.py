@@ -43,6 +43,7 @@ class Prune:
     after_syncs: int = 2
 
     def apply(self, ctx: StepContext) -> bool:
+        """Prune the branches synced ``after_syncs`` times (not after a full forward); returns whether any was."""
         if ctx.full:  # the initial sync says only which window committed most from the shared logits
             return False
         return bool(prune(ctx.state, self.after_syncs).any())

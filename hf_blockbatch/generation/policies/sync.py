@@ -36,9 +36,12 @@ class Sync:
 
     @property
     def needs(self) -> tuple[str, ...]:
+        """The state's optional tensors this policy reads (``DecodeState.features``)."""
         return ("count_offset",) if self.count == "rule" else ()
 
     def apply(self, ctx: StepContext) -> bool:
+        """Sync the rows more than ``threshold`` behind their request's leader, then advance every window
+        (:func:`sync_to_leader`); returns True."""
         # leaders before the sync: afterwards a synced row ties with its leader and may win the tie
         leader = leaders(ctx.state, self.count) if ctx.recorder.tracing else None
         synced = sync_to_leader(ctx.state, ctx.cache, self.threshold, self.count, _COPIED if self.copy_map else ("canvas",))
