@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -166,9 +167,10 @@ class DecodeState:
 
     @classmethod
     def start(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, block_sizes: list[int], max_new_tokens: int,
-              mask_id: int, **options) -> DecodeState:  # fmt: skip
+              mask_id: int, **options: Any) -> DecodeState:  # fmt: skip
         """Every request's rows at the start: prompt + ``max_new_tokens`` masks, one row per block
-        size, windows on each row's first block."""
+        size, windows on each row's first block. ``options``: the dataclass's settings (``quota``,
+        ``map_k``, ``keep_commit_prob``, ``features``)."""
         B, Lp = input_ids.shape
         N, device = len(block_sizes), input_ids.device
         canvas = torch.cat([input_ids, input_ids.new_full((B, max_new_tokens), mask_id)], dim=1)
