@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import functools
 import json
+import queue
 import re
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import TextStreamer
+from transformers import TextIteratorStreamer, TextStreamer
 
 import hf_blockbatch as hb
 from hf_blockbatch.generation.outputs import answer_lengths
@@ -118,6 +120,73 @@ def test_pad_after_end_pads_like_transformers():
     assert n < 63 and torch.equal(padded[: n + 1], raw[: n + 1])
     assert bool((padded[n + 1 :] == model.config.pad_token_id).all()) and not bool((raw[n + 1 :] == model.config.pad_token_id).all())
     assert tok.decode(padded, skip_special_tokens=True) == hb.answer_texts(tok, raw[None], end_ids)[0]
+
+
+@needs_weights
+@pytest.mark.parametrize("fault", ["forward", "option"])
+def test_a_generate_that_raises_ends_the_streamer(fault, monkeypatch):
+    """generate() raising (a forward failing mid-run, an option refused before any forward) never called
+    streamer.end(): a TextIteratorStreamer consumed in another thread, transformers' documented pattern, waited
+    forever. Now end() comes once and the caller gets the decode's own error, unchanged (the streamer's timeout makes a
+    regression fail here instead of hanging)."""
+    model, tok = _load("tiny-llada")
+    ids = _ids(tok, "What is 2 + 3?")
+    failure = RuntimeError("the forward failed")
+    options = {}
+    if fault == "forward":
+        real, calls = model.forward_windows, []
+
+        def failing(*a, **k):  # after the prompt and some text were streamed
+            calls.append(1)
+            if len(calls) == 3:
+                raise failure
+            return real(*a, **k)
+
+        monkeypatch.setattr(model, "forward_windows", failing)
+    else:
+        options["threshold"] = 2.0
+    streamer = TextIteratorStreamer(tok, skip_prompt=True, timeout=10)
+    ends = []
+    end = streamer.end
+    monkeypatch.setattr(streamer, "end", lambda: (ends.append(1), end())[1])
+    raised = []
+
+    def run() -> None:
+        try:
+            model.generate(ids, generation_config=hb.FastDLLMConfig(max_new_tokens=16, block_length=8), streamer=streamer,
+                           **options)  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - the test reads it
+            raised.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        text = "".join(streamer)
+    except queue.Empty:
+        pytest.fail("the consumer got no end() from a generate that raised")
+    finally:
+        thread.join()
+    assert ends == [1] and len(raised) == 1
+    if fault == "forward":
+        assert raised[0] is failure
+    else:
+        assert isinstance(raised[0], ValueError) and "threshold" in str(raised[0]) and text == ""
+
+
+def test_an_end_that_raises_does_not_hide_the_decode_s_error(tiny_llada, caplog):
+    """When generate() fails and the streamer's own end() fails too, the caller gets generate()'s error; end()'s is
+    logged."""
+
+    class Broken:
+        def put(self, value) -> None:
+            pass
+
+        def end(self) -> None:
+            raise OSError("the pipe is closed")
+
+    with pytest.raises(ValueError, match="threshold"):
+        tiny_llada.generate(torch.tensor([[1, 2, 3]]), streamer=Broken(), threshold=2.0)
+    assert "streamer.end() raised after generate() failed" in caplog.text
 
 
 def test_a_single_block_size_is_one_branch(tmp_path):

@@ -327,7 +327,8 @@ def run_plan(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor |
              mask_id: int, eos_ids: list[int], pad_id: int, generator: torch.Generator | None = None,
              streamer: Any = None) -> DecodeResult:  # fmt: skip
     """Decode ``plan.max_new_tokens`` new tokens for every row of ``input_ids`` (left-padded), on any ``model``
-    that implements the forward contract; ``streamer``: a transformers-style one (``put``/``end``).
+    that implements the forward contract. ``streamer`` (transformers-style: ``put``/``end``) gets row 0's prompt and
+    answer (:meth:`~.trace.Recorder.stream`) but no ``end()``: the caller ends it, returning or raising.
 
     The decode runs in ``torch.inference_mode``: no tensor of it needs autograd's version counters
     or views tracking, and skipping them makes each of the policy's many small operations cheaper

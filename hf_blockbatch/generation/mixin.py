@@ -279,8 +279,12 @@ def diffusion_generate(
         generation_config: the strategy and its settings (default: the model's; a plain transformers
             ``GenerationConfig`` there gives BlockBatch with what it sets that means the same here). One of
             ours read back as transformers' class (``GenerationConfig.from_pretrained``) decodes as saved.
-        streamer: a transformers streamer (``put``/``end``); receives request 0's text as its
-            agreed left-to-right prefix grows.
+        streamer: a transformers streamer (``put``/``end``); receives request 0's prompt, then its
+            text as its agreed left-to-right prefix grows. ``end()`` is called once,
+            when this call returns, as transformers' ``generate`` calls it: a consumer that leaves
+            a ``TextIteratorStreamer``'s loop can read the output at once. It is called too when
+            this call raises (the error then propagates unchanged), so that a consumer in another
+            thread is never left waiting.
         generator: a ``torch.Generator`` for sampling (temperature > 0, random remasking).
         pad_after_end: replace every token after each row's first end token (EOS or end of turn)
             by the pad id, as transformers' autoregressive and DiffusionGemma ``generate`` return
@@ -296,16 +300,43 @@ def diffusion_generate(
         prompt + new tokens ``[B * num_return_sequences, Lp + max_new_tokens]`` (each prompt's
         samples consecutive, as transformers), or a :class:`DiffusionGenerateOutput`.
     """
+    # a streamer without put/end failed with an AttributeError at the first agreed token, after forwards had run
+    if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
+        raise TypeError(f"streamer must have put(token_ids) and end() methods, as transformers' TextStreamer has, got "
+                        f"{type(streamer).__name__}.")  # fmt: skip
+    try:
+        out = _generate(model, input_ids, attention_mask, generation_config, streamer, generator, return_dict_in_generate,
+                        pad_after_end, tokenizer, kwargs)  # fmt: skip
+    except BaseException:
+        if streamer is not None:
+            _end_after_error(streamer)
+        raise
+    if streamer is not None:
+        streamer.end()
+    return out
+
+
+def _end_after_error(streamer: Any) -> None:
+    """End the stream of a call that raised. Without it a consumer in another thread (a ``TextIteratorStreamer``'s
+    loop, transformers' documented pattern) waited forever for the end of a decode that had failed; an ``end()`` that
+    raises in turn is logged, so that the caller gets the decode's own error."""
+    try:
+        streamer.end()
+    except Exception:
+        logger.warning("streamer.end() raised after generate() failed; the decode's error follows", exc_info=True)
+
+
+def _generate(model, input_ids: Any, attention_mask: torch.Tensor | None,
+              generation_config: DiffusionGenerationConfig | None, streamer: Any, generator: torch.Generator | None,
+              return_dict_in_generate: bool | None, pad_after_end: bool, tokenizer: Any,
+              kwargs: dict[str, Any]) -> torch.LongTensor | DiffusionGenerateOutput:  # fmt: skip
+    """:func:`diffusion_generate`'s decode, which ends neither way the streamer it fills."""
     # every entry point comes through here: transformers' arguments with no meaning here are refused by name
     input_ids = _front_door(input_ids, kwargs)
     if input_ids is None:
         raise ValueError("Pass the prompts as input_ids ([batch, prompt_length]).")
     cfg = _resolve_config(model, generation_config, kwargs)
     check_bool("pad_after_end", pad_after_end)
-    # a streamer without put/end failed with an AttributeError at the first agreed token, after forwards had run
-    if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
-        raise TypeError(f"streamer must have put(token_ids) and end() methods, as transformers' TextStreamer has, got "
-                        f"{type(streamer).__name__}.")  # fmt: skip
     if return_dict_in_generate is not None:  # before any forward, as every bad input
         check_bool("return_dict_in_generate", return_dict_in_generate)
     input_ids, attention_mask = _checked_inputs(model, cfg, input_ids, attention_mask, generator)

@@ -257,7 +257,8 @@ class Recorder:
 
     # ------------------------------------------------------------------ streaming
     def stream(self, state: DecodeState, sequences: torch.Tensor, final: bool = False) -> None:
-        """Send request 0's newly agreed left-to-right prefix to the streamer, up to its first end token."""
+        """Send request 0's newly agreed left-to-right prefix to the streamer, up to its first end token. ``end()`` is
+        not called here: ``diffusion_generate`` calls it once, when the call ends (and when it raises)."""
         if self.streamer is None:
             return
         gs = self.gen_start
@@ -276,5 +277,3 @@ class Recorder:
         if n > self.streamed:
             self.streamer.put(for_streamer(gen[self.streamed : n]))
             self.streamed = n
-        if final:
-            self.streamer.end()
