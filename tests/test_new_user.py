@@ -21,6 +21,7 @@ from transformers import TextIteratorStreamer, TextStreamer
 
 import hf_blockbatch as hb
 from hf_blockbatch.generation.outputs import answer_lengths
+from hf_blockbatch.generation.trace import Recorder
 from hf_blockbatch.tasks import get_suite
 from hf_blockbatch.tasks.contract import apply_chat
 
@@ -120,6 +121,68 @@ def test_pad_after_end_pads_like_transformers():
     assert n < 63 and torch.equal(padded[: n + 1], raw[: n + 1])
     assert bool((padded[n + 1 :] == model.config.pad_token_id).all()) and not bool((raw[n + 1 :] == model.config.pad_token_id).all())
     assert tok.decode(padded, skip_special_tokens=True) == hb.answer_texts(tok, raw[None], end_ids)[0]
+
+
+def _counting_forwards(model, monkeypatch) -> dict[str, int]:
+    """Count the model's forwards (full and windowed) while the test runs."""
+    calls = {"n": 0}
+
+    def counting(forward):
+        def counted(*a, **k):
+            calls["n"] += 1
+            return forward(*a, **k)
+
+        return counted
+
+    for name in ("forward", "forward_windows"):
+        monkeypatch.setattr(model, name, counting(getattr(model, name)))
+    return calls
+
+
+@needs_weights
+@pytest.mark.parametrize("order,first", [((2, 3, 0), True), ((0, 3, 1), False)], ids=["first", "last"])
+def test_a_batch_streams_request_0_s_whole_answer_when_it_finishes(order, first, monkeypatch):
+    """With batch > 1 the streamer gets request 0's answer, and all of it as soon as request 0 finishes: its last
+    tokens waited for the whole batch to end once its rows had retired. end() still comes once, at the end of the call.
+    Arith test items 0, 1, 2 and 3 end after 26, 13, 18 and 21 forwards (item 2's last tokens come in the step that
+    ends it); item 3's prompt is the longest, so request 0 is left-padded."""
+    model, tok = _load("tiny-llada")
+    monkeypatch.setattr(tok, "padding_side", "left")
+    items = get_suite("arith").items("test", 4)
+    enc = tok([apply_chat(items[i].question, tok, True) for i in order], add_special_tokens=False, padding=True,
+              return_tensors="pt")  # fmt: skip
+    calls = _counting_forwards(model, monkeypatch)
+    finished_at = []
+    record = Recorder.finished
+
+    def spy(self, state, ending):
+        if 0 in ending.requests.tolist():
+            finished_at.append(calls["n"])
+        record(self, state, ending)
+
+    monkeypatch.setattr(Recorder, "finished", spy)
+    puts, ended = [], []
+
+    class Streamer:
+        def put(self, value: torch.Tensor) -> None:
+            assert not ended, "put() after end()"
+            puts.append((calls["n"], value.tolist()))
+
+        def end(self) -> None:
+            ended.append(calls["n"])
+
+    cfg = hb.FastDLLMConfig(max_new_tokens=64, block_length=8, early_stop=True)
+    out = model.generate(**enc, generation_config=cfg, streamer=Streamer(), return_dict_in_generate=True)
+    nfe = out.nfe.tolist()
+    assert (nfe[0] == min(nfe)) is first and (nfe[0] == max(nfe)) is not first  # the premise
+    gs = enc.input_ids.shape[1]
+    assert int(enc.attention_mask[0].sum()) < gs  # request 0 is padded
+    assert puts[0][1] == enc.input_ids[0][enc.attention_mask[0].bool()].tolist()  # the prompt first
+    n = int(answer_lengths(out.sequences[:1, gs:], hb.end_token_ids(tok, model.config))[0])
+    assert [t for _, chunk in puts[1:] for t in chunk] == out.sequences[0, gs : gs + n].tolist()
+    assert len(finished_at) == 1 and puts[-1][0] <= finished_at[0]  # no forward between request 0's end and its text
+    assert (finished_at[0] < calls["n"]) is first
+    assert ended == [calls["n"]]
 
 
 @needs_weights

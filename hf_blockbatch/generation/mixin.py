@@ -280,7 +280,8 @@ def diffusion_generate(
             ``GenerationConfig`` there gives BlockBatch with what it sets that means the same here). One of
             ours read back as transformers' class (``GenerationConfig.from_pretrained``) decodes as saved.
         streamer: a transformers streamer (``put``/``end``); receives request 0's prompt, then its
-            text as its agreed left-to-right prefix grows. ``end()`` is called once,
+            text as its agreed left-to-right prefix grows, and the rest of its answer as soon as
+            request 0 finishes (a batch's other requests may decode on). ``end()`` is called once,
             when this call returns, as transformers' ``generate`` calls it: a consumer that leaves
             a ``TextIteratorStreamer``'s loop can read the output at once. It is called too when
             this call raises (the error then propagates unchanged), so that a consumer in another

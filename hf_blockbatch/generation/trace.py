@@ -134,6 +134,7 @@ class Recorder:
     mask_id: int = -1
     block_steps: int = 0
     streamed: int = 0
+    stream_done: bool = False  # request 0's whole answer was sent
     stats: list[dict[str, Any]] = field(default_factory=list)
     trace: list[list[TraceEvent]] = field(default_factory=list)
     _uncounted: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (request, winner row, its rows)
@@ -257,19 +258,20 @@ class Recorder:
 
     # ------------------------------------------------------------------ streaming
     def stream(self, state: DecodeState, sequences: torch.Tensor, final: bool = False) -> None:
-        """Send request 0's newly agreed left-to-right prefix to the streamer, up to its first end token. ``end()`` is
-        not called here: ``diffusion_generate`` calls it once, when the call ends (and when it raises)."""
-        if self.streamer is None:
+        """Send request 0's newly agreed left-to-right prefix to the streamer, up to its first end token; once request 0
+        has finished (its rows retired or dropped), the rest of its answer at once, from ``sequences``, and nothing
+        after. Before, a finished request 0's last tokens waited for the whole batch to end. ``end()`` is not called
+        here: ``diffusion_generate`` calls it once, when the call ends (and when it raises)."""
+        if self.streamer is None or self.stream_done:
             return
         gs = self.gen_start
-        if final:
+        rows = None if final else ((state.request == 0) & ~state.retired).nonzero().squeeze(1)
+        if rows is None or rows.numel() == 0:  # request 0's answer is in sequences
             gen = sequences[0, gs:]
             stop = torch.isin(gen, self.stop_ids) | (gen == self.mask_id)
             n = int(stop.float().argmax()) if bool(stop.any()) else gen.shape[0]
+            self.stream_done = True
         else:
-            rows = ((state.request == 0) & ~state.retired).nonzero().squeeze(1)
-            if rows.numel() == 0:
-                return
             gen = state.canvas[rows, gs:]
             agree = (gen != self.mask_id).all(0) & (gen == gen[:1]).all(0) & ~torch.isin(gen[0], self.stop_ids)
             n = int((~agree).float().argmax()) if bool((~agree).any()) else agree.shape[0]
