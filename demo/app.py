@@ -1034,6 +1034,12 @@ def build_demo(
         except (InputError, ValueError) as err:
             yield from refuse(err)
             return
+        except Exception as err:  # a fault, not the visitor's input: said on the page, its traceback in the log
+            logger.exception("decode failed")
+            message = f"The decode failed ({type(err).__name__}: {err})."
+            yield (render_error_banner(message), render_placeholder("Fast-dLLM", "fast_dllm", "failed", g),
+                   render_placeholder("BlockBatch", "blockbatch", "failed", g), "", "", None)  # fmt: skip
+            raise gr.Error(message, print_exception=False) from err
         stats = {"model": loaded.label, "device": device, "fast_dllm": fast.summary(), "blockbatch": block.summary(),
                  "nfe_saving_percent": round(100.0 * (1 - block.nfe / fast.nfe), 2) if fast.nfe else None}  # fmt: skip
         total = max(fast.nfe, block.nfe)

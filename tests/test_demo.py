@@ -400,6 +400,28 @@ def test_refused_input_shows_in_the_banner_and_logs_one_line(loaded, caplog) -> 
     assert len(lines) == 1 and lines[0].getMessage().startswith("input refused: Max new tokens") and not lines[0].exc_info
 
 
+def test_a_decode_that_fails_says_so_in_the_banner_and_the_panes(loaded, caplog, monkeypatch) -> None:
+    """A decode that raised something other than a refusal (a forward failing: out of memory, a bug) left the banner at
+    "decoding on cpu…" and the panes at "decoding…" / "waiting…", with Gradio's bare "Error" toast: a frozen page. Now
+    the banner and both panes say the decode failed and why, the log gets the traceback, an API client a gr.Error."""
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("the forward failed")
+
+    monkeypatch.setattr(loaded.model, "forward_windows", failing)
+    run = _compare_fn(app.build_demo(loaded, examples=[PROMPT]))(PROMPT, *SETTINGS)
+    assert "decoding…" in next(run)[1]
+    with caplog.at_level("INFO", logger="hf_blockbatch.demo"):
+        banner, fast, block, *_ = next(run)
+        with pytest.raises(gr.Error, match="the forward failed") as err:
+            next(run)
+    assert 'class="bb-banner error"' in banner and "RuntimeError: the forward failed" in banner
+    assert all("failed" in pane and "decoding…" not in pane and "waiting…" not in pane for pane in (fast, block))
+    assert err.value.print_exception is False
+    lines = [r for r in caplog.records if r.name == "hf_blockbatch.demo"]
+    assert len(lines) == 1 and lines[0].levelname == "ERROR" and lines[0].exc_info
+
+
 def test_a_refused_run_left_unread_does_not_hold_the_next_decode(loaded) -> None:
     """The refusal's banner is a yield: a visitor who stops reading there (a closed tab, an API client that
     stops iterating) used to leave the generator suspended inside the decode gate, so every later visitor's
