@@ -51,7 +51,8 @@ _ensure_package()
 
 import hf_blockbatch as hb  # noqa: E402
 from hf_blockbatch.checks import check_positive_int  # noqa: E402
-from hf_blockbatch.cli import port_number  # noqa: E402
+from hf_blockbatch.cli import DEMO_MIN_NEW_TOKENS as MIN_NEW_TOKENS  # noqa: E402  (the slider's start, and the CLI's)
+from hf_blockbatch.cli import demo_max_new_tokens, port_number  # noqa: E402
 from hf_blockbatch.eval.script_args import positive_int  # noqa: E402
 from hf_blockbatch.generation.configs import DRAFTED, DRAFTED_CONTAINED, LEAN, LEAN_GUARDS  # noqa: E402
 from hf_blockbatch.generation.outputs import answer_lengths  # noqa: E402
@@ -80,8 +81,6 @@ __all__ = [
     "warm_up",
 ]
 
-#: the fewest new tokens a visitor can ask for: the slider starts (and steps) here
-MIN_NEW_TOKENS = 8
 BLOCK_CHOICES: tuple[int, ...] = (4, 8, 16, 32, 64, 128)
 SPEEDS = {"slow": 14.0, "normal": 6.0, "fast": 2.0, "instant": 0.0}  # seconds a whole replay should take
 MAX_FRAMES = 120  # longer runs replay several forwards per frame: a browser cannot show more usefully
@@ -300,15 +299,6 @@ class Settings:
             refresh_interval=self.refresh_interval, output_trace=True, window_queries="sparse" if self.sparse else "all",
             seed=self.seed, **guards,
         )  # fmt: skip
-
-
-def slider_limit(text: str) -> int:
-    """``--max-new-tokens``: the slider's upper end, at least where it starts. Below it every request was refused
-    ("Max new tokens must be between 8 and 5"), on a page that looked fine."""
-    value = positive_int(text)
-    if value < MIN_NEW_TOKENS:
-        raise argparse.ArgumentTypeError(f"the slider starts at {MIN_NEW_TOKENS} new tokens, got {value}")
-    return value
 
 
 def _number(name: str, value: Any, lo: float, hi: float, integer: bool = False) -> float | int:
@@ -1158,7 +1148,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     parser.add_argument("--concurrency", type=positive_int, default=1, help="decodes at once (the model is shared)")
     parser.add_argument(
-        "--max-new-tokens", type=slider_limit, default=None,
+        "--max-new-tokens", type=demo_max_new_tokens, default=None,
         help=f"upper limit of the slider (256; 512 on GPU; at least {MIN_NEW_TOKENS}, where it starts)"
     )
     parser.add_argument(

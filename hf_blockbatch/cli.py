@@ -65,6 +65,20 @@ def port_number(text: str) -> int:
     return value
 
 
+#: the fewest new tokens a visitor of the demo can ask for: its slider starts (and steps) here (demo/app.py)
+DEMO_MIN_NEW_TOKENS = 8
+
+
+def demo_max_new_tokens(text: str) -> int:
+    """The demo's ``--max-new-tokens``: the slider's upper end, at least where it starts. Below it every request was
+    refused ("Max new tokens must be between 8 and 5"), on a page that looked fine. ``hf-blockbatch demo`` refuses
+    it here, before importing the app (Gradio) and loading the model; ``python demo/app.py`` with the same type."""
+    value = positive_int(text)
+    if value < DEMO_MIN_NEW_TOKENS:
+        raise argparse.ArgumentTypeError(f"the slider starts at {DEMO_MIN_NEW_TOKENS} new tokens, got {value}")
+    return value
+
+
 def _finite_float(text: str) -> float:
     import math
 
@@ -284,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=port_number, default=None, help="port (default 7860 or the next free one)")
     demo.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     demo.add_argument("--concurrency", type=positive_int, default=1, help="decodes at once (the model is shared)")
-    demo.add_argument("--max-new-tokens", type=positive_int, default=None, help="upper limit of the slider (256; 512 on GPU)")
+    demo.add_argument("--max-new-tokens", type=demo_max_new_tokens, default=None,
+                      help=f"upper limit of the slider (256; 512 on GPU; at least {DEMO_MIN_NEW_TOKENS}, where it starts)")
     demo.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     demo.add_argument("--app", default=None, help="path of the app (default: demo/app.py of this checkout)")
     demo.set_defaults(func=cmd_demo)

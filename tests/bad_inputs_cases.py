@@ -430,6 +430,11 @@ def _(capsys, **_):
     return _cli(["demo", "--port", "99999"], capsys)
 
 
+@case("cli-demo-max-new-tokens")
+def _(capsys, **_):
+    return _cli(["demo", "--max-new-tokens", "5"], capsys)
+
+
 @case("cli-device-tpu")
 def _(capsys, **_):
     return _cli(["generate", "--device", "tpu"], capsys)

@@ -469,6 +469,24 @@ def test_app_max_new_tokens_below_the_slider_start_is_refused(capsys, monkeypatc
     assert app.build_parser().parse_args(["--max-new-tokens", str(app.MIN_NEW_TOKENS)]).max_new_tokens == app.MIN_NEW_TOKENS
 
 
+def test_cli_demo_max_new_tokens_below_the_slider_start_is_refused_by_its_own_parser(capsys, tmp_path) -> None:
+    """``hf-blockbatch demo --max-new-tokens 5`` passed its parser (any count >= 1) and was refused only by the app's,
+    after Gradio and the app had been imported; its help did not say the least value. Both parsers read the one
+    constant the slider starts at (app.MIN_NEW_TOKENS is cli.DEMO_MIN_NEW_TOKENS)."""
+    from hf_blockbatch import cli
+
+    stub = tmp_path / "app.py"
+    stub.write_text("raise AssertionError('the app was imported')\n", encoding="utf-8")
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["demo", "--app", str(stub), "--max-new-tokens", str(app.MIN_NEW_TOKENS - 3)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"hf-blockbatch demo: error: argument --max-new-tokens: the slider starts at {app.MIN_NEW_TOKENS} new tokens, got 5"
+    assert app.MIN_NEW_TOKENS is cli.DEMO_MIN_NEW_TOKENS
+    demo = cli.build_parser().parse_args(["demo", "--max-new-tokens", str(app.MIN_NEW_TOKENS)])
+    assert demo.max_new_tokens == app.MIN_NEW_TOKENS
+
+
 def test_build_demo_refuses_a_concurrency_below_one(loaded) -> None:
     with pytest.raises(ValueError, match="concurrency must be a positive integer, got 0"):
         app.build_demo(loaded, concurrency=0, examples=[PROMPT])
