@@ -462,7 +462,10 @@ class BranchCache(Cache):
         Nothing to take (most of a draft row's take-backs at batch 1) writes nothing and keeps the rows' versions.
 
         The dtypes and shapes are checked (no host sync: this runs every lookahead step): a ``where`` wider than
-        the canvas would address another row's slots. Rows out of range are left to ``index_copy_``."""
+        the canvas would address another row's slots. Rows out of range are read back only when the copy fails on
+        them (a ValueError naming them): the slots are those of this cache's rows, not of its whole allocation, which
+        after :meth:`keep_rows` (or reused storage) holds more rows, so a row past the cache's last read a dropped
+        row's K/V in silence, or wrote outside the cache. On a GPU such an index is a device-side assert."""
         src, dst = _row_numbers("src", src, self.device), _row_numbers("dst", dst, self.device)
         if src.shape != dst.shape:
             raise ValueError(f"copy_positions: src has {src.numel()} rows but dst has {dst.numel()}.")
@@ -472,10 +475,15 @@ class BranchCache(Cache):
         i, p = where.nonzero(as_tuple=True)
         if not i.numel():  # (nonzero has read its count back already: no sync of its own)
             return
-        flat = self._base_slabs(positions=True)
-        taken = flat.index_select(1, src[i] * self.length + p)
-        # along dim 0 of the transposed view: 1.6x faster on CPUs than along dim 1
-        flat.transpose(0, 1).index_copy_(0, dst[i] * self.length + p, taken.transpose(0, 1))
+        flat = self._base_slabs(positions=True)[:, : self.num_rows * self.length]  # this cache's slots only
+        try:
+            taken = flat.index_select(1, src[i] * self.length + p)
+            # along dim 0 of the transposed view: 1.6x faster on CPUs than along dim 1
+            flat.transpose(0, 1).index_copy_(0, dst[i] * self.length + p, taken.transpose(0, 1))
+        except (IndexError, RuntimeError):  # torch's message counts flat slots: name the rows, when they are the cause
+            _check_rows_in_range("src", src.tolist(), self.num_rows)
+            _check_rows_in_range("dst", dst.tolist(), self.num_rows)
+            raise
         self.rewritten(dst)
 
     def broadcast_rows(self, group: int) -> None:

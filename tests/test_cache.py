@@ -224,6 +224,27 @@ def test_copy_positions_errors() -> None:
     assert torch.equal(cache.layers[0].keys[1, 3], before["k0"][0, 3])
 
 
+def test_copy_positions_refuses_rows_outside_the_cache() -> None:
+    """Rows outside the cache failed inside torch with flat slot numbers (``index 93 is out of bounds``), and after
+    ``keep_rows`` a row past the cache's last, still inside its allocation, was read (a dropped row's K/V) or written
+    in silence. Each is refused naming the rows, and a refused read writes nothing."""
+    cache = random_cache(rows=4)
+    where = torch.zeros(1, L, dtype=torch.bool)
+    where[0, 3] = True
+    for src, dst, bad in (([0], [9], "dst holds rows \\[9\\]"), ([9], [0], "src holds rows \\[9\\]"),
+                          ([-1], [0], "src holds rows \\[-1\\]"), ([0], [-1], "dst holds rows \\[-1\\]")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{bad} outside the cache's rows 0..3"):
+            cache.copy_positions(src, dst, where)
+    cache.keep_rows(torch.tensor([0, 1]))
+    before = state(cache)
+    with pytest.raises(ValueError, match=r"src holds rows \[3\] outside the cache's rows 0..1"):
+        cache.copy_positions(torch.tensor([3]), torch.tensor([0]), where)
+    for name, old in before.items():
+        assert torch.equal(state(cache)[name], old), name
+    with pytest.raises(ValueError, match=r"dst holds rows \[2\] outside the cache's rows 0..1"):
+        cache.copy_positions(torch.tensor([0]), torch.tensor([2]), where)
+
+
 def test_broadcast_rows_errors() -> None:
     cache = random_cache(rows=4)
     with pytest.raises(ValueError, match="group=3 does not divide the cache's 4 rows"):
