@@ -327,8 +327,8 @@ def _end_after_error(streamer: Any) -> None:
         logger.warning("streamer.end() raised after generate() failed; the decode's error follows", exc_info=True)
 
 
-def _generate(model, input_ids: Any, attention_mask: torch.Tensor | None,
-              generation_config: DiffusionGenerationConfig | None, streamer: Any, generator: torch.Generator | None,
+def _generate(model: Any, input_ids: Any, attention_mask: torch.Tensor | None,
+              generation_config: GenerationConfig | None, streamer: Any, generator: torch.Generator | None,
               return_dict_in_generate: bool | None, pad_after_end: bool, tokenizer: Any,
               kwargs: dict[str, Any]) -> torch.LongTensor | DiffusionGenerateOutput:  # fmt: skip
     """:func:`diffusion_generate`'s decode, which ends neither way the streamer it fills."""
