@@ -48,3 +48,16 @@ def test_every_difference_from_the_authors_code_states_our_choice(item):
     assert block, f"item {item} is missing"
     body = block.group(1)
     assert "Theirs:" in body and "Ours:" in body and "Why our default:" in body, body
+
+
+@pytest.mark.parametrize("package", ["rules", "policies"])
+def test_the_maps_of_the_code_name_every_rule_and_policy_file(package):
+    """The README's tree and docs/algorithm.md's table of where each mechanism lives name every transfer rule and
+    branch policy module (they had left out `entropy.py`, and the README `prune.py` and `lookahead.py`)."""
+    stems = sorted(p.stem for p in (REPO / "hf_blockbatch" / "generation" / package).glob("*.py") if p.stem != "__init__")
+    tree = next(line for line in (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+                if line.lstrip().startswith(f"{package}/"))  # fmt: skip
+    table = next(line for line in ALGORITHM.read_text(encoding="utf-8").splitlines()
+                 if f"`hf_blockbatch/generation/{package}/`" in line)  # fmt: skip
+    assert [s for s in stems if not re.search(rf"\b{s}\b", tree)] == [], tree
+    assert [s for s in stems if f"`{s}.py`" not in table] == [], table
