@@ -1,7 +1,9 @@
-"""The project's own algorithm page is what the repository cites, and its links resolve."""
+"""The project's own algorithm page is what the repository cites, and its links resolve; the docs' maps of the code
+and spellings of the presets match the code."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -61,3 +63,25 @@ def test_the_maps_of_the_code_name_every_rule_and_policy_file(package):
                  if f"`hf_blockbatch/generation/{package}/`" in line)  # fmt: skip
     assert [s for s in stems if not re.search(rf"\b{s}\b", tree)] == [], tree
     assert [s for s in stems if f"`{s}.py`" not in table] == [], table
+
+
+def _readme_preset_comment(call: str) -> dict:
+    """The ``name=value`` options the README's comment lines right above ``call`` (a line of its example) spell out."""
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    at = next(i for i, line in enumerate(lines) if call in line)
+    above = []
+    while lines[at - 1 - len(above)].startswith("#"):
+        above.insert(0, lines[at - 1 - len(above)])
+    pairs = re.findall(r"(\w+)=(\[[^\]]*\]|\"[^\"]*\"|[\w.]+)", " ".join(above))
+    return {k: ast.literal_eval(v) for k, v in pairs}
+
+
+def test_the_readme_spells_out_the_presets_as_they_are():
+    """The README's example spells out what ``lean()``, ``drafted()`` and ``drafted(exact=False)`` set (the latter on
+    top of ``drafted()``); the drafted ones had lost ``lookahead_runner_up`` and ``many_masks_threshold``/``many_masks``
+    when RESULTS §48-§49 added them to the presets."""
+    from hf_blockbatch.generation.configs import DRAFTED, DRAFTED_CONTAINED, LEAN
+
+    assert _readme_preset_comment("hb.BlockBatchConfig.lean(") == LEAN
+    assert _readme_preset_comment("hb.FastDLLMConfig.drafted(max_new_tokens") == DRAFTED
+    assert {**DRAFTED, **_readme_preset_comment("hb.FastDLLMConfig.drafted(exact=False")} == DRAFTED_CONTAINED
