@@ -4,6 +4,7 @@ and spellings of the presets match the code."""
 from __future__ import annotations
 
 import ast
+import math
 import re
 import shlex
 from pathlib import Path
@@ -105,3 +106,28 @@ def test_the_real_checkpoints_card_reproduces_every_column_of_the_paper_s_table(
         args = build_parser().parse_args(shlex.split(command.split(" #")[0]))
         run |= set(args.methods or BASE_METHODS)
     assert [c for c in columns if by_label[c] not in run] == []
+
+
+#: where the docs state the embedded checkpoints' size, and which checkpoints each statement covers
+SIZE_CLAIMS = {"README.md": ("tiny-llada", "tiny-dream"), "demo/README.md": ("tiny-llada",),
+               "notebooks/quickstart.ipynb": ("tiny-llada",), "model_cards/tiny-llada.md": ("tiny-llada",),
+               "model_cards/tiny-dream.md": ("tiny-dream",)}  # fmt: skip
+
+
+@pytest.mark.parametrize("doc", sorted(SIZE_CLAIMS))
+def test_the_tiny_checkpoints_size_is_stated_as_their_weights_have_it(doc):
+    """Every "N M parameters" a doc states of the embedded checkpoints is their parameter count in millions, to the
+    digits it gives (the README called them "a few million parameters": they hold 1.05 and 1.12 M)."""
+    from safetensors import safe_open
+
+    import hf_blockbatch as hb
+
+    counts = {}
+    for name, folder in (("tiny-llada", hb.TINY_LLADA), ("tiny-dream", hb.TINY_DREAM)):
+        with safe_open(str(Path(folder) / "model.safetensors"), "pt") as f:
+            counts[name] = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 (not a dict)
+    claims = re.findall(r"(\d+(?:\.\d+)?) M\s+parameters", (REPO / doc).read_text(encoding="utf-8"))
+    assert claims, f"{doc} states no size of the tiny checkpoints"
+    for claim in claims:
+        digits = len(claim.partition(".")[2])
+        assert all(round(counts[m] / 1e6, digits) == float(claim) for m in SIZE_CLAIMS[doc]), (claim, counts)
