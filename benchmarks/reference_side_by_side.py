@@ -11,8 +11,8 @@ two processes: this one builds the prompts as our bench does (``get_suite(name)`
 ``generate_block_batching``, decodes them with ``tests/_reference_blockbatch.py``, and compares
 the winner canvases token for token and the authors' NFE count.
 
-Float32: the authors' packed attention casts Q/K/V to bfloat16. With ``--float32`` (default) the
-worker loads their module source, replaces exactly those three casts by float32 in memory (it
+Float32: the authors' packed attention casts Q/K/V to bfloat16. By default (``--no-float32`` keeps their
+casts) the worker loads their module source, replaces exactly those three casts by float32 in memory (it
 checks that each occurs once) and executes it; nothing is written into their checkout. The
 winner rule's bfloat16 EOS softmax is left as it is (the restatement reproduces it) unless
 ``--eos-softmax float32``, which edits it too and tells the restatement to match. Their layer

@@ -128,6 +128,27 @@ def test_the_commands_the_docs_quote_parse(monkeypatch, capsys, where: str, scri
             pytest.fail(f"{where}: {capsys.readouterr().err.strip().splitlines()[-1]}")
 
 
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_options_a_script_s_docstring_names_exist(monkeypatch, script: str) -> None:
+    """Every ``--option`` a script's module docstring names in code (outside a span naming another script, e.g.
+    ``beyond_paper.py --split test``) is one of its parser's options: reference_side_by_side.py documented a
+    ``--float32`` it does not take (only ``--no-float32``)."""
+    module = load_benchmark(script)
+    spans = re.findall(r"``(.*?)``", module.__doc__ or "", flags=re.S)
+    named = {f for span in spans if not re.search(r"\w\.py\b", span) for f in re.findall(r"(?<![\w-])--[a-z][\w-]*", span)}
+    if not named:
+        return
+
+    def parse_then_stop(self, argv=None, namespace=None):
+        raise _Parsed(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py"])
+    with pytest.raises(_Parsed) as parsed:
+        module.main()
+    assert sorted(named - set(parsed.value.args[0]._option_string_actions)) == []
+
 def test_the_docs_quote_cli_commands() -> None:
     assert len(CLI_COMMANDS) >= 10 and {"generate", "bench"} <= {args[0] for _, args in CLI_COMMANDS}
 
