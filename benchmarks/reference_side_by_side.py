@@ -3,9 +3,8 @@
 The authors' code (github Laurence-Wu/BlockBatch) is never part of this repository: this script
 imports it at run time from the checkout the user points to (``--reference-repo``, the folder
 holding ``llada/`` and ``dream/``), in a *separate Python* whose environment runs it
-(``--reference-python``: transformers 4.49 and a ``flash_attn`` module; see
-``shared/tools/reference/README.md``). Our package needs transformers 5, so the two halves run in
-two processes: this one builds the prompts as our bench does (``get_suite(name)``,
+(``--reference-python``: transformers 4.49 and a ``flash_attn`` module). Our package needs transformers 5,
+so the two halves run in two processes: this one builds the prompts as our bench does (``get_suite(name)``,
 ``task.prompt(item, tokenizer, chat=True)``, tokenised without special tokens), asks the worker
 (this same file, ``--worker``, which imports nothing of ours) to decode them with the authors'
 ``generate_block_batching``, decodes them with ``tests/_reference_blockbatch.py``, and compares
