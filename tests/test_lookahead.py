@@ -936,6 +936,24 @@ def test_drafted_not_exact_is_the_benchmarked_contained_point(tmp_path):
     assert {k: getattr(loaded, k) for k in DRAFTED_CONTAINED} == DRAFTED_CONTAINED
 
 
+
+@pytest.mark.parametrize("rule", [{"rule": "localleap", "relaxed_threshold": 0.8, "leap_radius": 4},
+                                  {"rule": "entropy", "entropy_bound": 0.2}, {"factor": 1.0}])  # fmt: skip
+def test_drafted_not_exact_with_another_rule_drops_the_threshold_it_lowers(rule):
+    """``drafted(exact=False)`` with another transfer rule (the README's LocalLeap drafts, RESULTS §23) is the
+    contained drafts under that rule: the many-masks threshold, which lowers the threshold rule's threshold, goes
+    with it, as the runner-up drafts go with ``lookahead < 3``. It raised "many_masks_threshold ... needs threshold
+    (and no rule)" since §48 put that threshold in the preset. Given explicitly, it is still refused."""
+    from hf_blockbatch.generation.configs import DRAFTED_CONTAINED
+
+    cfg = hb.FastDLLMConfig.drafted(exact=False, **rule)
+    cfg.validate()
+    assert (cfg.many_masks_threshold, cfg.many_masks) == (None, None)
+    assert {k: getattr(cfg, k) for k in DRAFTED_CONTAINED if not k.startswith("many_masks")} == {
+        k: v for k, v in DRAFTED_CONTAINED.items() if not k.startswith("many_masks")}
+    with pytest.raises(ValueError, match="many_masks_threshold lowers the threshold rule's threshold"):
+        hb.FastDLLMConfig.drafted(exact=False, many_masks_threshold=0.85, **rule).validate()
+
 # ----------------------------------------------------------------------------- a longer sweep (slow)
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llada", "dream"])

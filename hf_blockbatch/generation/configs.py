@@ -551,11 +551,20 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         K/V resident (4 here, against Fast-dLLM's 1): at LLaDA-8B and a 1024-position canvas 2.1 GB a
         request, which caps an H200's batch at about 58 against 232 (RESULTS §28; Dream-7B's grouped
         heads make both 9x smaller). ``lookahead=2`` or ``1`` keeps 3 or 2 rows (and no runner-up drafts: with fewer
-        than three drafts no row is spare)."""
+        than three drafts no row is spare).
+
+        Another transfer rule (``rule="localleap"`` or ``"entropy"``, ``factor``) replaces the threshold that
+        ``exact=False`` lowers while many masks are left, so ``many_masks_threshold`` / ``many_masks`` are dropped
+        with it unless given (``drafted(exact=False, rule="localleap", relaxed_threshold=0.8, leap_radius=4)``, the
+        README's LocalLeap drafts of RESULTS §23, raised since §48 added them)."""
         options = {**(DRAFTED if exact else DRAFTED_CONTAINED), **kwargs}
         k = options["lookahead"]  # fewer drafts leave no row spare (a wrong value is validate()'s to explain)
         if isinstance(k, int) and k < 3 and "lookahead_runner_up" not in kwargs:
             options["lookahead_runner_up"] = False
+        other_rule = kwargs.get("rule") is not None or any(kwargs.get(r) is not None for r in _RULES[1:])
+        if other_rule and not {"many_masks_threshold", "many_masks"} & set(kwargs):
+            options.pop("many_masks_threshold", None)
+            options.pop("many_masks", None)
         return cls(**options)
 
     def validate(self, **kwargs: Any) -> None:
