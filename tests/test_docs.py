@@ -4,6 +4,7 @@ and spellings of the presets match the code."""
 from __future__ import annotations
 
 import ast
+import json
 import math
 import re
 import shlex
@@ -131,3 +132,39 @@ def test_the_tiny_checkpoints_size_is_stated_as_their_weights_have_it(doc):
     for claim in claims:
         digits = len(claim.partition(".")[2])
         assert all(round(counts[m] / 1e6, digits) == float(claim) for m in SIZE_CLAIMS[doc]), (claim, counts)
+
+
+def _prose_docs() -> dict[str, str]:
+    """The user-facing docs' text by path (the notebooks' Markdown cells), less docs/bad_inputs.md, which quotes wrong
+    inputs on purpose."""
+    docs = [REPO / "README.md", REPO / "demo" / "README.md", *sorted((REPO / "docs").glob("*.md")),
+            *sorted((REPO / "model_cards").glob("*.md"))]  # fmt: skip
+    texts = {str(d.relative_to(REPO)): d.read_text(encoding="utf-8") for d in docs if d.name != "bad_inputs.md"}
+    for nb in sorted((REPO / "notebooks").glob("*.ipynb")):
+        cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
+        texts[str(nb.relative_to(REPO))] = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    return texts
+
+
+def test_every_config_the_docs_write_out_is_accepted():
+    """A config call the docs write out whole in inline code (``FastDLLMConfig.drafted(exact=False, rule="localleap",
+    ...)``) constructs and validates; one naming a placeholder (``lookahead=K``) is prose. The README's LocalLeap drafts
+    raised once §48 put a many-masks threshold into the preset, and docs/algorithm.md wrote the entropy rule without its
+    bound."""
+    import hf_blockbatch as hb
+
+    names = {"hb": hb, **{c: getattr(hb, c) for c in ("VanillaDiffusionConfig", "FastDLLMConfig", "BlockBatchConfig")}}
+    call = re.compile(r"(?:hb\.)?(?:VanillaDiffusion|FastDLLM|BlockBatch)Config(?:\.drafted|\.lean)?\(.*\)")
+    checked, refused = 0, []
+    for doc, text in _prose_docs().items():
+        for span in re.findall(r"`([^`\n]+)`", text):
+            if not call.fullmatch(span.strip()) or any(s in span for s in ("<", "...", "…")):
+                continue
+            try:
+                eval(span.strip(), dict(names)).validate()  # noqa: S307 (the docs' own inline code)
+            except NameError:  # a placeholder: prose about a call
+                continue
+            except (ValueError, TypeError) as err:
+                refused.append((doc, span, str(err)))
+            checked += 1
+    assert checked >= 15 and refused == [], refused
