@@ -1,5 +1,6 @@
-"""The project's own algorithm page is what the repository cites, and its links resolve; the docs' maps of the code
-and spellings of the presets match the code."""
+"""The project's own algorithm page is what the repository cites, and its links resolve; what the docs state of the
+code and the checkpoints (the maps of the code, the presets spelt out, the written-out configs, the tiny models' size,
+the real-checkpoint card's Reproduce commands) is what they are."""
 
 from __future__ import annotations
 
