@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from hf_blockbatch.attention.metadata import WindowBatch
+from hf_blockbatch.attention.metadata import LengthGroup, WindowBatch
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,9 @@ def _bool_key_mask(key_mask: torch.Tensor | None) -> torch.Tensor | None:
     return key_mask[:, None] if key_mask.dim() == 3 else key_mask[:, None, None, :]
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, scale: float):
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     """``scaled_dot_product_attention`` on ``[B, H, W, D]`` queries and ``[B, H_kv, L, D]`` keys.
 
     Grouped-query heads go through ``enable_gqa``, except on CUDA with a mask: PyTorch's fused
@@ -77,12 +79,21 @@ class AttentionBackend:
 
     @classmethod
     def is_available(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether this backend can run here: ``auto`` and :func:`get_backend` ask before choosing it."""
         return True
 
-    def window(self, q, k_cache, v_cache, wb: WindowBatch, scale: float) -> torch.Tensor:
+    def window(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wb: WindowBatch, scale: float
+    ) -> torch.Tensor:
+        """Packed queries ``[T, H, D]`` attend to their rows of the cache ``[R, L, H_kv, D]`` (already
+        holding the window's fresh K/V), keys masked by ``wb``; returns ``[T, H, D]``."""
         raise NotImplementedError
 
-    def dense(self, q, k, v, key_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    def dense(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        """A full-canvas bidirectional forward on ``[B, L, H, D]`` tensors; ``key_mask`` is ``[B, L]``
+        (valid keys), ``[B, L, L]`` (keys per query) or ``None``. SDPA unless a subclass does better."""
         out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), _bool_key_mask(key_mask), scale)
         return out.transpose(1, 2)
 
@@ -96,7 +107,9 @@ class ReferenceBackend(AttentionBackend):
     name = "reference"
 
     @staticmethod
-    def _attend(q, k, v, key_mask, scale):
+    def _attend(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
         # q [B, H, W, D], k/v [B, H_kv, L, D], key_mask [B, L] | [B, W, L] | None
         groups = q.shape[1] // k.shape[1]
         k = k.float().repeat_interleave(groups, dim=1)
@@ -107,11 +120,15 @@ class ReferenceBackend(AttentionBackend):
         probs = torch.softmax(scores, dim=-1)
         return torch.einsum("bhwl,bhld->bhwd", probs, v).to(q.dtype)
 
-    def window(self, q, k_cache, v_cache, wb, scale):
+    def window(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wb: WindowBatch, scale: float
+    ) -> torch.Tensor:
         out = self._attend(_pad(q, wb), _rows_kv(k_cache, wb), _rows_kv(v_cache, wb), wb.key_mask, scale)
         return _unpad(out, wb)
 
-    def dense(self, q, k, v, key_mask, scale):
+    def dense(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
         out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), key_mask, scale)
         return out.transpose(1, 2)
 
@@ -125,7 +142,9 @@ class SDPABackend(AttentionBackend):
 
     name = "sdpa"
 
-    def window(self, q, k_cache, v_cache, wb, scale):
+    def window(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wb: WindowBatch, scale: float
+    ) -> torch.Tensor:
         out = _sdpa(_pad(q, wb), _rows_kv(k_cache, wb), _rows_kv(v_cache, wb), _bool_key_mask(wb.key_mask), scale)
         return _unpad(out, wb)
 
@@ -140,7 +159,9 @@ class GroupedSDPABackend(AttentionBackend):
 
     name = "sdpa_grouped"
 
-    def window(self, q, k_cache, v_cache, wb, scale):
+    def window(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wb: WindowBatch, scale: float
+    ) -> torch.Tensor:
         groups = wb.length_groups(q.shape[1] * q.shape[2])  # indices and masks built once per step
         # one group holds every row in order, so its real slots are already in packed order: no scatter
         single = len(groups) == 1
@@ -159,7 +180,7 @@ class GroupedSDPABackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _rows(g, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(g: LengthGroup, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A group's cache rows: evenly spaced ones as a strided view (no copy), others gathered."""
         if g.view is not None:
             return k_cache[g.view], v_cache[g.view]
@@ -170,14 +191,14 @@ class _VarlenBackend(AttentionBackend):
     """A CUDA variable-length kernel reading the cache in place: each cache row is two key
     segments (its left padding, with no queries, then its tokens), see ``WindowBatch``."""
 
-    _fn: Callable | None = None
+    _fn: Callable[..., torch.Tensor] | None = None
 
     @classmethod
-    def _import(cls) -> Callable:
+    def _import(cls) -> Callable[..., torch.Tensor]:
         raise NotImplementedError
 
     @classmethod
-    def _load(cls) -> Callable | None:
+    def _load(cls) -> Callable[..., torch.Tensor] | None:
         if cls._fn is None:
             try:
                 cls._fn = cls._import()
@@ -186,10 +207,12 @@ class _VarlenBackend(AttentionBackend):
         return cls._fn
 
     @classmethod
-    def is_available(cls, device, dtype):
+    def is_available(cls, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and cls._load() is not None
 
-    def window(self, q, k_cache, v_cache, wb, scale):
+    def window(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, wb: WindowBatch, scale: float
+    ) -> torch.Tensor:
         wb.ensure_segments()
         k = k_cache.reshape(-1, *k_cache.shape[2:])  # [R * L, H_kv, D]: a view, no copy
         v = v_cache.reshape(-1, *v_cache.shape[2:])
@@ -199,7 +222,17 @@ class _VarlenBackend(AttentionBackend):
         max_q = max(wb.max_len, 2)
         return self._call(self._load(), q, k, v, wb, max_q, scale)
 
-    def _call(self, fn, q, k, v, wb: WindowBatch, max_q: int, scale: float) -> torch.Tensor:
+    def _call(
+        self,
+        fn: Callable[..., torch.Tensor],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        wb: WindowBatch,
+        max_q: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """One kernel call on the packed queries and the cache flattened to ``[R * L, H_kv, D]``."""
         raise NotImplementedError
 
 
@@ -209,14 +242,23 @@ class TorchVarlenBackend(_VarlenBackend):
     name = "torch_varlen"
 
     @classmethod
-    def _import(cls) -> Callable:
+    def _import(cls) -> Callable[..., torch.Tensor]:
         from torch.nn.attention.varlen import varlen_attn
 
         params = inspect.signature(varlen_attn).parameters
         cls._gqa, cls._scale = "enable_gqa" in params, "scale" in params
         return varlen_attn
 
-    def _call(self, fn, q, k, v, wb, max_q, scale):
+    def _call(
+        self,
+        fn: Callable[..., torch.Tensor],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        wb: WindowBatch,
+        max_q: int,
+        scale: float,
+    ) -> torch.Tensor:
         kwargs = {}
         if self._scale:
             kwargs["scale"] = scale
@@ -240,12 +282,21 @@ class FlashVarlenBackend(_VarlenBackend):
     name = "flash_varlen"
 
     @classmethod
-    def _import(cls) -> Callable:
+    def _import(cls) -> Callable[..., torch.Tensor]:
         from flash_attn import flash_attn_varlen_func
 
         return flash_attn_varlen_func
 
-    def _call(self, fn, q, k, v, wb, max_q, scale):
+    def _call(
+        self,
+        fn: Callable[..., torch.Tensor],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        wb: WindowBatch,
+        max_q: int,
+        scale: float,
+    ) -> torch.Tensor:
         return fn(q, k, v, wb.seg_cu_q, wb.seg_cu_k, max_q, wb.length, softmax_scale=scale, causal=False)
 
 

@@ -115,6 +115,7 @@ class WindowBatch:
 
     @property
     def num_tokens(self) -> int:
+        """``T``: the step's packed queries, every active row's window together."""
         return self.token_pos.shape[0]
 
     def length_groups(self, unit: int = 0) -> list[LengthGroup]:
