@@ -45,7 +45,7 @@ import torch
 from transformers.utils import ModelOutput
 
 from hf_blockbatch.attention.backends import AttentionBackend, get_backend
-from hf_blockbatch.attention.metadata import build_query_batch, build_window_batch, packed_index
+from hf_blockbatch.attention.metadata import WindowBatch, build_query_batch, build_window_batch, packed_index
 from hf_blockbatch.cache import BranchCache, checked_padding_mask
 from hf_blockbatch.checks import check_token_ids
 from hf_blockbatch.models.layers import ForwardContext, RopeTable
@@ -66,6 +66,7 @@ class OwnModelTypeConfig:
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """transformers' ``from_dict``, after refusing a ``config_dict`` of another ``model_type`` (see the class)."""
         given = config_dict.get("model_type")
         if given is not None and given != cls.model_type:
             raise ValueError(
@@ -168,10 +169,12 @@ class DiffusionLMMixin:
         """The first layer's input: the embeddings of ``input_ids``, or ``embeds`` given for them (``inputs_embeds``)."""
         raise NotImplementedError
 
-    def _decoder_layers(self) -> list[torch.nn.Module]:
+    def _decoder_layers(self) -> torch.nn.ModuleList:
+        """The decoder layers in order, each called ``layer(hidden, ctx)`` (the last one with ``keep``)."""
         raise NotImplementedError
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits from the last layer's hidden states (final norm, then the LM head), any leading shape."""
         raise NotImplementedError
 
     def _rope(self, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -410,8 +413,17 @@ class DiffusionLMMixin:
             return (logits, cache)
         return DiffusionLMOutput(logits=logits, cache=cache)
 
-    def _forward_custom_mask(self, input_ids, attention_mask, position_ids, cache, use_cache, logits_mask,
-                             return_dict, embeds=None) -> DiffusionLMOutput | tuple:  # fmt: skip
+    def _forward_custom_mask(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        cache: BranchCache | None,
+        use_cache: bool | None,
+        logits_mask: torch.Tensor | None,
+        return_dict: bool | None,
+        embeds: torch.Tensor | None = None,
+    ) -> DiffusionLMOutput | tuple:
         """``forward`` with a per-query mask (bool ``[B, L, L]`` or ``[B, 1, L, L]``, a batch of 1 standing for
         every row; True where query ``i`` may attend to key ``j``), as transformers' models take a custom 4D
         mask. Why: research decoders ask questions one canvas cannot, e.g. shadow queries that must not see
@@ -548,7 +560,7 @@ class DiffusionLMMixin:
         return PositionOutput(logits=self._head(hidden), query_mask=queries)
 
 
-def _checked_positions(position_ids, B: int, L: int, device: torch.device) -> torch.Tensor:
+def _checked_positions(position_ids: torch.Tensor, B: int, L: int, device: torch.device) -> torch.Tensor:
     """A caller's ``position_ids``: ``[B, L]`` (or ``[1, L]``, for every row) integers in ``[0, L)``. RoPE looks
     positions up in a table, where a negative one would silently read the table's far end."""
     pos = torch.as_tensor(position_ids, device=device)
@@ -587,7 +599,7 @@ def _head_rows(keep: torch.Tensor) -> torch.Tensor:
     return keep.reshape(-1).nonzero().squeeze(1)
 
 
-def _add_echo(wb, queries: torch.Tensor, echo: torch.Tensor) -> None:
+def _add_echo(wb: WindowBatch, queries: torch.Tensor, echo: torch.Tensor) -> None:
     """Fill ``wb.write_src`` / ``write_slots`` (see :meth:`DiffusionLMMixin.forward_positions`): built
     once per forward, so that each layer writes its queries' K/V and the echoes in one scatter."""
     A, L = queries.shape

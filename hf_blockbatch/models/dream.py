@@ -13,6 +13,8 @@ The official remote code no longer imports on transformers 5 (it needs
 
 from __future__ import annotations
 
+from typing import Any, NoReturn
+
 import torch
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
@@ -102,17 +104,21 @@ class DreamConfig(OwnModelTypeConfig, PreTrainedConfig):
 
     @property
     def head_dim_(self) -> int:
+        """The width of one attention head, ``hidden_size // num_attention_heads``."""
         return self.hidden_size // self.num_attention_heads
 
     @property
     def rope_in_fp32(self) -> bool:
-        return False  # Qwen2-style: cos/sin cast to the activation dtype before rotating
+        """False: Dream, as Qwen2, casts RoPE's ``cos``/``sin`` to the activation dtype before rotating."""
+        return False
 
     @property
     def context_length(self) -> int:
+        """The longest canvas (prompt + generation) the model takes: ``new_cache`` and ``forward`` refuse longer."""
         return self.max_position_embeddings
 
     def kv_geometry(self) -> dict[str, int]:
+        """What a :class:`BranchCache` for this model holds: ``num_layers``, ``num_kv_heads``, ``head_dim``."""
         return {
             "num_layers": self.num_hidden_layers,
             "num_kv_heads": self.num_key_value_heads,
@@ -120,6 +126,7 @@ class DreamConfig(OwnModelTypeConfig, PreTrainedConfig):
         }
 
     def validate_supported(self) -> None:
+        """Refuse architecture options this implementation does not compute (never guess)."""
         problems = []
         scaling = getattr(self, "rope_scaling", None) or {}
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -214,7 +221,7 @@ class DreamModel(DiffusionLMMixin, BlockBatchGenerationMixin, DreamPreTrainedMod
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def diffusion_generate(self, *args, **kwargs):
+    def diffusion_generate(self, *args: Any, **kwargs: Any) -> NoReturn:
         """Dream's own sampler API (``alg`` = origin / maskgit_plus / topk_margin / entropy), which the
         Dream model card calls; this class replaces Dream's remote code, and it decodes through
         ``generate`` instead. Refused with what to call, rather than a bare ``AttributeError``."""
@@ -239,7 +246,7 @@ class DreamModel(DiffusionLMMixin, BlockBatchGenerationMixin, DreamPreTrainedMod
     def _embed(self, input_ids: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
         return self.model.embed_tokens(input_ids) if embeds is None else embeds
 
-    def _decoder_layers(self):
+    def _decoder_layers(self) -> nn.ModuleList:
         return self.model.layers
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:

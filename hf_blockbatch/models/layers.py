@@ -109,6 +109,7 @@ def keep_rows(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Both official MLPs' activation, ``silu(gate) * up`` (elementwise): one definition for both families."""
     return F.silu(gate) * up
 
 

@@ -146,35 +146,44 @@ class LLaDAConfig(OwnModelTypeConfig, PreTrainedConfig):
     # ---- the names the rest of the package reads ------------------------------------------
     @property
     def effective_n_kv_heads(self) -> int:
+        """``n_kv_heads``, or when it is None what the official code derives: 1 under ``multi_query_attention``,
+        else ``n_heads``."""
         if self.n_kv_heads is None:
             return 1 if self.multi_query_attention else self.n_heads
         return self.n_kv_heads
 
     @property
     def head_dim_(self) -> int:
+        """The width of one attention head, ``d_model // n_heads``; both configs name it so for the layers."""
         return self.d_model // self.n_heads
 
     @property
     def rope_in_fp32(self) -> bool:
+        """Whether RoPE rotates with float32 ``cos``/``sin``: the official config's ``rope_full_precision``."""
         return bool(self.rope_full_precision)
 
     @property
     def context_length(self) -> int:
+        """The longest canvas (prompt + generation) the model takes: ``new_cache`` and ``forward`` refuse longer."""
         return self.max_sequence_length
 
     @property
     def num_hidden_layers(self) -> int:
+        """``n_layers`` under transformers' standard name, which transformers and the rest of the package read."""
         return self.n_layers
 
     @property
     def hidden_size(self) -> int:
+        """``d_model`` under transformers' standard name, which transformers and the rest of the package read."""
         return self.d_model
 
     @property
     def num_attention_heads(self) -> int:
+        """``n_heads`` under transformers' standard name, which transformers and the rest of the package read."""
         return self.n_heads
 
     def kv_geometry(self) -> dict[str, int]:
+        """What a :class:`BranchCache` for this model holds: ``num_layers``, ``num_kv_heads``, ``head_dim``."""
         return {"num_layers": self.n_layers, "num_kv_heads": self.effective_n_kv_heads, "head_dim": self.head_dim_}
 
     def validate_supported(self) -> None:
@@ -317,7 +326,7 @@ class LLaDAModelLM(DiffusionLMMixin, BlockBatchGenerationMixin, LLaDAPreTrainedM
             x = x * (self.config.d_model**0.5)
         return x
 
-    def _decoder_layers(self):
+    def _decoder_layers(self) -> nn.ModuleList:
         return self.model.transformer.blocks
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
