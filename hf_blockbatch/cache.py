@@ -23,12 +23,16 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_blockbatch.checks import check_positive_int
+
+if TYPE_CHECKING:  # the model modules import this one
+    from hf_blockbatch.models.dream import DreamConfig
+    from hf_blockbatch.models.llada import LLaDAConfig
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +202,9 @@ class BranchCacheLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Never needed: the layer is preallocated when the cache is built."""
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replace the whole layer (full-canvas forward over every row)."""
         self.keys.copy_(key_states.detach())
         self.values.copy_(value_states.detach())
@@ -207,12 +213,15 @@ class BranchCacheLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(L, 0)``, key length and offset, for any query: queries see the whole preallocated canvas."""
         return self.keys.shape[1], 0
 
     def get_seq_length(self) -> int:
+        """``L``: a layer is preallocated at the canvas length, so it is always full."""
         return self.keys.shape[1]
 
     def get_max_length(self) -> int:
+        """``L``: a canvas never grows."""
         return self.keys.shape[1]
 
 
@@ -275,7 +284,7 @@ class BranchCache(Cache):
     @classmethod
     def for_model(
         cls,
-        config,
+        config: LLaDAConfig | DreamConfig,
         num_rows: int,
         length: int,
         *,
@@ -367,7 +376,9 @@ class BranchCache(Cache):
             self.row_version.index_copy_(0, rows, rows + base)
         self._next_version = base + self._base.shape[2]  # a row index is below the allocation's row count
 
-    def write_rows(self, layer_idx: int, rows: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor):
+    def write_rows(
+        self, layer_idx: int, rows: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
         """Overwrite whole rows of one layer (a full-canvas forward over ``rows``). A forward writes
         every layer, the first one first: the rows' versions change there."""
         if layer_idx == 0:
@@ -534,8 +545,8 @@ class BranchCache(Cache):
         self.position_ids = self.position_ids.index_select(0, rows)
         self.has_padding = bool((~self.key_mask).any())
 
-    # transformers' beam-search hook has the same meaning as keep_rows
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """transformers' beam-search hook, which means the same as :meth:`keep_rows`."""
         self.keep_rows(beam_idx)
 
     def __repr__(self) -> str:

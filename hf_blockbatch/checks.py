@@ -31,6 +31,7 @@ def check_real(name: str, value: Any) -> float:
 
 
 def check_positive_real(name: str, value: Any) -> None:
+    """A finite number above 0 (see :func:`check_real` for what is refused on the way), else a ValueError naming it."""
     if not check_real(name, value) > 0:
         raise ValueError(f"{name} must be > 0, got {value!r}.")
 
@@ -43,6 +44,8 @@ def check_not_numpy_int(name: str, value: Any) -> None:
 
 
 def check_positive_int(name: str, value: Any) -> None:
+    """A Python ``int`` of at least 1, else a ValueError naming the field: ``True``, ``2.0`` and ``np.int64(2)`` are
+    refused too (the last with what to do, :func:`check_not_numpy_int`)."""
     check_not_numpy_int(name, value)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")

@@ -27,6 +27,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ DEFAULT_PROMPT = (
 )
 
 
-def _encode(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
+def _encode(tokenizer: Any, prompt: str, chat: bool) -> torch.Tensor:
     from hf_blockbatch.tasks.contract import apply_chat
 
     return tokenizer(apply_chat(prompt, tokenizer, chat), add_special_tokens=False, return_tensors="pt").input_ids
@@ -56,6 +57,8 @@ def _prompt(text: str) -> str:
 
 
 def port_number(text: str) -> int:
+    """An argparse type for ``--port`` (``hf-blockbatch demo`` and ``demo/app.py``): 1-65535, else argparse's
+    one-line usage error."""
     try:
         value = int(text)
     except ValueError as err:
@@ -312,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``hf-blockbatch`` console script (``argv``: the arguments, ``sys.argv[1:]`` when None); returns the
+    exit status, 2 for bad input, which is printed as one ``error:`` line."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"]:  # every further argument is the harness's, --help included
         from hf_blockbatch.eval.lm_eval_model import main as lm_eval_main

@@ -12,10 +12,16 @@ import logging
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import torch
 from transformers import AutoModel, AutoTokenizer
+
+if TYPE_CHECKING:  # for the hints only
+    from transformers import PreTrainedTokenizerBase
+
+    from hf_blockbatch.models import DreamModel, LLaDAModelLM
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +123,8 @@ def load_model(
     name_or_path: str = "tiny-llada",
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
-    **kwargs,
-):
+    **kwargs: Any,
+) -> tuple[LLaDAModelLM | DreamModel, PreTrainedTokenizerBase]:
     """Load a supported model and its tokenizer (``trust_remote_code`` is never needed: our own
     classes are registered for ``llada`` and ``Dream``). Defaults: the GPU when present, bf16 on
     GPU, float32 on CPU.
@@ -194,7 +200,7 @@ def _unreadable_safetensors(folder: Path) -> list[str]:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-def _from_pretrained_whole(path: str, dtype, kwargs: dict):
+def _from_pretrained_whole(path: str, dtype: torch.dtype | str, kwargs: dict[str, Any]) -> LLaDAModelLM | DreamModel:
     """``AutoModel.from_pretrained``, refusing a checkpoint whose weights do not fill the model its ``config.json``
     builds. Why: transformers loads a checkpoint that lacks a tensor with that tensor random (its load report is a
     warning), so the model decoded noise; a tensor of another shape failed with a RuntimeError that only pointed at
@@ -223,7 +229,10 @@ def _from_pretrained_whole(path: str, dtype, kwargs: dict):
     return model
 
 
-def _load(path: str, device, dtype, **kwargs):
+def _load(
+    path: str, device: str | torch.device | None, dtype: torch.dtype | str | None, **kwargs: Any
+) -> tuple[LLaDAModelLM | DreamModel, PreTrainedTokenizerBase]:
+    """:func:`load_model` once its arguments are checked: the model on its device, in eval mode, and its tokenizer."""
     folder = Path(path)
     if folder.is_dir() and not any((folder / name).exists() for name in _TOKENIZER_FILES):
         # model.save_pretrained(folder) alone saves no tokenizer; transformers would say it cannot convert
