@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import torch
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel, AutoTokenizer, PreTrainedConfig
 
 if TYPE_CHECKING:  # for the hints only
     from transformers import PreTrainedTokenizerBase
@@ -200,11 +200,17 @@ def _unreadable_safetensors(folder: Path) -> list[str]:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
+#: the ``load_model`` keywords that say where a checkpoint's files come from (model, config and tokenizer alike)
+_HUB_ARGS = ("local_files_only", "revision", "token", "cache_dir")
+
+
 def _from_pretrained_whole(path: str, dtype: torch.dtype | str, kwargs: dict[str, Any]) -> LLaDAModelLM | DreamModel:
     """``AutoModel.from_pretrained``, refusing a checkpoint whose weights do not fill the model its ``config.json``
     builds. Why: transformers loads a checkpoint that lacks a tensor with that tensor random (its load report is a
     warning), so the model decoded noise; a tensor of another shape failed with a RuntimeError that only pointed at
-    the report. ``ignore_mismatched_sizes=True``, given, keeps transformers' meaning (re-initialise those)."""
+    the report. ``ignore_mismatched_sizes=True``, given, keeps transformers' meaning (re-initialise those). A
+    checkpoint of another family is refused before its weights load (:func:`_check_model_type`)."""
+    _check_model_type(path, {k: kwargs[k] for k in (*_HUB_ARGS, "subfolder") if k in kwargs})
     ignore_mismatched = kwargs.get("ignore_mismatched_sizes", False)
     model, info = AutoModel.from_pretrained(
         path, dtype=dtype, **{**kwargs, "ignore_mismatched_sizes": True, "output_loading_info": True}
@@ -227,6 +233,21 @@ def _from_pretrained_whole(path: str, dtype: torch.dtype | str, kwargs: dict[str
             "AutoModel.from_pretrained to accept random weights."
         )
     return model
+
+
+def _check_model_type(path: str, hub: dict[str, Any]) -> None:
+    """Refuse a checkpoint of another family before its weights load: ``AutoModel`` built whatever ``config.json``
+    names (a Llama folder gave a bare ``LlamaModel``, with no head and no ``generate``), so the mistake only showed
+    as an ``AttributeError`` at the first ``generate``. A config without ``model_type`` is left to transformers."""
+    from hf_blockbatch.models import DreamConfig, LLaDAConfig
+
+    given = PreTrainedConfig.get_config_dict(path, **hub)[0].get("model_type")
+    ours = (LLaDAConfig.model_type, DreamConfig.model_type)
+    if given is not None and given not in ours:
+        raise ValueError(
+            f"Cannot load {path!r}: its config.json is of model_type {given!r}, and hf-blockbatch decodes LLaDA "
+            f"({ours[0]!r}) and Dream ({ours[1]!r}) checkpoints only."
+        )
 
 
 def _load(
@@ -253,7 +274,7 @@ def _load(
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = _from_pretrained_whole(path, dtype, kwargs).to(device).eval()
-    hub = {k: kwargs[k] for k in ("local_files_only", "revision", "token", "cache_dir") if k in kwargs}
+    hub = {k: kwargs[k] for k in _HUB_ARGS if k in kwargs}
     tokenizer = AutoTokenizer.from_pretrained(path, **hub)
     tokenizer.padding_side = "left"
     logger.info("loaded %s (%s) on %s/%s", path, type(model).__name__, device, dtype)

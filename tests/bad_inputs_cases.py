@@ -359,6 +359,19 @@ def _(tmp_path, **_):
     return _message(lambda: hb.load_model(str(folder)))
 
 
+@case("model-other-family")
+def _(tmp_path, **_):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path / "llama"  # a tiny Llama checkpoint with a tokenizer: an autoregressive model, not ours
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(hb.TINY_LLADA) / name, folder / name)
+    return _message(lambda: hb.load_model(str(folder), device="cpu"))
+
+
 @case("dtype-float8")
 def _(**_):
     return _message(lambda: hb.load_model("tiny-llada", torch_dtype=torch.float8_e4m3fn))
