@@ -17,11 +17,16 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from hf_blockbatch.models.base import DiffusionLMOutput, PositionOutput, WindowOutput
 
 __all__ = ["ForwardLog", "ForwardRecord", "OpCounter", "is_sync"]
 
@@ -73,7 +78,7 @@ def _caller() -> str:
     return "?"
 
 
-def is_sync(func, args: tuple, kwargs: dict | None) -> bool:
+def is_sync(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> bool:
     """Whether a torch call would stop the host until the device has run everything queued before it."""
     name = getattr(func, "__name__", "")
     if name in _SYNCS:
@@ -112,10 +117,13 @@ class OpCounter(TorchFunctionMode):
         self.caller_seconds: dict[str, float] | None = {} if by_caller else None
 
     def reset(self, bucket: str) -> None:
+        """Start ``bucket``'s counts again from 0, and forget its first sync (a forward's buckets, at each forward)."""
         self.counts[bucket] = self.syncs[bucket] = 0
         self.before_sync.pop(bucket, None)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Collection[type], args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         bucket = self.bucket
         if bucket is not None and getattr(func, "__name__", "") not in _NOT_OPS:
             n = self.counts.get(bucket, 0)
@@ -262,6 +270,8 @@ class ForwardLog:
 
     @property
     def policy_ops(self) -> int:
+        """The policy's operations of every logged decode: between forwards, after each decode's last one
+        (``tail_ops``), and since the last forward of a decode not yet closed by :meth:`end_decode`."""
         return sum(r.policy_ops for r in self.records) + self.tail_ops + self.counter.counts.get("policy", 0)
 
     @property
@@ -282,8 +292,8 @@ class ForwardLog:
         return sorted(self.counter.caller_seconds.items(), key=lambda c: (-c[1], c[0]))
 
     # ------------------------------------------------------------------ recording
-    def _wrap(self, fn, kind: str):
-        def call(*args, **kwargs):
+    def _wrap(self, fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
             for bucket in _FORWARD_BUCKETS:
                 self.counter.reset(bucket)
             self.counter.bucket = "model"
@@ -298,7 +308,9 @@ class ForwardLog:
 
         return call
 
-    def _record(self, kind: str, args: tuple, kwargs: dict, out) -> ForwardRecord:
+    def _record(
+        self, kind: str, args: tuple, kwargs: dict, out: DiffusionLMOutput | WindowOutput | PositionOutput | tuple
+    ) -> ForwardRecord:
         c, syncs = self.counter.counts, self.counter.syncs
         ops = {
             "policy_ops": c.get("policy", 0),

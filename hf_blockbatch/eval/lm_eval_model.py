@@ -50,6 +50,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -88,7 +89,7 @@ except ImportError:  # pragma: no cover - exercised when the extra is absent
         def __init__(self) -> None:
             self._rank, self._world_size = 0, 1
 
-    def register_model(*names: str):  # type: ignore[no-redef]
+    def register_model(*names: str) -> Callable[[type], type]:  # type: ignore[no-redef]
         return lambda cls: cls
 
 
@@ -193,20 +194,26 @@ class HFBlockBatchLM(_LMBase):
 
     @property
     def tokenizer_name(self) -> str:
+        """The tokenizer's name with ``/`` as ``__``, as the harness's ``hf`` model gives it (it names cached requests)."""
         return str(getattr(self.tokenizer, "name_or_path", self._name)).replace("/", "__")
 
     def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The tokenizer's chat template for the harness's ``--apply_chat_template`` (``""`` while that is off, None
+        when the tokenizer has none)."""
         return getattr(self.tokenizer, "chat_template", None) if chat_template is not False else ""
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The harness's chat turns as one prompt text (tokenized later, with the batch), by the tokenizer's template."""
         return self.tokenizer.apply_chat_template(
             chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """Refused: a masked diffusion model has no cheap log-likelihood (use generative tasks)."""
         raise NotImplementedError(_NOT_GENERATIVE.format(what="loglikelihood (multiple-choice tasks)"))
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """Refused: a masked diffusion model has no cheap log-likelihood (use generative tasks)."""
         raise NotImplementedError(_NOT_GENERATIVE.format(what="loglikelihood_rolling (perplexity tasks)"))
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
@@ -245,6 +252,8 @@ class HFBlockBatchLM(_LMBase):
         return task_summaries(self.records)
 
     def get_model_info(self) -> dict[str, Any]:
+        """What the harness writes into its results beside the scores: the method, its overrides, the device,
+        and once requests ran their mean NFE, per-task summaries and how many prompts were cut."""
         info = {"hf_blockbatch_method": self.method, "hf_blockbatch_overrides": self.overrides,
                 "hf_blockbatch_device": str(self._device)}  # fmt: skip
         if self.nfe:
@@ -313,6 +322,7 @@ class HFBlockBatchLM(_LMBase):
     # ------------------------------------------------------------------ data parallel (accelerate)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The harness's data-parallel hook: ``tensor`` of every accelerate process, concatenated (one process: itself)."""
         if self._world_size == 1:
             return tensor
         from accelerate.utils import gather
@@ -320,6 +330,7 @@ class HFBlockBatchLM(_LMBase):
         return gather(tensor.reshape(1) if tensor.dim() == 0 else tensor)
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """The harness's data-parallel hook: ``obj`` of every accelerate process, in rank order."""
         if self._world_size == 1:
             return [obj]
         from accelerate.utils import gather_object
@@ -327,6 +338,7 @@ class HFBlockBatchLM(_LMBase):
         return gather_object([obj])
 
     def barrier(self) -> None:
+        """The harness's data-parallel hook: wait until every accelerate process gets here."""
         if self._world_size > 1:
             partial_state(shard_info()).wait_for_everyone()
 

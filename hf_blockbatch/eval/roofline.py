@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hf_blockbatch.eval.forward_log import ForwardRecord
+
+if TYPE_CHECKING:  # the geometries of the real models import them on call
+    from hf_blockbatch.models.dream import DreamConfig
+    from hf_blockbatch.models.llada import LLaDAConfig
 
 __all__ = ["Geometry", "Hardware", "kv_residency", "price", "project"]
 
@@ -38,6 +43,7 @@ class Geometry:
 
     @property
     def head_params(self) -> int:
+        """The LM head's matrix (``d_model × vocab``); the embedding table, untied, has as many."""
         return self.d_model * self.vocab
 
     @property
@@ -51,7 +57,7 @@ class Geometry:
         return self.bytes_per_value * (self.body_params + 2 * self.head_params)
 
     @classmethod
-    def from_config(cls, config, name: str | None = None) -> Geometry:
+    def from_config(cls, config: LLaDAConfig | DreamConfig, name: str | None = None) -> Geometry:
         """From a LLaDA or Dream config (their field names differ)."""
         if hasattr(config, "d_model"):  # LLaDA
             d, layers, heads, kv_heads = (
@@ -72,12 +78,14 @@ class Geometry:
 
     @classmethod
     def llada_8b(cls) -> Geometry:
+        """LLaDA-8B's shape, read from :class:`LLaDAConfig`'s defaults (no download)."""
         from hf_blockbatch.models.llada import LLaDAConfig
 
         return cls.from_config(LLaDAConfig(), "LLaDA-8B")  # the defaults are LLaDA-8B's
 
     @classmethod
     def dream_7b(cls) -> Geometry:
+        """Dream-v0-7B's shape, read from :class:`DreamConfig`'s defaults (no download)."""
         from hf_blockbatch.models.dream import DreamConfig
 
         return cls.from_config(DreamConfig(), "Dream-7B")  # the defaults are Dream-v0-7B's (Qwen2.5-7B's)

@@ -400,6 +400,7 @@ class ShardInfo:
 
     @property
     def is_main(self) -> bool:
+        """Rank 0: the process that shows the progress bar and merges the shards into the results."""
         return self.rank == 0
 
 
