@@ -24,6 +24,10 @@ def test_geometries_are_the_real_models():
     small = hb.LLaDAConfig(d_model=64, n_heads=4, n_kv_heads=2, n_layers=3, mlp_hidden_size=96, vocab_size=50,
                            embedding_size=64)  # fmt: skip
     assert Geometry.from_config(small) == Geometry("llada", 3, 64, 32, 96, 64)
+    # no mlp_hidden_size: the model's MLP is mlp_ratio x d_model wide (the geometry held None, and its prices failed)
+    ratio = hb.LLaDAConfig(d_model=64, n_heads=4, n_kv_heads=4, n_layers=1, mlp_hidden_size=None, mlp_ratio=3, vocab_size=50,
+                           embedding_size=64)  # fmt: skip
+    assert Geometry.from_config(ratio).mlp_hidden == hb.LLaDAModelLM(ratio).model.transformer.blocks[0].ff_proj.out_features == 192
     # what the weights occupy in bf16 (the head and the untied embedding table both): 16.03 GB at LLaDA-8B
     assert llada.weight_bytes == 2 * (llada.body_params + 2 * llada.head_params) == 16_030_629_888
 

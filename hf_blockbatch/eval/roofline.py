@@ -66,7 +66,7 @@ class Geometry:
                 config.n_heads,
                 config.effective_n_kv_heads,
             )
-            mlp, vocab = config.mlp_hidden_size, config.embedding_size or config.vocab_size
+            mlp, vocab = config.effective_mlp_hidden_size, config.embedding_size or config.vocab_size
         else:  # Dream (Qwen2)
             d, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
             kv_heads, mlp, vocab = (

@@ -153,6 +153,11 @@ class LLaDAConfig(OwnModelTypeConfig, PreTrainedConfig):
         return self.n_kv_heads
 
     @property
+    def effective_mlp_hidden_size(self) -> int:
+        """The MLP's hidden width: ``mlp_hidden_size``, or when it is None ``mlp_ratio × d_model`` (the official rule)."""
+        return self.mlp_hidden_size or self.mlp_ratio * self.d_model
+
+    @property
     def head_dim_(self) -> int:
         """The width of one attention head, ``d_model // n_heads``; both configs name it so for the layers."""
         return self.d_model // self.n_heads
@@ -229,7 +234,7 @@ class LLaDALlamaBlock(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         d, hd, kvh = config.d_model, config.head_dim_, config.effective_n_kv_heads
-        hidden = config.mlp_hidden_size or config.mlp_ratio * d
+        hidden = config.effective_mlp_hidden_size
         qkv_bias = bool(config.include_bias or config.include_qkv_bias)
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, kvh, hd
         self.attn_norm = RMSNorm(d, config.rms_norm_eps)
