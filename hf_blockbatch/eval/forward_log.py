@@ -245,7 +245,7 @@ class ForwardLog:
         self.counter.bucket = "policy"
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.counter.bucket = None
         self.counter.__exit__(*exc)
         for hook in self._hooks:

@@ -184,7 +184,7 @@ class DiffusionLMMixin:
             table = self._rope_table = RopeTable(cfg.head_dim_, cfg.rope_theta)
         return table(positions, length)
 
-    def _context(self, mode: str, positions: torch.Tensor, length: int, **kwargs) -> ForwardContext:
+    def _context(self, mode: str, positions: torch.Tensor, length: int, **kwargs: Any) -> ForwardContext:
         """What every layer of one forward shares (see ``ForwardContext``)."""
         cos, sin = self._rope(positions, length)
         return ForwardContext(mode=mode, backend=self.attention_backend, cos=cos, sin=sin,
@@ -312,7 +312,7 @@ class DiffusionLMMixin:
         past_key_values: BranchCache | None = None,
         logits_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        **kwargs,
+        **kwargs: Any,
     ) -> DiffusionLMOutput | tuple:
         """Full bidirectional forward over every position of every row (see module docstring).
 

@@ -70,7 +70,7 @@ class DreamConfig(OwnModelTypeConfig, PreTrainedConfig):
         eos_token_id: int | None = 151643,
         eot_token_id: int | None = None,
         window_attention: str = "auto",
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         self.vocab_size = vocab_size
         self.max_position_embeddings = max_position_embeddings

@@ -93,7 +93,7 @@ class LLaDAConfig(OwnModelTypeConfig, PreTrainedConfig):
         precision: str | None = None,
         use_cache: bool = False,
         window_attention: str = "auto",
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         self.d_model = d_model
         self.n_heads = n_heads
