@@ -95,6 +95,7 @@ def _finite_float(text: str) -> float:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """``hf-blockbatch generate``: the prompt's answers and their costs (see the module docstring) on stdout."""
     from hf_blockbatch import BlockBatchConfig, FastDLLMConfig, answer_texts, end_token_ids
     from hf_blockbatch.hub import load_model
 
@@ -169,6 +170,7 @@ def _names(values: list[str]) -> list[str]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """``hf-blockbatch bench``: the options as :mod:`hf_blockbatch.eval.runner` settings, then the run."""
     from hf_blockbatch.eval.runner import (
         BASE_METHODS,
         TINY_TASKS,
@@ -228,6 +230,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand's options; ``lm-eval`` only by name, since :func:`main` hands its arguments to the harness."""
     # the module docstring is reST; --help prints plain text
     parser = argparse.ArgumentParser(prog="hf-blockbatch", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")

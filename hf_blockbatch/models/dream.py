@@ -145,6 +145,8 @@ class DreamConfig(OwnModelTypeConfig, PreTrainedConfig):
 
 
 class DreamAttention(nn.Module):
+    """Qwen2's attention parameters (biased q/k/v, grouped KV heads) under the checkpoints' names."""
+
     def __init__(self, config: DreamConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -163,6 +165,8 @@ class DreamAttention(nn.Module):
 
 
 class DreamMLP(nn.Module):
+    """Qwen2's SwiGLU MLP under the checkpoints' names (``gate_proj``, ``up_proj``, ``down_proj``)."""
+
     def __init__(self, config: DreamConfig) -> None:
         super().__init__()
         d, i = config.hidden_size, config.intermediate_size
@@ -175,6 +179,8 @@ class DreamMLP(nn.Module):
 
 
 class DreamDecoderLayer(nn.Module):
+    """One Qwen2 layer: pre-norm attention and MLP, as ``model.layers.N`` of the checkpoints."""
+
     def __init__(self, config: DreamConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = DreamAttention(config, layer_idx)
@@ -189,6 +195,8 @@ class DreamDecoderLayer(nn.Module):
 
 
 class DreamBaseModel(nn.Module):
+    """The trunk, holding ``model.{embed_tokens, layers, norm}`` as the checkpoints name them."""
+
     def __init__(self, config: DreamConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -197,6 +205,8 @@ class DreamBaseModel(nn.Module):
 
 
 class DreamPreTrainedModel(PreTrainedModel):
+    """transformers' loading settings for Dream: the config class, the layer never split across devices."""
+
     config_class = DreamConfig
     base_model_prefix = "model"
     _no_split_modules = ["DreamDecoderLayer"]

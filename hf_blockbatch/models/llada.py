@@ -275,6 +275,8 @@ class LLaDAModel(nn.Module):
 
 
 class LLaDAPreTrainedModel(PreTrainedModel):
+    """transformers' loading settings for LLaDA: the config class, the block never split across devices."""
+
     config_class = LLaDAConfig
     base_model_prefix = "model"
     _no_split_modules = ["LLaDALlamaBlock"]
