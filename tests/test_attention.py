@@ -281,6 +281,17 @@ def test_model_backend_follows_config_and_device() -> None:
     assert model.attention_backend.name == get_backend("auto", "cpu", torch.bfloat16).name
 
 
+def test_a_backend_name_that_is_not_a_string_is_refused_and_leaves_the_backend() -> None:
+    """``set_attention_backend(["sdpa"])`` raised TypeError ("unhashable type: 'list'"), which the restore of the
+    old name did not catch: the list stayed in the config and every later forward failed on it."""
+    from conftest import make_tiny_llada
+
+    model = make_tiny_llada(window_attention="reference")
+    with pytest.raises(ValueError, match=r"Unknown attention backend \['sdpa'\]; choose one of \['auto'"):
+        model.set_attention_backend(["sdpa"])
+    assert model.config.window_attention == "reference" and model.attention_backend.name == "reference"
+
+
 def test_attn_implementation_flash_attention_2_asks_for_flash_varlen() -> None:
     """transformers' spelling, ``attn_implementation="flash_attention_2"``, selects ``flash_varlen`` while
     ``window_attention`` is ``auto``; where it cannot run that is said, not replaced in silence by

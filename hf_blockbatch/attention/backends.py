@@ -318,13 +318,14 @@ def get_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> At
         device = torch.device(device)
     except (RuntimeError, TypeError) as err:  # torch's message lists every device type it was built to know
         raise ValueError(f"device={device!r} is not a device PyTorch knows: use cpu or cuda (cuda:0, ...).") from err
+    # checked as a string first: a list (say, from a JSON config) failed the dict lookup with "unhashable type"
+    if not isinstance(name, str) or name not in ("auto", *BACKENDS):
+        raise ValueError(f"Unknown attention backend {name!r}; choose one of {['auto', *BACKENDS]}.")
     if name == "auto":
         for candidate in _AUTO_ORDER:
             if BACKENDS[candidate].is_available(device, dtype):
                 name = candidate
                 break
-    if name not in BACKENDS:
-        raise ValueError(f"Unknown attention backend {name!r}; choose one of {['auto', *BACKENDS]}.")
     cls = BACKENDS[name]
     if not cls.is_available(device, dtype):
         raise ValueError(
