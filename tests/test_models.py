@@ -587,6 +587,12 @@ def test_cache_mismatch_errors(filled) -> None:
         model(ids[:2], cache=cache)
     with pytest.raises(ValueError, match="cache_rows names 1 rows but input_ids has 2"):
         model(ids[:2], cache=cache, cache_rows=[0])
+    # the model's geometry, another dtype: refused before a full forward casts K/V into it or a window forward's
+    # attention kernel fails on the mixed dtypes
+    float64 = hb.BranchCache.for_model(model.config, 3, 16, dtype=torch.float64)
+    for forward in (lambda: model(ids, cache=float64), lambda: model.forward_windows(ids, [2, 3, 4], [6, 7, 8], float64)):
+        with pytest.raises(ValueError, match=r"holds torch.float64 K/V on cpu, and the model computes in torch.float32"):
+            forward()
     # not a BranchCache at all
     with pytest.raises(TypeError, match="BranchCache"):
         model.forward_windows(ids, [2, 3, 4], [6, 7, 8], DynamicCache())

@@ -262,6 +262,15 @@ class DiffusionLMMixin:
             raise ValueError(
                 f"This cache was built for another model ({cache!r}); build one with this model's new_cache()."
             )
+        # a cache of another dtype or device: a full forward cast its K/V into it in silence, and the next window
+        # forward failed inside the attention kernel ("Expected query, key, and value to have the same dtype").
+        # Device types only: an accelerate hook may name "cuda" where the cache's tensors say "cuda:0"
+        device, dtype = self._placement()
+        if cache.dtype != dtype or cache.device.type != device.type:
+            raise ValueError(
+                f"This cache holds {cache.dtype} K/V on {cache.device}, and the model computes in {dtype} on {device}: "
+                "build the cache with this model's new_cache() (after any model.to())."
+            )
         if cache.length != length:
             raise ValueError(f"The cache holds canvases of length {cache.length}, but input_ids has length {length}.")
 
