@@ -308,6 +308,22 @@ def _(**_):
     return _message(lambda: make_tiny_llada().set_attention_backend("flash"))
 
 
+@case("attention-backend-not-a-string")
+def _(**_):
+    from conftest import make_tiny_llada
+
+    return _message(lambda: make_tiny_llada().set_attention_backend(["sdpa"]))
+
+
+@case("forward-cache-other-dtype")
+def _(**_):
+    from conftest import make_tiny_llada
+
+    model = make_tiny_llada()
+    cache = hb.BranchCache.for_model(model.config, 1, 3, dtype=torch.float64)
+    return _message(lambda: model(torch.tensor([[5, 6, 7]]), cache=cache))
+
+
 # ---------------------------------------------------------------------------------- load_model
 
 
