@@ -120,7 +120,7 @@ def checked_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
 
 
 def load_model(
-    name_or_path: str = "tiny-llada",
+    name_or_path: str | os.PathLike[str] = "tiny-llada",
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
     **kwargs: Any,
