@@ -9,6 +9,7 @@ style of vLLM's attention metadata: a layer never recomputes indices.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -173,7 +174,7 @@ class WindowBatch:
         self.seg_cu_k = torch.cat([zero, k_seg.cumsum(0).to(torch.int32)])
 
 
-def _check_rows(cache: BranchCache, rows: torch.Tensor | None, count: int) -> tuple[torch.Tensor, bool]:
+def _check_rows(cache: BranchCache, rows: torch.Tensor | Sequence[int] | None, count: int) -> tuple[torch.Tensor, bool]:
     """``(rows, all_rows)`` as ascending cache rows, one per window."""
     all_rows = rows is None
     if rows is None:
@@ -235,9 +236,9 @@ def _unsorted(rows: torch.Tensor) -> torch.Tensor:
 
 def build_window_batch(
     cache: BranchCache,
-    starts: torch.Tensor,
-    ends: torch.Tensor,
-    rows: torch.Tensor | None = None,
+    starts: torch.Tensor | Sequence[int],
+    ends: torch.Tensor | Sequence[int],
+    rows: torch.Tensor | Sequence[int] | None = None,
 ) -> WindowBatch:
     """Validate the windows and build the packing metadata.
 
@@ -273,7 +274,9 @@ def build_window_batch(
     return wb
 
 
-def build_query_batch(cache: BranchCache, query_mask: torch.Tensor, rows: torch.Tensor | None = None) -> WindowBatch:
+def build_query_batch(
+    cache: BranchCache, query_mask: torch.Tensor, rows: torch.Tensor | Sequence[int] | None = None
+) -> WindowBatch:
     """The packing metadata of a forward whose queries are any set of positions per row.
 
     ``query_mask`` is ``[A, L]`` bool over canvas positions. The queries of a row are packed in

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,7 +317,7 @@ class DiffusionLMMixin:
         position_ids: torch.LongTensor | None = None,
         cache: BranchCache | None = None,
         use_cache: bool | None = None,
-        cache_rows: torch.Tensor | None = None,
+        cache_rows: torch.Tensor | Sequence[int] | None = None,
         return_dict: bool | None = None,
         past_key_values: BranchCache | None = None,
         logits_mask: torch.Tensor | None = None,
@@ -470,10 +471,10 @@ class DiffusionLMMixin:
     def forward_windows(
         self,
         input_ids: torch.LongTensor,
-        starts: torch.Tensor,
-        ends: torch.Tensor,
+        starts: torch.Tensor | Sequence[int],
+        ends: torch.Tensor | Sequence[int],
         cache: BranchCache,
-        rows: torch.Tensor | None = None,
+        rows: torch.Tensor | Sequence[int] | None = None,
         logits_mask: torch.Tensor | None = None,
     ) -> WindowOutput:
         """Logits predicting ``[starts[i], ends[i])`` of cache row ``rows[i]`` (see module docstring).
@@ -535,7 +536,7 @@ class DiffusionLMMixin:
         predict: torch.Tensor,
         refresh: torch.Tensor | None,
         cache: BranchCache,
-        rows: torch.Tensor | None = None,
+        rows: torch.Tensor | Sequence[int] | None = None,
         echo: torch.Tensor | None = None,
     ) -> PositionOutput:
         """Logits predicting the ``predict`` positions of cache rows ``rows`` (see module docstring).
