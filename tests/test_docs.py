@@ -169,3 +169,17 @@ def test_every_config_the_docs_write_out_is_accepted():
                 refused.append((doc, span, str(err)))
             checked += 1
     assert checked >= 15 and refused == [], refused
+
+
+@pytest.mark.parametrize("card", sorted(p.name for p in (REPO / "model_cards").glob("*.md")))
+def test_every_model_card_carries_the_hub_s_metadata(card: str):
+    """The Hub reads a card's YAML header for its library, task, licence and base models; a card without one is
+    shown as lacking metadata. The real-checkpoint card's ``base_model`` lists the Hub ids its table names."""
+    from huggingface_hub import ModelCard
+
+    text = (REPO / "model_cards" / card).read_text(encoding="utf-8")
+    data = ModelCard(text).data.to_dict()
+    assert data.get("library_name") == "hf-blockbatch" and data.get("pipeline_tag") == "text-generation", data
+    assert data.get("license") == "apache-2.0" and "masked-diffusion" in data.get("tags", []), data
+    ids = re.findall(r"^\| [^|]+ \| `([\w.-]+/[\w.-]+)` \|", text, flags=re.M)
+    assert sorted(data.get("base_model", [])) == sorted(ids), (data.get("base_model"), ids)
