@@ -1249,3 +1249,23 @@ def test_return_dict_in_generate_from_the_config_unless_the_call_says(tiny_llada
     assert isinstance(plain, torch.Tensor) and torch.equal(plain, out.sequences)
     assert isinstance(tiny_llada.generate(ids, generation_config=off), torch.Tensor)
     assert isinstance(tiny_llada.generate(ids, generation_config=off, return_dict_in_generate=True), DiffusionGenerateOutput)
+
+
+@pytest.mark.parametrize(("cls", "field", "others"), [
+    ("FastDLLMConfig", "many_masks", dict(many_masks_threshold=0.8)),
+    ("FastDLLMConfig", "requery_radius", dict(window_queries="sparse")),
+    ("FastDLLMConfig", "refresh_after_commits", {}),
+    ("FastDLLMConfig", "lookahead", {}),
+    ("FastDLLMConfig", "lookahead_max_masks", dict(lookahead=2)),
+    ("FastDLLMConfig", "lookahead_draft_radius", dict(lookahead=2, window_queries="sparse", lookahead_accept="contained")),
+    ("BlockBatchConfig", "merge_agreement", {}),
+    ("BlockBatchConfig", "sync_threshold", {}),
+])  # fmt: skip
+def test_every_integer_option_refuses_a_numpy_integer_saying_convert_it(cls, field, others):
+    """A count computed with NumPy was refused with "must be an integer ..., got np.int64(2)", a message that
+    contradicts itself, on these eight options; the others (max_new_tokens, seed, ...) say to convert it."""
+    import numpy as np
+
+    with pytest.raises(ValueError) as err:
+        getattr(hb, cls)(max_new_tokens=8, **others, **{field: np.int64(2)}).validate()
+    assert str(err.value) == f"{field} must be a Python int, got np.int64(2) (int64): convert it with int()."

@@ -152,6 +152,7 @@ def _check_many_masks(cfg: Any) -> None:
                              "many_masks_threshold (e.g. 0.85) too, or remove many_masks.")  # fmt: skip
         return
     _check_threshold("many_masks_threshold", cfg.many_masks_threshold)
+    check_not_numpy_int("many_masks", cfg.many_masks)
     if cfg.many_masks is not None and (isinstance(cfg.many_masks, bool) or not isinstance(cfg.many_masks, int)
                                        or cfg.many_masks < 0):  # fmt: skip
         raise ValueError(f"many_masks must be a whole number of masks >= 0, got {cfg.many_masks!r}.")
@@ -177,6 +178,7 @@ def _check_window_queries(cfg: Any, cache: str) -> None:
         raise ValueError("window_queries='sparse' reuses the dual cache's K/V of decoded positions: it needs "
                          f"cache='dual' (got cache={cache!r}), or set window_queries='all'.")  # fmt: skip
     r = cfg.requery_radius
+    check_not_numpy_int("requery_radius", r)
     if not isinstance(r, int) or isinstance(r, bool) or r < 0:
         raise ValueError(f"requery_radius must be an integer >= 0 (positions either side), got {r!r}.")
     if r != _REQUERY_RADIUS and cfg.window_queries != "sparse":
@@ -592,6 +594,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         _check_lookahead(self)
         k = self.refresh_after_commits
         if k is not None:
+            check_not_numpy_int("refresh_after_commits", k)
             if not isinstance(k, int) or isinstance(k, bool) or k < 1:
                 raise ValueError(f"refresh_after_commits must be an integer >= 1 (tokens committed since the last full "
                                  f"forward) or None, got {k!r}.")  # fmt: skip
@@ -610,15 +613,18 @@ def _check_lookahead(cfg: FastDLLMConfig) -> None:
     from hf_blockbatch.generation.policies.lookahead import DRAFT_SHAPES
 
     k = cfg.lookahead
+    check_not_numpy_int("lookahead", k)
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= len(DRAFT_SHAPES):
         raise ValueError(f"lookahead must be an integer from 0 to {len(DRAFT_SHAPES)} (draft rows per request), got {k!r}.")
     m = cfg.lookahead_max_masks
+    check_not_numpy_int("lookahead_max_masks", m)
     if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 2):
         raise ValueError(f"lookahead_max_masks must be an integer >= 2 (masks left in the window) or None, got {m!r}.")
     accept = cfg.lookahead_accept
     if accept not in ("exact", "contained"):
         raise ValueError(f"lookahead_accept must be 'exact' or 'contained', got {accept!r}.")
     rd = cfg.lookahead_draft_radius
+    check_not_numpy_int("lookahead_draft_radius", rd)
     if rd is not None and (not isinstance(rd, int) or isinstance(rd, bool) or rd < 0):
         raise ValueError(f"lookahead_draft_radius must be an integer >= 0 or None, got {rd!r}.")
     qb = cfg.lookahead_query_budget
@@ -704,6 +710,7 @@ def _check_beyond(cfg: Any) -> None:
             raise ValueError("prune_after_syncs prunes branches that were synced: it needs sync=True and at least two "
                              "block_sizes (or set prune_after_syncs=None).")  # fmt: skip
     r = cfg.merge_agreement
+    check_not_numpy_int("merge_agreement", r)
     if not isinstance(r, int) or isinstance(r, bool) or r < 0:
         raise ValueError(f"merge_agreement must be an integer >= 0 (positions either side), got {r!r}.")
     if r and not cfg.merge:
@@ -851,6 +858,7 @@ class BlockBatchConfig(DiffusionGenerationConfig):
         if self.factor is not None:
             check_positive_real("factor", self.factor)
         _check_threshold("merge_threshold", self.merge_threshold)
+        check_not_numpy_int("sync_threshold", self.sync_threshold)
         if not isinstance(self.sync_threshold, int) or isinstance(self.sync_threshold, bool) or self.sync_threshold < 0:
             raise ValueError(f"sync_threshold must be an integer >= 0, got {self.sync_threshold!r}.")
         if self.refresh not in ("periodic", "divergence", "off"):
