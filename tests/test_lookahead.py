@@ -1069,3 +1069,22 @@ def test_a_synced_draft_rows_kv_differ_from_its_main_rows_only_where_marked_dirt
     monkeypatch.setattr(forward.Forwards, "positions", checked)
     _decode(model, enc, block_length=32, early_stop=True, window_queries="sparse", requery_radius=6, lookahead=3)
     assert seen["clean"] > 0 and seen["parked"] > 0  # the check saw synced drafts, parked ones among them
+
+
+@pytest.mark.parametrize("options", [dict(lookahead_accept="contained"), dict(lookahead_accept="contained", window_queries="sparse"),
+                                     dict(lookahead_runner_up=True)])  # fmt: skip
+def test_draft_rows_ride_only_plans_that_keep_no_commit_probabilities(options, monkeypatch):
+    """Why ``Lookahead.apply`` neither copies nor restores ``commit_prob``: only BlockBatch plans keep it (a "commit"
+    EOS rank, a merge's source confidence), and a contained merge that restored the main row's own probabilities
+    there never ran. Were a Fast-dLLM plan with drafts to keep them, adoption would have to say what they are."""
+    from conftest import make_tiny_llada
+
+    from hf_blockbatch.generation.state import DecodeState
+
+    states = []
+    start = DecodeState.start.__func__
+    monkeypatch.setattr(DecodeState, "start", classmethod(lambda cls, *a, **k: states.append(start(cls, *a, **k)) or states[-1]))
+    cfg = hb.FastDLLMConfig(max_new_tokens=8, block_length=8, lookahead=4, early_stop=True, **options)
+    out = make_tiny_llada().generate(torch.tensor([[5, 6, 7]]), generation_config=cfg, return_dict_in_generate=True)
+    assert len(states) == 1 and states[0].branches == 5 and states[0].commit_prob is None
+    assert out.stats[0]["lookahead_adopted"] > 0  # the drafts rode and were adopted

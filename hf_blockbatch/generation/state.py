@@ -204,10 +204,6 @@ class DecodeState:
         """A per-row tensor ``[R, ...]`` as ``[requests, branches, ...]``."""
         return t.view(-1, self.branches, *t.shape[1:])
 
-    def request_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """``[requests]`` a per-row count summed over each request's rows."""
-        return self.per_request(t).sum(1)
-
     def decoded(self) -> torch.Tensor:
         """[R] non-mask tokens in each row's generated region."""
         return self.decoded_rows(None)

@@ -99,8 +99,10 @@ __all__ = ["DRAFT_SHAPES", "Lookahead"]
 DRAFT_SHAPES: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 1), (0, 1, 2), (2,), (1, 2))
 
 #: what a main row takes from the draft it adopts (``kv_tokens`` exists with sparse steps only), beside the canvas,
-#: which :meth:`Lookahead.apply` writes from the adoption's own comparison (a contained merge is not a draft's canvas)
-_COPIED = ("prob_p", "prob_ids", "eos_hit", "eos_prob", "commit_prob", "kv_tokens", "steps", "runner_p", "runner_ids")
+#: which :meth:`Lookahead.apply` writes from the adoption's own comparison (a contained merge is not a draft's canvas).
+#: Not ``commit_prob``: only BlockBatch plans keep it (a "commit" EOS rank, a merge's source confidence), and drafts
+#: ride Fast-dLLM plans only
+_COPIED = ("prob_p", "prob_ids", "eos_hit", "eos_prob", "kv_tokens", "steps", "runner_p", "runner_ids")
 
 
 def _need(shape: tuple[int, ...]) -> int:
@@ -445,13 +447,8 @@ class Lookahead:
                 canvas, before = current[requests], s.canvas[dst]  # the main rows' canvas now (an adopted draft's, or a
                 # contained merge) and before the adoption, which only fills masks: the tokens it gained
                 gained = canvas != before
-                # a contained merge keeps the main row's own commit probabilities where it made its own commit
-                own = before[:, s.gen_start :] != s.mask_id if contained and s.commit_prob is not None else None
-                own_prob = s.commit_prob[dst] if own is not None else None
                 s.copy_rows(src, dst, _COPIED)
                 s.canvas[dst] = canvas
-                if own is not None:
-                    s.commit_prob[dst] = torch.where(own, own_prob, s.commit_prob[dst])
                 if s.kv_dirty is not None:  # sparse: the draft's K/V are the main row's next ones
                     took_kv = s.kv_dirty[src]  # where the adopted draft differs from the main row
                     ctx.cache.copy_positions(src, dst, took_kv)
