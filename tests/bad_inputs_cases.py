@@ -275,6 +275,71 @@ def _(**_):
     return _generate(do_sample="no")
 
 
+@case("input-ids-not-long")
+def _(**_):
+    return _generate(input_ids=torch.tensor([[5, 6, 7]], dtype=torch.int32), max_new_tokens=8)
+
+
+@case("input-ids-missing")
+def _(**_):
+    return _generate(input_ids=None, max_new_tokens=8)
+
+
+@case("attention-mask-shape")
+def _(**_):
+    return _generate(attention_mask=torch.ones(1, 4, dtype=torch.long), max_new_tokens=8)
+
+
+@case("attention-mask-list")
+def _(**_):
+    return _generate(attention_mask=[[1, 1, 1]], max_new_tokens=8)
+
+
+@case("mask-id-list")
+def _(**_):
+    return _generate(mask_token_id=[95, 93], max_new_tokens=8)
+
+
+@case("no-eos-id")
+def _(**_):
+    from conftest import make_tiny_llada
+
+    model = make_tiny_llada()
+    model.config.eos_token_id = None
+    cfg = hb.BlockBatchConfig(max_new_tokens=8)
+    return _message(lambda: model.generate(torch.tensor([[5, 6, 7]]), generation_config=cfg))
+
+
+@case("remasking-unknown")
+def _(**_):
+    return _message(lambda: hb.VanillaDiffusionConfig(remasking="confidence"))
+
+
+@case("vanilla-steps-over-block")
+def _(**_):
+    return _message(lambda: hb.VanillaDiffusionConfig(max_new_tokens=8, steps=16, block_length=4))
+
+
+@case("fast-dllm-steps-not-multiple")
+def _(**_):
+    return _message(lambda: hb.FastDLLMConfig(max_new_tokens=8, block_length=4, threshold=None, steps=3))
+
+
+@case("blockbatch-no-rule")
+def _(**_):
+    return _message(lambda: hb.BlockBatchConfig(threshold=None))
+
+
+@case("sync-threshold-negative")
+def _(**_):
+    return _message(lambda: hb.BlockBatchConfig(sync_threshold=-1))
+
+
+@case("refresh-unknown")
+def _(**_):
+    return _message(lambda: hb.BlockBatchConfig(refresh="never"))
+
+
 # ---------------------------------------------------------------------------- the model itself
 
 
