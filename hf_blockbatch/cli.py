@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from hf_blockbatch.eval.script_args import nonnegative_int, positive_int
+from hf_blockbatch.eval.script_args import finite_float, nonnegative_int, positive_int
 
 __all__ = ["main"]
 
@@ -79,18 +79,6 @@ def demo_max_new_tokens(text: str) -> int:
     value = positive_int(text)
     if value < DEMO_MIN_NEW_TOKENS:
         raise argparse.ArgumentTypeError(f"the slider starts at {DEMO_MIN_NEW_TOKENS} new tokens, got {value}")
-    return value
-
-
-def _finite_float(text: str) -> float:
-    import math
-
-    try:
-        value = float(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from err
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
 
 
@@ -242,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the question (default: an arith test item; the tiny models answer the suites' kinds: "
                      "arith word problems, small Python functions, list questions)")  # fmt: skip
     gen.add_argument("--max-new-tokens", type=positive_int, default=96)
-    gen.add_argument("--threshold", type=_finite_float, default=0.9, help="confidence to commit a token, in (0, 1]")
+    gen.add_argument("--threshold", type=finite_float, default=0.9, help="confidence to commit a token, in (0, 1]")
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template (base models)")
     gen.set_defaults(func=cmd_generate)

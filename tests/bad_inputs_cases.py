@@ -508,6 +508,16 @@ def _(capsys, **_):
     return _cli(["generate", "--threshold", "nan"], capsys)
 
 
+@case("cli-threshold-string")
+def _(capsys, **_):
+    return _cli(["generate", "--threshold", "high"], capsys)
+
+
+@case("bench-sweep-blocks-not-integers")
+def _(capsys, **_):
+    return _cli(["bench", "--sweep-blocks", "16,x"], capsys)
+
+
 @case("cli-threshold-range")
 def _(capsys, monkeypatch, **_):
     import hf_blockbatch.hub as hub

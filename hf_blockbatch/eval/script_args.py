@@ -4,8 +4,8 @@ Why one module: a count of 0 or -3, an output path under a file, a JSON file of 
 some script with a hang, an empty table that exits 0 or a traceback from deep inside torch. Each check is written
 once here and called by every script that needs it, so that the same mistake gets the same message everywhere:
 
-* argparse types for counts and sizes (:func:`positive_int`, :func:`nonnegative_int`), rates and probabilities
-  (:func:`positive_float`, :func:`nonnegative_float`, :func:`probability`), devices (:func:`torch_device`) and output
+* argparse types for counts and sizes (:func:`positive_int`, :func:`nonnegative_int`), numbers, rates and probabilities
+  (:func:`finite_float`, :func:`positive_float`, :func:`nonnegative_float`, :func:`probability`), devices (:func:`torch_device`) and output
   paths (:func:`out_folder`, :func:`out_file`): argparse turns their refusal into its own ``error:`` line, before any model loads;
 * :func:`read_json`, a JSON file of the expected shape, or a ``ValueError`` that names the file;
 * :func:`run_main`, a script's ``main`` with its bad-input exceptions turned into ``error: <message>`` on stderr and
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "finite_float",
     "folder_problem",
     "nonnegative_float",
     "nonnegative_int",
@@ -46,7 +47,8 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
-def _float(text: str) -> float:
+def finite_float(text: str) -> float:
+    """Any finite number (a threshold whose range the config it goes to checks, in its own words)."""
     try:
         value = float(text)
     except ValueError:
@@ -74,7 +76,7 @@ def nonnegative_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """A finite rate or size above 0 (a bandwidth, a temperature that samples)."""
-    value = _float(text)
+    value = finite_float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value:g}")
     return value
@@ -82,7 +84,7 @@ def positive_float(text: str) -> float:
 
 def nonnegative_float(text: str) -> float:
     """A finite number where 0 means none (a temperature, where 0 is greedy; a host time per operation)."""
-    value = _float(text)
+    value = finite_float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
     return value
@@ -90,7 +92,7 @@ def nonnegative_float(text: str) -> float:
 
 def probability(text: str) -> float:
     """A threshold or an efficiency in (0, 1]: 0 would commit (or do) nothing, above 1 nothing ever reaches it."""
-    value = _float(text)
+    value = finite_float(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value:g}")
     return value
