@@ -643,3 +643,25 @@ def test_random_row_operations_match_plain_tensors() -> None:
                 plain = plain[:, :, order].clone()
             held = torch.stack([torch.stack([layer.keys, layer.values]) for layer in cache.layers])
             assert torch.equal(held, plain), op
+
+
+def test_copy_rows_of_empty_lists_copies_nothing() -> None:
+    """``as_tensor([])`` is float32, which the row check refuses: an empty list is read as no rows."""
+    cache = random_cache()
+    before = state(cache)
+    cache.copy_rows([], [])
+    for name, old in before.items():
+        assert torch.equal(state(cache)[name], old), name
+
+
+def test_nested_reuse_storage_blocks_are_one_block() -> None:
+    """A buffer taken in an inner block goes back to the pool when the outer block ends, not the inner one."""
+    from hf_blockbatch.cache import _POOL, release_pooled_storage, reuse_storage
+
+    release_pooled_storage()
+    with reuse_storage():
+        with reuse_storage():
+            taken = _POOL.take(100, torch.float32)
+        assert not _POOL._free and [b.data_ptr() for b in _POOL.lending] == [taken.data_ptr()]
+    assert _POOL.lending is None and _POOL._free[torch.float32].data_ptr() == taken.data_ptr()
+    release_pooled_storage()

@@ -721,6 +721,8 @@ def test_event_from_dict_refuses_an_unknown_or_missing_phase():
         event_from_dict({"step": 1})
     with pytest.raises(ValueError, match="got 'blok'"):
         event_from_dict({**event, "phase": "blok"})
+    with pytest.raises(TypeError, match=r"^event_from_dict: data must be a dict \(an event's to_dict\(\)\), got list\.$"):
+        event_from_dict([event])
 
 
 def test_model_generation_config_is_used_by_default():
@@ -1269,3 +1271,41 @@ def test_every_integer_option_refuses_a_numpy_integer_saying_convert_it(cls, fie
     with pytest.raises(ValueError) as err:
         getattr(hb, cls)(max_new_tokens=8, **others, **{field: np.int64(2)}).validate()
     assert str(err.value) == f"{field} must be a Python int, got np.int64(2) (int64): convert it with int()."
+
+
+def test_a_model_without_a_generation_config_decodes_blockbatch_at_its_defaults():
+    """``model.generation_config = None`` (a model built by hand, or the attribute cleared): the default decode, as
+    with a plain transformers config that sets nothing."""
+    model, ids = make_tiny_llada(), torch.tensor([[5, 6, 7]])
+    want = model.generate(ids, generation_config=hb.BlockBatchConfig(), return_dict_in_generate=True)
+    model.generation_config = None
+    got = model.generate(ids, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, want.sequences) and torch.equal(got.nfe, want.nfe)
+
+
+def test_num_return_sequences_without_an_attention_mask_repeats_each_prompt_unpadded():
+    """With no attention_mask, the repeated prompts get an all-ones mask: the same samples as passing one."""
+    model, ids = make_tiny_llada(), torch.tensor([[5, 6, 7], [8, 9, 10]])
+    cfg = hb.FastDLLMConfig(max_new_tokens=8, block_length=4, temperature=1.0, seed=3, num_return_sequences=2)
+    got = model.generate(ids, generation_config=cfg)
+    assert got.shape == (4, 11) and torch.equal(got[:, :3], ids.repeat_interleave(2, 0))
+    assert torch.equal(got, model.generate(ids, torch.ones_like(ids), generation_config=cfg))
+
+
+def test_an_empty_list_for_a_standard_option_asks_for_nothing():
+    """transformers' list and dict options (``bad_words_ids``, ``sequence_bias``) set empty ask for nothing, as
+    unset: accepted; set, refused by name, since no strategy here applies them."""
+    hb.BlockBatchConfig(bad_words_ids=[], sequence_bias={}).validate()
+    with pytest.raises(ValueError, match=r"^BlockBatchConfig does not use bad_words_ids=\[\[5\]\]"):
+        hb.BlockBatchConfig(bad_words_ids=[[5]]).validate()
+
+
+def test_token_ids_are_not_checked_against_a_model_that_names_no_vocabulary():
+    """A contract model with neither an embedding accessor nor a config ``vocab_size``: nothing to check against."""
+    from types import SimpleNamespace
+
+    from hf_blockbatch.checks import check_token_ids, vocabulary_size
+
+    model = SimpleNamespace(config=SimpleNamespace())
+    assert vocabulary_size(model) is None
+    assert check_token_ids(model, torch.tensor([[10**9, -1]])) is None
