@@ -105,6 +105,21 @@ def test_load_model_refuses_a_device_this_torch_does_not_see(monkeypatch) -> Non
         hb.load_model("tiny-llada", device="cuda")
 
 
+def test_load_model_refuses_a_device_kind_this_torch_has_no_backend_for() -> None:
+    """A device torch names but this build has no backend for (``xpu``, ``hpu``): refused before loading."""
+    for kind in ("xpu", "hpu"):
+        with pytest.raises(ValueError) as err:
+            hb.load_model("tiny-llada", device=kind)
+        assert str(err.value) == f"device='{kind}' is not available in this PyTorch: use cpu, or cuda (cuda:0, ...)."
+
+
+def test_load_model_takes_a_dtype_by_name() -> None:
+    from hf_blockbatch.hub import checked_dtype
+
+    assert checked_dtype("bfloat16") is checked_dtype("torch.bfloat16") is torch.bfloat16
+    assert hb.load_model("tiny-llada", dtype="float64")[0].dtype == torch.float64
+
+
 def test_a_hub_id_offline_loads_model_and_tokenizer_from_the_cache(monkeypatch) -> None:
     """A Hub id (one slash) with the Hub unreachable but cached: the model and the tokenizer are both loaded with
     ``local_files_only`` (else each retries the Hub for 23-28 s), and the tokenizer at the model's revision."""

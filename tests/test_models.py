@@ -658,6 +658,29 @@ def test_unsupported_options_refused(family: str, options: dict) -> None:
         make(family, **options)
 
 
+@pytest.mark.parametrize("options", [{"d_model": 66}, {"n_kv_heads": 3}])
+def test_llada_heads_that_do_not_divide_are_refused_saying_so(options: dict) -> None:
+    with pytest.raises(NotImplementedError) as err:
+        make_tiny_llada(**options)
+    assert str(err.value) == "This LLaDA config uses unsupported options: d_model must divide by n_heads, n_heads by n_kv_heads"
+
+
+def test_llada_config_answers_to_transformers_names_of_its_sizes() -> None:
+    config = make_tiny_llada(d_model=96, n_heads=6, n_kv_heads=2, n_layers=3).config
+    assert (config.hidden_size, config.num_attention_heads, config.num_hidden_layers) == (96, 6, 3)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_a_full_forward_with_return_dict_false_returns_logits_and_cache(family: str) -> None:
+    """transformers' convention: ``return_dict=False`` gives a tuple, here ``(logits, cache)``."""
+    model, ids = make(family), torch.tensor([[5, 6, 7, 8]])
+    logits, cache = model(ids, return_dict=False)
+    assert cache is None and torch.equal(logits, model(ids).logits)
+    cache = model.new_cache(1, 4)
+    out = model(ids, cache=cache, return_dict=False)
+    assert len(out) == 2 and out[1] is cache and torch.equal(out[0], logits)
+
+
 def test_supported_llada_options_build() -> None:
     # options the released checkpoints might use, all computed: GQA, biases without norm biases,
     # weight tying (no ff_out head), input embedding scaling, logit scaling
