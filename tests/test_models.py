@@ -989,3 +989,19 @@ def test_a_canvas_of_exactly_the_context_length_is_served(family: str) -> None:
         model(canvas(1, 13))
     with pytest.raises(ValueError, match="exceeds the model's context of 12"):
         model.new_cache(1, 13)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize(("refresh", "got"), [(torch.zeros(2, 4), "torch.float32 (2, 4)"),
+                                             (torch.zeros(2, 4, dtype=torch.long), "torch.int64 (2, 4)"),
+                                             (torch.zeros(1, 4, dtype=torch.bool), "torch.bool (1, 4)")])  # fmt: skip
+def test_forward_positions_refuses_a_refresh_mask_that_is_not_predicts_bool_shape(family: str, refresh, got: str) -> None:
+    """A float refresh mask failed in torch's bitwise_or (NotImplementedError); an integer one was refused as
+    "query_mask must be a bool", a name the caller never passed; a [1, L] one was broadcast over every row."""
+    model, ids = make(family), torch.tensor([[5, 6, 7, 8]] * 2)
+    cache = model(ids, cache=model.new_cache(2, 4)).cache
+    predict = torch.zeros(2, 4, dtype=torch.bool)
+    predict[:, 3] = True
+    with pytest.raises(ValueError) as err:
+        model.forward_positions(ids, predict, refresh, cache)
+    assert str(err.value) == f"refresh must be None or a bool of predict's shape (2, 4), got {got}."

@@ -557,6 +557,10 @@ class DiffusionLMMixin:
         shift = self.logit_shift
         if predict.dtype != torch.bool or predict.shape[-1] != cache.length or predict.dim() != 2:
             raise ValueError(f"predict must be a bool [rows, {cache.length}], got {predict.dtype} {tuple(predict.shape)}.")
+        if refresh is not None and (refresh.dtype != torch.bool or refresh.shape != predict.shape):
+            # (else a float one failed in torch's bitwise_or, and an integer one was refused as "query_mask")
+            raise ValueError(f"refresh must be None or a bool of predict's shape {tuple(predict.shape)}, got "
+                             f"{refresh.dtype} {tuple(refresh.shape)}.")  # fmt: skip
         if shift and bool(predict[:, :shift].any()):
             raise ValueError("A shifted model (Dream) cannot predict position 0: predict positions 1 or later.")
         heads = self.predicting_queries(predict)
