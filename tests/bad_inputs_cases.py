@@ -556,6 +556,13 @@ def _(capsys, tmp_path, **_):
     return _cli(["bench", "--configs", str(path)], capsys)
 
 
+@case("bench-configs-not-an-object")
+def _(capsys, tmp_path, **_):
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps({"blockbatch": 1}))
+    return _cli(["bench", "--configs", str(path)], capsys)
+
+
 @case("bench-configs-invalid-json")
 def _(capsys, tmp_path, **_):
     path = tmp_path / "configs.json"
