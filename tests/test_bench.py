@@ -998,6 +998,25 @@ def test_lm_eval_adapter_generate_until(tiny):
     assert van.overrides["vanilla"]["steps"] == 256
 
 
+def test_lm_eval_adapter_answers_the_harness_chat_and_name_questions(tiny):
+    """What the harness asks beside generate_until (with --apply_chat_template, and to name its cache files), a
+    generation length given as a string by a Python caller, and the two refusals of this construction path: none
+    was ever run by a test."""
+    from hf_blockbatch.eval.lm_eval_model import HFBlockBatchLM
+
+    model, tok, _ = tiny
+    lm = HFBlockBatchLM(pretrained=model, tokenizer=tok, method="fast_dllm", gen_length="32")
+    assert lm.gen_length == 32
+    assert lm.tokenizer_name == str(tok.name_or_path).replace("/", "__")
+    assert lm.chat_template(False) == "" and lm.chat_template(True) == tok.chat_template
+    history = [{"role": "user", "content": "1 + 2?"}]
+    assert lm.apply_chat_template(history) == tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    with pytest.raises(NotImplementedError, match=r"loglikelihood_rolling \(perplexity tasks\)"):
+        lm.loglikelihood_rolling([])
+    with pytest.raises(ValueError, match=r"^pass tokenizer= together with a model object$"):
+        HFBlockBatchLM(pretrained=model, method="fast_dllm")
+
+
 def test_lm_eval_adapter_samples_where_the_task_asks(tiny):
     """A task's ``temperature`` > 0 (with ``do_sample`` true or unset) samples: the method's config turns to
     sampling as ``generate(temperature=...)`` does. (It was refused: the configs are greedy by default, and only
