@@ -106,3 +106,16 @@ def test_the_memory_limit_fails_what_the_machine_could_give() -> None:
     r = run_program("x = bytearray(300 * 2**20)\n", memory_mb=256)
     assert r.status == "failed" and r.detail.startswith("MemoryError")
     assert run_program("x = bytearray(300 * 2**20)\n", memory_mb=1024).passed
+
+
+def test_a_program_that_crashes_the_interpreter_is_an_error_naming_the_signal() -> None:
+    """A completion that kills its interpreter (here a segmentation fault) gets no verdict: an ``error`` result
+    saying which signal, not an exception in the scorer."""
+    res = run_program("import faulthandler\nfaulthandler._sigsegv()")
+    assert (res.passed, res.status) == (False, "error") and res.detail.startswith("killed by signal SIGSEGV")
+
+
+def test_run_programs_with_the_default_workers_or_one_keeps_order() -> None:
+    progs = ["assert True", "assert False", "assert 2 + 2 == 4"]
+    for workers in (None, 1):
+        assert [r.status for r in run_programs(progs, workers=workers)] == ["passed", "failed", "passed"]
