@@ -372,3 +372,21 @@ def test_math_equivalence_without_math_verify(monkeypatch: pytest.MonkeyPatch, p
     monkeypatch.setattr(scoring, "_math_verify_equal", lambda *a: None)
     assert math_is_equivalent(pred, gold)
     assert not math_is_equivalent("1,2", "12")
+
+
+def test_scoring_edge_cases_no_test_reached() -> None:
+    """Branches of the scorers that line coverage showed no test ran, each with the answer it gives."""
+    from hf_blockbatch.tasks import scoring
+
+    assert truncate_at("a\nb", ["", "\n"]) == "a"  # an empty stop string cuts nothing
+    assert normalize_number(" $. ") is None  # nothing left after the cleaning
+    assert not numbers_equal(None, "3") and not numbers_equal(".", "3")
+    assert last_boxed_only_string(r"so \boxed  {5} done") == r"\boxed{5}"  # spaces before the brace
+    assert last_boxed_only_string("ends in \\boxed") is None  # no argument
+    assert remove_boxed("nothing") is None and remove_boxed(r"\boxed{5}") == "5"
+    assert extract_math_answer("") is None
+    assert normalize_math_answer(None) is None
+    assert normalize_math_answer(r"\boxed{\frac12}") == r"\frac{1}{2}"  # a whole boxed answer: its inside
+    assert normalize_math_answer(r"\frac1{2}") == r"\frac{1}{2}"
+    assert normalize_math_answer(r"\frac1") == r"\frac1"  # too short to fix: kept
+    assert scoring._as_rational("1/0") is None  # a zero denominator is no number
