@@ -158,8 +158,3 @@ class SyntheticTask(Task):
         """
         return apply_chat(item.question, tokenizer, chat)
 
-
-def pick(rng: random.Random, options: list[str]) -> tuple[str, list[str]]:
-    """Choose one of several valid forms with ``rng``; return it and the deduplicated list."""
-    forms = list(dict.fromkeys(options))
-    return rng.choice(forms), forms
