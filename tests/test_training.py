@@ -322,6 +322,17 @@ def test_bad_settings_are_refused_before_training(tmp_path, options, message):
     assert not (tmp_path / "out").exists()
 
 
+def test_an_output_path_that_is_a_file_is_refused_before_training(tmp_path):
+    out = tmp_path / "out"
+    out.write_text("not a folder")
+    quick = _tiny("llada", steps=1, suites={"lists": 1.0}, train_items_per_suite=16, eval_items_per_suite=2,
+                  decode_items_per_suite=0)  # fmt: skip
+    with pytest.raises(ValueError) as err:
+        train(quick, out, show_progress=False)
+    assert str(err.value) == f"out {str(out)!r} is a file: name a folder for the checkpoints."
+    assert out.read_text() == "not a folder"
+
+
 def test_settings_that_fit_no_data_are_refused(tmp_path):
     small = dict(suites={"lists": 1.0}, train_items_per_suite=16, num_threads=1)
     with pytest.raises(ValueError, match="No training item of lists fits gen_min=8 tokens"):
