@@ -1763,3 +1763,12 @@ def test_gpu_check_out_of_memory_section_reports_the_explained_error(monkeypatch
     out = gpu_check.out_of_memory(torch.device("cpu"), G=16, prompt=24)
     assert out["requests"] == 6 and out["type"] == "RuntimeError" and out["explained"]
     assert out["message"].startswith("Out of memory for the K/V cache: 6 request(s) × 4 cache row(s) each")
+
+
+def test_bench_dtype_names_are_read_as_load_model_reads_them():
+    """``BenchSettings.dtype`` kept its own table of names beside ``hub.checked_dtype``; its refusal never ran."""
+    from hf_blockbatch.eval.runner import _resolve_dtype
+
+    assert _resolve_dtype("auto") is None and _resolve_dtype("bfloat16") is torch.bfloat16
+    with pytest.raises(ValueError, match=r"^dtype='fp8' is not a dtype a model loads in: use float32, bfloat16 or float16"):
+        _resolve_dtype("fp8")

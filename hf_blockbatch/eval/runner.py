@@ -658,13 +658,11 @@ class BenchSettings:
 
 
 def _resolve_dtype(name: str) -> torch.dtype | None:
-    """``auto`` leaves the choice to :func:`~hf_blockbatch.hub.load_model` (bf16 on GPU)."""
-    if name == "auto":
-        return None
-    try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-    except KeyError as e:
-        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}") from e
+    """``auto`` leaves the choice to :func:`~hf_blockbatch.hub.load_model` (bf16 on GPU); any other name is read,
+    or refused, as load_model reads it (:func:`~hf_blockbatch.hub.checked_dtype`), said before the model loads."""
+    from hf_blockbatch.hub import checked_dtype
+
+    return None if name == "auto" else checked_dtype(name)
 
 
 def _load(settings: BenchSettings, shard: ShardInfo) -> tuple[Any, Any]:
