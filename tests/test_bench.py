@@ -1772,3 +1772,13 @@ def test_bench_dtype_names_are_read_as_load_model_reads_them():
     assert _resolve_dtype("auto") is None and _resolve_dtype("bfloat16") is torch.bfloat16
     with pytest.raises(ValueError, match=r"^dtype='fp8' is not a dtype a model loads in: use float32, bfloat16 or float16"):
         _resolve_dtype("fp8")
+
+
+def test_a_rank_outside_the_world_size_is_refused_and_an_unknown_method_labels_as_itself(monkeypatch):
+    from hf_blockbatch.eval import runner
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match=r"^RANK=2 is outside WORLD_SIZE=2$"):
+        runner.shard_info()
+    assert runner.method_label("my_method") == "my_method"  # a method of --configs the bench does not know

@@ -390,3 +390,13 @@ def test_scoring_edge_cases_no_test_reached() -> None:
     assert normalize_math_answer(r"\frac1{2}") == r"\frac{1}{2}"
     assert normalize_math_answer(r"\frac1") == r"\frac1"  # too short to fix: kept
     assert scoring._as_rational("1/0") is None  # a zero denominator is no number
+
+
+def test_paired_difference_refuses_an_outcome_that_is_an_array() -> None:
+    """A value whose ``== 0`` is no truth value (an array of several outcomes) is not a right/wrong outcome."""
+    import numpy as np
+
+    with pytest.raises(ValueError) as err:
+        paired_difference({1: np.array([1, 0])}, {1: True})
+    assert str(err.value) == ("paired_difference: a's values must say whether each item was answered right (True/False "
+                              "or 1/0), got array([1, 0]) for item 1.")
