@@ -296,6 +296,7 @@ def test_the_shared_argument_types_and_run_main(tmp_path, capsys) -> None:
     from hf_blockbatch.eval import script_args as sa
 
     assert (sa.positive_int("3"), sa.nonnegative_int("0"), sa.positive_float("0.5"), sa.probability("1")) == (3, 0, 0.5, 1.0)
+    assert (sa.nonnegative_float("0"), sa.finite_float("-2.5")) == (0.0, -2.5)
     for kind, text, says in ((sa.positive_int, "0", "must be >= 1, got 0"), (sa.positive_int, "x", "expected an integer"),
                              (sa.nonnegative_int, "-1", "must be >= 0, got -1"), (sa.positive_float, "0", "must be > 0"),
                              (sa.positive_float, "nan", "finite"), (sa.probability, "1.5", "must be in (0, 1]"),
@@ -310,6 +311,8 @@ def test_the_shared_argument_types_and_run_main(tmp_path, capsys) -> None:
         sa.out_file(str(tmp_path))
     (tmp_path / "obj.json").write_text('{"a": 1}')
     assert sa.read_json(tmp_path / "obj.json") == {"a": 1}
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path))}: cannot read it \(Is a directory\); expected a JSON file$"):
+        sa.read_json(tmp_path)
     with pytest.raises(ValueError, match="holds an object, expected a list of runs"):
         sa.read_json(tmp_path / "obj.json", list, "a list of runs")
 

@@ -168,3 +168,12 @@ def test_assets_are_reproducible(tmp_path, monkeypatch):
             "chat_template.jinja",
         ):
             assert (tmp_path / f"tiny-{family}" / name).read_bytes() == (shipped[family] / name).read_bytes()
+
+
+def test_an_unknown_family_is_refused_before_any_training_or_path():
+    from hf_blockbatch.training.tokenizer import train_tokenizer
+
+    for call in (lambda: asset_dir("gpt"), lambda: train_tokenizer(None, "gpt")):
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value) == f"family must be one of {FAMILIES}, got 'gpt'"
