@@ -1017,6 +1017,19 @@ def test_lm_eval_adapter_answers_the_harness_chat_and_name_questions(tiny):
         HFBlockBatchLM(pretrained=model, method="fast_dllm")
 
 
+def test_lm_eval_adapter_pads_with_eos_when_the_tokenizer_has_no_pad_token(tiny):
+    """As the harness's own HF model: a tokenizer without a pad token pads the left-padded batches with EOS."""
+    import copy
+
+    from hf_blockbatch.eval.lm_eval_model import HFBlockBatchLM
+
+    model, tok, _ = tiny
+    tok = copy.deepcopy(tok)
+    tok.pad_token = None
+    lm = HFBlockBatchLM(pretrained=model, tokenizer=tok, method="fast_dllm")
+    assert lm.tokenizer.pad_token == tok.eos_token and lm.tokenizer.padding_side == "left"
+
+
 def test_lm_eval_adapter_samples_where_the_task_asks(tiny):
     """A task's ``temperature`` > 0 (with ``do_sample`` true or unset) samples: the method's config turns to
     sampling as ``generate(temperature=...)`` does. (It was refused: the configs are greedy by default, and only
