@@ -1309,3 +1309,18 @@ def test_token_ids_are_not_checked_against_a_model_that_names_no_vocabulary():
     model = SimpleNamespace(config=SimpleNamespace())
     assert vocabulary_size(model) is None
     assert check_token_ids(model, torch.tensor([[10**9, -1]])) is None
+
+
+def test_a_model_that_names_no_vocabulary_decodes_without_the_id_checks():
+    """A contract model with no embedding accessor and no config ``vocab_size``: generate's checks of the prompt's
+    and the special tokens' ids have nothing to check against, and the decode is unchanged."""
+    model, ids = make_tiny_llada(), torch.tensor([[5, 6, 7]])
+    cfg = hb.FastDLLMConfig(max_new_tokens=8, block_length=4)
+    want = model.generate(ids, generation_config=cfg)
+
+    def no_accessor():
+        raise NotImplementedError
+
+    model.get_input_embeddings = no_accessor
+    model.config.vocab_size = None
+    assert torch.equal(model.generate(ids, generation_config=cfg), want)
