@@ -1517,6 +1517,23 @@ def test_write_report_writes_both_files_under_the_whole_stem(tmp_path):
     assert (stem.parent / "tiny-llada_8_q2.5.md").read_text() == "| a |\n|---|\n"
 
 
+def test_write_report_writes_strict_json_for_non_finite_numbers_in_tensors_and_numpy_scalars(tmp_path):
+    """A plain float NaN was already written as null; one inside a tensor or a NumPy scalar (a nanmean of nothing)
+    was written as ``NaN``, which JSON readers other than Python's refuse."""
+    import numpy as np
+
+    from hf_blockbatch.eval.runner import write_report
+
+    result = {"plain": float("nan"), "np": np.float32("nan"), "t": torch.tensor([1.0, float("inf")]), "n": np.int64(3)}
+    stem = write_report(tmp_path / "r", result, "x")
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+
+    text = stem.with_name("r.json").read_text()
+    assert json.loads(text, parse_constant=refuse) == {"plain": None, "np": None, "t": [1.0, None], "n": 3}
+
+
 def test_a_recorded_config_matches_by_its_fields_and_a_later_field_at_its_default():
     """benchmarks/paper_table.py --targets finds a preset's run by the config the run recorded, which an
     older run wrote before some fields existed: a missing field counts at its default, any other field

@@ -466,8 +466,10 @@ def default_barrier(shard: ShardInfo) -> Callable[[], None]:
 
 
 def _jsonable(obj: Any) -> Any:
+    """``obj`` as strict JSON holds it: a non-finite number becomes null (``json.dumps`` would write ``NaN``, which
+    JSON readers other than Python's refuse), also inside a tensor or as a NumPy scalar."""
     if isinstance(obj, torch.Tensor):
-        return obj.tolist()
+        return _jsonable(obj.tolist())
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -477,7 +479,7 @@ def _jsonable(obj: Any) -> Any:
     if obj is None or isinstance(obj, (str, int, float, bool)):
         return obj
     if hasattr(obj, "item"):
-        return obj.item()
+        return _jsonable(obj.item())
     return str(obj)
 
 
