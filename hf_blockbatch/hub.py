@@ -95,6 +95,8 @@ def _check_device(device: str | torch.device | None) -> None:
         kind = torch.device(device).type
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"device={str(device)!r} is not a device PyTorch knows: use cpu, or cuda (cuda:0, ...).") from err
+    if kind == "meta":  # exists in every PyTorch, but holds shapes only: "not available" misled
+        raise ValueError("device='meta' holds no weights, so nothing could decode on it: use cpu, or cuda (cuda:0, ...).")
     available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
     if kind in available and not available[kind]:
         raise ValueError(f"device={str(device)!r} but this PyTorch sees no {kind.upper()} device: use device='cpu'.")

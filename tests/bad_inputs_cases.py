@@ -490,6 +490,11 @@ def _(**_):
     return _message(lambda: hb.load_model("tiny-llada", device="tpu"))
 
 
+@case("device-meta")
+def _(**_):
+    return _message(lambda: hb.load_model("tiny-llada", device="meta"))
+
+
 @case("dtype-fp8")
 def _(**_):
     return _message(lambda: hb.load_model("tiny-llada", dtype="fp8"))
