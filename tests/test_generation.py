@@ -820,6 +820,42 @@ def test_saved_generation_config_comes_back_with_the_model(family, tmp_path, cap
     assert out.stats[0]["strategy"] == "blockbatch"
 
 
+@pytest.mark.parametrize("make", [
+    lambda: VanillaDiffusionConfig(max_new_tokens=8, steps=8, block_length=4),
+    lambda: FastDLLMConfig(max_new_tokens=8, block_length=4, threshold=0.5),
+    lambda: FastDLLMConfig.drafted(exact=False, max_new_tokens=8, block_length=8),
+    lambda: BlockBatchConfig.lean(max_new_tokens=8),
+    lambda: BlockBatchConfig(max_new_tokens=8, remasking="random", seed=3),
+    lambda: FastDLLMConfig(max_new_tokens=8, block_length=4, temperature=0.5, seed=1),
+], ids=["vanilla", "fast_dllm", "drafted", "lean", "random remasking", "sampling"])  # fmt: skip
+def test_a_saved_config_reads_back_quietly_as_transformers_class(make, tmp_path):
+    """A greedy config's file held ``temperature: 0.0`` beside ``do_sample: false``, which transformers' own
+    ``GenerationConfig.from_pretrained`` (and a transformers model's ``from_pretrained``) answered with "The
+    following generation flags are not valid and may be ignored: ['temperature']" on every load. The file now
+    leaves out that default temperature; both classes read it back as it was saved and it decodes the same."""
+    import logging
+
+    import transformers.utils.logging as transformers_logging
+
+    cfg = make()
+    cfg.save_pretrained(tmp_path)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # transformers' logger does not propagate to caplog's root handler
+    transformers_logger = logging.getLogger("transformers")
+    transformers_logger.addHandler(handler)
+    transformers_logging.warning_once.cache_clear()  # the warning is logged once per process: an earlier test's hid it
+    try:
+        generic = GenerationConfig.from_pretrained(tmp_path)
+    finally:
+        transformers_logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == []
+    assert type(cfg).from_pretrained(tmp_path) == cfg
+    m = make_tiny_llada()
+    got = m.generate(torch.tensor([PROMPT]), generation_config=generic)  # the sampled ones hash their noise (seed)
+    assert torch.equal(got, m.generate(torch.tensor([PROMPT]), generation_config=cfg))
+
+
 @pytest.mark.parametrize(("edit", "exc", "reason"), [
     (("\"block_length\": 4", "\"block_length\": 0"), ValueError, "block_length must be a positive integer, got 0."),
     (("\"block_length\"", "\"future_option\": 1, \"block_length\""), TypeError, "Unknown option(s) for FastDLLMConfig: future_option."),

@@ -13,6 +13,7 @@ shorter last block is what a user would expect. With divisible sizes the behavio
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Mapping
 from numbers import Real
 from typing import Any
@@ -248,6 +249,17 @@ class DiffusionGenerationConfig(GenerationConfig):
         data = model_config if isinstance(model_config, dict) else model_config.to_dict()
         ids = ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id")
         return cls(**{k: data[k] for k in ids if data.get(k) is not None and k not in kwargs}, **kwargs)
+
+    def to_json_file(self, json_file_path: str | os.PathLike, use_diff: bool = True,
+                     keys_to_pop: list[str] | None = None) -> None:  # fmt: skip
+        """Write the config as ``save_pretrained`` does, leaving out a greedy decode's ``temperature=0``: this
+        class's default, so it loads back the same, while transformers' own ``GenerationConfig``, which reads the
+        file when ``GenerationConfig.from_pretrained`` or a transformers model's ``from_pretrained`` loads it, logged
+        "The following generation flags are not valid and may be ignored: ['temperature']" (a temperature with
+        ``do_sample=False``) on every load of every greedy config. ``to_dict`` and ``to_diff_dict`` keep it."""
+        if use_diff and not self.do_sample and self.temperature == 0:
+            keys_to_pop = [*(keys_to_pop or ()), "temperature"]
+        super().to_json_file(json_file_path, use_diff=use_diff, keys_to_pop=keys_to_pop)
 
     def override(self, options: dict[str, Any]) -> None:
         """Set ``generate()``'s keyword options, as the constructor would have: naming another

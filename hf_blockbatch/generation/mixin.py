@@ -87,8 +87,11 @@ def _resolve_config(model: Any, generation_config: GenerationConfig | None,
     if isinstance(cfg, GenerationConfig) and not isinstance(cfg, DiffusionGenerationConfig) and getattr(cfg, "strategy", None):
         # one of ours read back as transformers' own class (GenerationConfig.from_pretrained of a saved config): its
         # strategy names the class, as when a model loads its generation_config.json (a new object: the caller's is kept)
+        data = cfg.to_dict()
+        if data.get("temperature") is None:  # a greedy config's file leaves out its temperature 0, which is our default
+            data.pop("temperature", None)
         try:
-            cfg = config_from_dict(cfg.to_dict())
+            cfg = config_from_dict(data)
         except (TypeError, ValueError) as err:
             if generation_config is not None:  # the caller's own: its message is the whole story
                 raise
