@@ -681,6 +681,25 @@ def test_a_full_forward_with_return_dict_false_returns_logits_and_cache(family: 
     assert len(out) == 2 and out[1] is cache and torch.equal(out[0], logits)
 
 
+def test_dream_rope_scaling_is_read_without_transformers_deprecation_warning(tmp_path) -> None:
+    """DreamConfig stored the official configs' ``rope_scaling`` through transformers 5's deprecated setter, which
+    warned "`rope_scaling` is deprecated ... Set `rope_parameters` instead" for every config that sets it, a
+    user's or a checkpoint's. It now stores ``rope_parameters`` itself: no warning, the same config, and a
+    scaled RoPE is still refused."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails here
+        cfg = DreamConfig(rope_scaling={"rope_type": "default"})
+        cfg.save_pretrained(tmp_path)
+        assert DreamConfig.from_pretrained(tmp_path).rope_parameters == {"rope_type": "default", "rope_theta": 1e6}
+        cfg.validate_supported()
+        with pytest.raises(NotImplementedError, match="rope_scaling type 'linear'"):
+            DreamConfig(rope_scaling={"type": "linear", "factor": 2.0}).validate_supported()
+        with pytest.raises(NotImplementedError, match="rope_scaling type 'linear'"):
+            DreamConfig(rope_parameters={"rope_type": "linear", "factor": 2.0}).validate_supported()
+
+
 def test_supported_llada_options_build() -> None:
     # options the released checkpoints might use, all computed: GQA, biases without norm biases,
     # weight tying (no ff_out head), input embedding scaling, logit scaling

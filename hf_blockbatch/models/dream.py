@@ -84,8 +84,8 @@ class DreamConfig(OwnModelTypeConfig, PreTrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.use_cache = use_cache
         self.rope_theta = rope_theta
-        if rope_scaling is not None:  # the official configs carry null; transformers 5 warns on the name
-            self.rope_scaling = rope_scaling
+        if rope_scaling is not None:  # the official configs' name (they carry null); transformers 5 deprecates it:
+            self.rope_parameters = rope_scaling  # its setter warned on every such config, and only stores it here
         self.use_sliding_window = use_sliding_window
         self.sliding_window = sliding_window if use_sliding_window else None
         self.max_window_layers = max_window_layers
@@ -128,7 +128,7 @@ class DreamConfig(OwnModelTypeConfig, PreTrainedConfig):
     def validate_supported(self) -> None:
         """Refuse architecture options this implementation does not compute (never guess)."""
         problems = []
-        scaling = getattr(self, "rope_scaling", None) or {}
+        scaling = getattr(self, "rope_parameters", None) or {}  # what rope_scaling sets (transformers 5)
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type != "default":
             problems.append(f"rope_scaling type {rope_type!r} (only the default RoPE)")
