@@ -316,6 +316,22 @@ def test_the_progress_bar_counts_each_shard_s_retimed_items():
     assert runner._count_timed(range(0, 3), 5) == 6  # a task of 3 items: each once more, not 5
 
 
+@pytest.mark.parametrize(("progress", "rank"), [(True, 0), (False, 0), (True, 1)])
+def test_no_progress_hides_transformers_loading_bar_too(progress, rank, capsys):
+    """``--no-progress`` left one bar on stderr: transformers' "Loading weights" while the model loaded (on every
+    process of a sharded run too, where the bench's own bar shows on the first only). Where the bench's bar is off,
+    that one is now off too, and transformers' bars are switched back on after the load."""
+    from transformers.utils import logging as transformers_logging
+
+    if not transformers_logging.is_progress_bar_enabled():
+        pytest.skip("transformers' progress bars are off in this environment (HF_HUB_DISABLE_PROGRESS_BARS)")
+    capsys.readouterr()
+    runner._load(runner.BenchSettings(model="tiny-llada", tasks=["arith"], device="cpu", progress=progress),
+                 runner.ShardInfo(rank=rank, world_size=2 if rank else 1))  # fmt: skip
+    assert ("Loading weights" in capsys.readouterr().err) == (progress and rank == 0)
+    assert transformers_logging.is_progress_bar_enabled()
+
+
 def test_rows_sort_by_task_method_and_item_with_unknown_names_last():
     """The order of a run's rows (``merge_shards``, ``samples.jsonl``): the run's task order, then its method order,
     then the item; a task or method the orders do not name goes after those they do."""

@@ -668,6 +668,21 @@ def _resolve_dtype(name: str) -> torch.dtype | None:
 
 
 def _load(settings: BenchSettings, shard: ShardInfo) -> tuple[Any, Any]:
+    """The bench's model and tokenizer. Where the bench shows no progress bar (``--no-progress``, a process other
+    than the first), transformers' "Loading weights" and download bars are off too while it loads: they were the
+    one bar on stderr of a ``--no-progress`` run."""
+    from transformers.utils import logging as transformers_logging
+
+    if settings.progress and shard.is_main or not transformers_logging.is_progress_bar_enabled():
+        return _load_model(settings, shard)
+    transformers_logging.disable_progress_bar()
+    try:
+        return _load_model(settings, shard)
+    finally:
+        transformers_logging.enable_progress_bar()
+
+
+def _load_model(settings: BenchSettings, shard: ShardInfo) -> tuple[Any, Any]:
     from hf_blockbatch.hub import load_model
 
     if settings.device_map is not None:
