@@ -583,6 +583,13 @@ def _(capsys, tmp_path, **_):
                  "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
 
 
+@case("bench-reference-on-dream")
+def _(capsys, tmp_path, **_):
+    return _cli(["bench", "--model", "tiny-dream", "--task", "arith", "--methods", "fast_dllm", "blockbatch_reference",
+                 "--limit", "1", "--no-progress", "--no-plots", "--output-dir", str(tmp_path / "out"), "--device", "cpu"],
+                capsys)  # fmt: skip
+
+
 @case("bench-max-new-tokens")
 def _(capsys, **_):
     return _cli(["bench", "--set", "blockbatch.max_new_tokens=8"], capsys)

@@ -1401,6 +1401,21 @@ def test_bench_refuses_a_misspelt_task_or_method_before_loading_the_model(tmp_pa
         run_bench(BenchSettings(tasks=["arith"], methods=["blockbach"], limit=2, output_dir=str(tmp_path / "m")))
 
 
+def test_bench_refuses_a_method_the_model_cannot_run_before_the_first_decode(tmp_path, monkeypatch):
+    """``blockbatch_reference`` on Dream (the authors' LLaDA decoder) was refused only when its turn came, after every
+    method listed before it had decoded: on a real checkpoint, hours of work thrown away."""
+    model, tokenizer = hb.load_model("tiny-dream")
+
+    def no_decode(*_a, **_k):
+        raise AssertionError("a method decoded before every method was checked against the model")
+
+    monkeypatch.setattr(runner, "_decode", no_decode)
+    settings = BenchSettings(tasks=["arith"], methods=["fast_dllm", "blockbatch_reference"], limit=2, warmup=False,
+                             output_dir=str(tmp_path))  # fmt: skip
+    with pytest.raises(ValueError, match=r"^arith / blockbatch_reference: variant='reference' reproduces"):
+        run_bench(settings, model=model, tokenizer=tokenizer)
+
+
 def test_many_masks_grid_decodes_the_shipped_point_beside_the_tuned_and_the_preset(tmp_path):
     """``benchmarks/many_masks_grid.py`` (RESULTS §48): each (threshold, masks) point is ``drafted(exact=False)`` at the
     cell's block with that rule, so the chosen point is the shipped preset itself (less §49's runner-up drafts); every

@@ -667,6 +667,20 @@ def _resolve_dtype(name: str) -> torch.dtype | None:
     return None if name == "auto" else checked_dtype(name)
 
 
+def _check_methods_fit(model: Any, plans: list[tuple[str, Task, list[EvalItem], int, dict[str, Any]]]) -> None:
+    """Refuse, once the model is loaded and before the first decode, a method the model cannot run (``generate``'s own
+    check, :func:`~hf_blockbatch.generation.plans.check_model`): ``blockbatch_reference`` on Dream was refused only
+    when its turn came, after every method before it had decoded."""
+    from hf_blockbatch.generation.plans import check_model, plan_from_config
+
+    for name, _task, _items, _gen_length, configs in plans:
+        for method, cfg in configs.items():
+            try:
+                check_model(plan_from_config(cfg, [], []), model)
+            except ValueError as err:
+                raise ValueError(f"{name} / {method}: {err}") from None
+
+
 def _load(settings: BenchSettings, shard: ShardInfo) -> tuple[Any, Any]:
     """The bench's model and tokenizer. Where the bench shows no progress bar (``--no-progress``, a process other
     than the first), transformers' "Loading weights" and download bars are off too while it loads: they were the
@@ -911,6 +925,7 @@ def run_bench(
 
     if model is None or tokenizer is None:
         model, tokenizer = _load(settings, shard)
+    _check_methods_fit(model, plans)
     end_ids = end_token_ids(tokenizer, model.config)
     device = _input_device(model)
     chat = settings.chat if settings.chat is not None else bool(getattr(tokenizer, "chat_template", None))
