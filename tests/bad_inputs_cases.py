@@ -590,6 +590,22 @@ def _(capsys, tmp_path, **_):
                 capsys)  # fmt: skip
 
 
+@case("bench-folder-in-the-way")
+def _(capsys, tmp_path, **_):
+    (tmp_path / "out" / "summary.md").mkdir(parents=True)
+    return _cli(["bench", "--task", "arith", "--methods", "fast_dllm", "--limit", "1", "--no-progress", "--no-plots",
+                 "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
+
+
+@case("bench-plots-without-matplotlib")
+def _(capsys, tmp_path, monkeypatch, **_):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    return _cli(["bench", "--task", "arith", "--methods", "fast_dllm", "--limit", "1", "--no-progress",
+                 "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
+
+
 @case("bench-max-new-tokens")
 def _(capsys, **_):
     return _cli(["bench", "--set", "blockbatch.max_new_tokens=8"], capsys)

@@ -1416,6 +1416,49 @@ def test_bench_refuses_a_method_the_model_cannot_run_before_the_first_decode(tmp
         run_bench(settings, model=model, tokenizer=tokenizer)
 
 
+@pytest.mark.parametrize(("in_the_way", "plots"), [
+    ("samples.jsonl", True), ("summary.md", True), ("nfe_distribution.png", True),
+    ("accuracy_vs_nfe.png", False),  # plots off: an earlier run's plot is removed, a folder could not be
+])  # fmt: skip
+def test_bench_refuses_a_folder_in_the_way_of_its_files_before_the_first_decode(tiny, tmp_path, monkeypatch, in_the_way,
+                                                                                  plots):  # fmt: skip
+    """A folder named as one of the bench's files was an ``IsADirectoryError`` traceback once every item had decoded
+    (the results of hours of decoding, lost)."""
+    (tmp_path / in_the_way).mkdir()
+    monkeypatch.setattr(runner, "_decode", _no_decode)
+    settings = BenchSettings(tasks=["arith"], methods=["fast_dllm"], limit=1, warmup=False, plots=plots,
+                             progress=False, output_dir=str(tmp_path))  # fmt: skip
+    with pytest.raises(ValueError, match=rf"^output_dir '.*' holds a folder '{in_the_way}' where the run writes its"):
+        run_bench(settings, model=tiny[0], tokenizer=tiny[1], shard=ShardInfo())
+
+
+def test_bench_refuses_a_shards_file_before_a_sharded_run_decodes(tiny, tmp_path, monkeypatch):
+    """Several processes write their rows into ``shards/``: a file of that name failed each process's write once its
+    shard had decoded."""
+    (tmp_path / "shards").write_text("")
+    monkeypatch.setattr(runner, "_decode", _no_decode)
+    settings = BenchSettings(tasks=["arith"], methods=["fast_dllm"], limit=2, warmup=False, plots=False,
+                             progress=False, output_dir=str(tmp_path))  # fmt: skip
+    with pytest.raises(ValueError, match=r"^output_dir '.*' holds a file 'shards' where the processes write"):
+        run_bench(settings, model=tiny[0], tokenizer=tiny[1], shard=ShardInfo(rank=1, world_size=2),
+                  barrier=lambda: None)  # fmt: skip
+
+
+def test_bench_refuses_plots_without_matplotlib_before_the_first_decode(tiny, tmp_path, monkeypatch):
+    """Plots (on by default) need matplotlib, an optional dependency (the ``eval`` extra): without it the bench
+    decoded every item, then stopped with a ``ModuleNotFoundError`` traceback."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    monkeypatch.setattr(runner, "_decode", _no_decode)
+    settings = BenchSettings(tasks=["arith"], methods=["fast_dllm"], limit=1, warmup=False, progress=False,
+                             output_dir=str(tmp_path))  # fmt: skip
+    with pytest.raises(ValueError, match=r"^the plots need matplotlib, which is not installed: .*--no-plots"):
+        run_bench(settings, model=tiny[0], tokenizer=tiny[1], shard=ShardInfo())
+
+
+def _no_decode(*_a, **_k):
+    raise AssertionError("an item decoded before the bench's output folder was checked")
+
+
 def test_many_masks_grid_decodes_the_shipped_point_beside_the_tuned_and_the_preset(tmp_path):
     """``benchmarks/many_masks_grid.py`` (RESULTS §48): each (threshold, masks) point is ``drafted(exact=False)`` at the
     cell's block with that rule, so the chosen point is the shipped preset itself (less §49's runner-up drafts); every

@@ -659,6 +659,24 @@ class BenchSettings:
     at_tuned_block: list[str] = field(default_factory=list)
 
 
+def _check_output_files(out_dir: Path, plots: bool, shard: ShardInfo) -> None:
+    """Refuse, before the model loads, what would stop the run only once every item is decoded: a folder where the
+    run writes (or, plots off, removes) one of its files, ``shards`` a file where several processes write their rows,
+    and plots asked for without matplotlib. Each was a traceback after the last decode."""
+    import importlib.util
+
+    names = [SAMPLES_FILE, "run.json", "summary.json", "summary.md", *PLOT_FILES]
+    for path in [out_dir / n for n in names if (out_dir / n).is_dir()]:
+        raise ValueError(f"output_dir {str(out_dir)!r} holds a folder {path.name!r} where the run writes its file: "
+                         "move it away or name another folder for the results.")  # fmt: skip
+    if shard.world_size > 1 and (out_dir / "shards").exists() and not (out_dir / "shards").is_dir():
+        raise ValueError(f"output_dir {str(out_dir)!r} holds a file 'shards' where the processes write their rows: "
+                         "move it away or name another folder for the results.")  # fmt: skip
+    if plots and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("the plots need matplotlib, which is not installed: pip install 'hf-blockbatch[eval]', or "
+                         "skip them (bench --no-plots, BenchSettings(plots=False)).")  # fmt: skip
+
+
 def _resolve_dtype(name: str) -> torch.dtype | None:
     """``auto`` leaves the choice to :func:`~hf_blockbatch.hub.load_model` (bf16 on GPU); any other name is read,
     or refused, as load_model reads it (:func:`~hf_blockbatch.hub.checked_dtype`), said before the model loads."""
@@ -912,6 +930,7 @@ def run_bench(
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"output_dir {str(out_dir)!r} is a file: name a folder for the results.")
     out_dir.mkdir(parents=True, exist_ok=True)
+    _check_output_files(out_dir, settings.plots, shard)
     # tasks, items and configs first: a misspelt task or method is said before minutes of loading an 8B model
     plans: list[tuple[str, Task, list[EvalItem], int, dict[str, Any]]] = []
     for name in settings.tasks:
