@@ -333,6 +333,22 @@ def test_an_output_path_that_is_a_file_is_refused_before_training(tmp_path):
     assert out.read_text() == "not a folder"
 
 
+def test_a_file_where_the_final_weights_go_is_refused_before_training(tmp_path, monkeypatch):
+    """The final weights are saved to ``out/last``: a file there failed that save once every step had run."""
+    (tmp_path / "last").write_text("not a folder")
+    quick = _tiny("llada", steps=1, suites={"lists": 1.0}, train_items_per_suite=16, eval_items_per_suite=2,
+                  decode_items_per_suite=0)  # fmt: skip
+
+    def no_data(*_a, **_k):
+        raise AssertionError("the run started before its output folder was checked")
+
+    monkeypatch.setattr(sft, "_load_data", no_data)
+    with pytest.raises(ValueError) as err:
+        train(quick, tmp_path, show_progress=False)
+    assert str(err.value) == (f"{tmp_path / 'last'} is a file, not a folder: name a folder for {tmp_path / 'last'} "
+                              "(the final weights go there).")  # fmt: skip
+
+
 def test_settings_that_fit_no_data_are_refused(tmp_path):
     small = dict(suites={"lists": 1.0}, train_items_per_suite=16, num_threads=1)
     with pytest.raises(ValueError, match="No training item of lists fits gen_min=8 tokens"):

@@ -305,6 +305,7 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
+    from hf_blockbatch.eval.script_args import folder_problem
     from hf_blockbatch.tasks import get_suite
     from hf_blockbatch.training.tokenizer import asset_dir, special_token_ids
 
@@ -312,6 +313,9 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise TrainingSettingsError(f"out {str(out)!r} is a file: name a folder for the checkpoints.")
+    # the final weights go to out/last: a file there failed their save once every step had run
+    if problem := folder_problem(out / "last"):
+        raise TrainingSettingsError(f"{problem} (the final weights go there).")
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(config.num_threads)
     random.seed(config.seed)
