@@ -606,6 +606,20 @@ def _(capsys, tmp_path, monkeypatch, **_):
                  "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
 
 
+@case("bench-at-tuned-block-no-early-stop")
+def _(capsys, tmp_path, **_):
+    return _cli(["bench", "--task", "arith", "--methods", "fast_dllm_early_stop", "fast_dllm_drafted", "--at-tuned-block",
+                 "fast_dllm_drafted", "--set", "fast_dllm_early_stop.early_stop=false", "--limit", "1", "--no-progress",
+                 "--no-plots", "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
+
+
+@case("bench-at-tuned-block-invalid-there")
+def _(capsys, tmp_path, **_):
+    return _cli(["bench", "--task", "arith", "--methods", "vanilla", "--sweep-blocks", "16", "--at-tuned-block", "vanilla",
+                 "--set", "vanilla.steps=33", "--limit", "1", "--no-progress", "--no-plots",
+                 "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
+
+
 @case("bench-max-new-tokens")
 def _(capsys, **_):
     return _cli(["bench", "--set", "blockbatch.max_new_tokens=8"], capsys)

@@ -427,13 +427,34 @@ def test_a_method_at_the_tuned_block_keeps_fast_dllm_s_overrides_and_its_own(tin
         (["fast_dllm_sparse"], [], ["fast_dllm_sparse"], {}, "add --sweep-blocks"),
         (["fast_dllm_early_stop", "fast_dllm_sparse"], [8], ["fast_dllm_sparse"],
          {"fast_dllm_sparse": {"block_length": 16}}, "drop one of the two"),
+        (["fast_dllm_early_stop", "fast_dllm_sparse"], [], ["fast_dllm_sparse"],
+         {"fast_dllm_early_stop": {"early_stop": False}}, "needs runs with early stop"),
+        (["vanilla"], [8], ["vanilla"], {"vanilla": {"steps": 10}}, r"at block 8, .* steps \(10\) must be a multiple"),
     ],
 )
 def test_at_tuned_block_refuses_what_it_cannot_honour(methods, sweep, deferred, overrides, message):
     settings = BenchSettings(methods=methods, sweep_blocks=sweep, at_tuned_block=deferred, overrides=overrides)
     configs = build_method_configs(methods, 24, overrides, sweep)
     with pytest.raises(ValueError, match=message):
-        runner._check_at_tuned_block(settings, configs)
+        runner._check_at_tuned_block(settings, configs, 24)
+
+
+@pytest.mark.parametrize(("methods", "sweep", "overrides", "message"), [
+    # the only candidate turns early stop off: no tuned block to pick (was a KeyError once it had decoded)
+    (["fast_dllm_early_stop", "vanilla"], [], {"fast_dllm_early_stop": {"early_stop": False}},
+     r"^--at-tuned-block needs runs with early stop to pick the tuned block from: it is off in fast_dllm_early_stop"),
+    # 33 steps fit vanilla's 3 blocks of 32, not the 6 of 16 the sweep's block gives (was refused after the sweep)
+    (["vanilla"], [16], {"vanilla": {"steps": 33}},
+     r"^--at-tuned-block vanilla: at block 16, which the tuned block may be, vanilla: steps \(33\) must be a multiple"),
+])  # fmt: skip
+def test_at_tuned_block_refuses_a_pick_it_cannot_decode_before_the_first_decode(tiny, tmp_path, monkeypatch, methods,
+                                                                                sweep, overrides, message):  # fmt: skip
+    monkeypatch.setattr(runner, "_decode", _no_decode)
+    settings = BenchSettings(tasks=["arith"], methods=methods, sweep_blocks=sweep, at_tuned_block=["vanilla"],
+                             overrides=overrides, limit=1, warmup=False, plots=False, progress=False,
+                             output_dir=str(tmp_path))  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        run_bench(settings, model=tiny[0], tokenizer=tiny[1], shard=ShardInfo())
 
 
 def test_at_tuned_block_sharded_equals_single_process(tiny, tmp_path, monkeypatch):
@@ -1456,7 +1477,7 @@ def test_bench_refuses_plots_without_matplotlib_before_the_first_decode(tiny, tm
 
 
 def _no_decode(*_a, **_k):
-    raise AssertionError("an item decoded before the bench's output folder was checked")
+    raise AssertionError("an item decoded before the bench's inputs were all checked")
 
 
 def test_many_masks_grid_decodes_the_shipped_point_beside_the_tuned_and_the_preset(tmp_path):

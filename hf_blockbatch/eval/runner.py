@@ -852,24 +852,45 @@ def _time_alone(
         row["same_output_b1"] = texts[0] == row["output"] if same else None
 
 
-def _check_at_tuned_block(settings: BenchSettings, configs: Mapping[str, Any]) -> None:
-    """Refuse, before any model loads, an ``at_tuned_block`` request the run cannot honour."""
+def _config_at_block(settings: BenchSettings, method: str, gen_length: int, block: int) -> Any:
+    """``method``'s config at ``block`` (``at_tuned_block``): its own overrides with that block length, and the
+    ``fast_dllm`` overrides, which reach a Fast-dLLM preset."""
+    own = {**settings.overrides.get(method, {}), "block_length": block}
+    reach = {k: v for k, v in settings.overrides.items() if k == "fast_dllm"}
+    return build_method_configs([method], gen_length, {**reach, method: own})[method]
+
+
+def _check_at_tuned_block(settings: BenchSettings, configs: Mapping[str, Any], gen_length: int) -> None:
+    """Refuse, before any model loads, an ``at_tuned_block`` request the run cannot honour: also one whose pool of
+    runs all turn early stop off (no tuned block to pick: a ``KeyError`` once they had decoded) or a method that is no
+    valid config at one of the blocks the pick may give (refused once the runs before it had decoded)."""
     deferred = settings.at_tuned_block
     if not deferred:
         return
-    pool = [m for m in configs if tuned_candidate(m)]
+    candidates = [m for m in configs if tuned_candidate(m)]
     for m in deferred:
         if m not in configs:
             raise ValueError(f"--at-tuned-block {m}: not a method of this run; add it to --methods.")
-        if m in pool:
+        if m in candidates:
             raise ValueError(f"--at-tuned-block {m}: it is one of the runs the tuned block is picked from.")
         if not hasattr(configs[m], "block_length"):
             raise ValueError(f"--at-tuned-block {m}: a {type(configs[m]).__name__} has no single block length.")
         if "block_length" in settings.overrides.get(m, {}):
             raise ValueError(f"--at-tuned-block {m}: it also sets {m}.block_length; drop one of the two.")
-    if not pool:
+    if not candidates:
         raise ValueError("--at-tuned-block needs runs to pick the tuned block from: add --sweep-blocks (e.g. auto) "
                          "or fast_dllm_early_stop to --methods.")  # fmt: skip
+    # the pick is among the candidates that decode with early stop (in_tuned_pool, as tuned_fast_dllm reads them)
+    pool = [m for m in candidates if in_tuned_pool(m, {"early_stop": configs[m].early_stop})]
+    if not pool:
+        raise ValueError(f"--at-tuned-block needs runs with early stop to pick the tuned block from: "
+                         f"it is off in {', '.join(candidates)} (early_stop=false); drop that override.")  # fmt: skip
+    for m in deferred:
+        for block in sorted({configs[c].block_length for c in pool}):
+            try:
+                _config_at_block(settings, m, gen_length, block)
+            except ValueError as err:
+                raise ValueError(f"--at-tuned-block {m}: at block {block}, which the tuned block may be, {err}") from None
 
 
 def _tuned_block(rows: Sequence[Mapping[str, Any]], task: str, configs: Mapping[str, Any], aliases: Mapping[str, str]) -> int:
@@ -939,7 +960,7 @@ def run_bench(
         gen_length = int(settings.gen_length or task.default_gen_length)
         configs = build_method_configs(settings.methods, gen_length, settings.overrides, settings.sweep_blocks)
         key_sampling_noise(configs, settings.seed)
-        _check_at_tuned_block(settings, configs)
+        _check_at_tuned_block(settings, configs, gen_length)
         plans.append((name, task, items, gen_length, configs))
 
     if model is None or tokenizer is None:
@@ -1033,11 +1054,10 @@ def run_bench(
             for method in configs:
                 if method not in deferred or method in aliases[name]:
                     continue
-                own = {**settings.overrides.get(method, {}), "block_length": _tuned_block(pool, name, configs, aliases[name])}
-                reach = {k: v for k, v in settings.overrides.items() if k == "fast_dllm"}  # what reaches a Fast-dLLM preset
-                configs[method] = build_method_configs([method], gen_length, {**reach, method: own})[method]
+                block = _tuned_block(pool, name, configs, aliases[name])
+                configs[method] = _config_at_block(settings, method, gen_length, block)
                 key_sampling_noise({method: configs[method]}, settings.seed)
-                logger.info("%s: %s at the tuned block %d", name, method, own["block_length"])
+                logger.info("%s: %s at the tuned block %d", name, method, block)
                 decode(name, task, items, gen_length, method, configs[method], mine, prompts)
     bar.close()
     logger.info("process %d: %d rows in %.1f s", shard.rank, len(rows), time.perf_counter() - started)
