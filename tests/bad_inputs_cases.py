@@ -649,6 +649,23 @@ def _(**_):
     return _message(lambda: HFBlockBatchLM(pretrained="tiny-llada", method="blockbatch", max_new_tokens=64))
 
 
+@case("lm-eval-no-room-in-a-later-task")
+def _(monkeypatch, **_):
+    from types import SimpleNamespace
+
+    from hf_blockbatch.eval.lm_eval_model import HFBlockBatchLM
+
+    def no_decode(*_a, **_k):
+        raise AssertionError("a request decoded before the refusal")
+
+    lm = HFBlockBatchLM(pretrained="tiny-llada", method="fast_dllm", block_length=8)
+    monkeypatch.setattr(lm.model, "generate", no_decode)
+    # two tasks' requests, as the harness hands them over: the second's max_gen_toks fills the model's context
+    requests = [SimpleNamespace(args=("Question: 1 + 2?\nAnswer:", {"until": ["\n"], "max_gen_toks": g}))
+                for g in (16, lm.model.config.context_length)]  # fmt: skip
+    return _message(lambda: lm.generate_until(requests))
+
+
 @case("lm-eval-method")
 def _(**_):
     from conftest import make_tiny_llada

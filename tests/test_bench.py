@@ -1035,6 +1035,33 @@ def test_lm_eval_adapter_generate_until(tiny):
     assert van.overrides["vanilla"]["steps"] == 256
 
 
+@pytest.mark.parametrize(("method", "options", "gens", "message"), [
+    # the model's context holds no prompt beside a task's max_gen_toks as long (None: the context length)
+    ("fast_dllm", {"block_length": 8}, (16, None), r"^gen_length \d+ leaves no room for a prompt in the model's context"),
+    # 32 steps fit 16 blocks of 8 (128 tokens), not 24 (192 tokens)
+    ("vanilla", {"steps": 32, "block_length": 8}, (128, 192),
+     r"^vanilla: steps \(32\) must be a multiple of the number of blocks \(24 blocks of 8 in 192 tokens\)"),
+])  # fmt: skip
+def test_lm_eval_adapter_refuses_a_group_of_requests_before_the_first_decode(tiny, monkeypatch, method, options, gens,
+                                                                             message):  # fmt: skip
+    """The harness hands every task's requests to one generate_until, decoded in groups of the same settings, the
+    shorter generation first: a task's max_gen_toks that the model's context or the method cannot take was refused
+    only at its group's turn, after the groups before it (other tasks, hours on a real checkpoint) had decoded."""
+    from hf_blockbatch.eval.lm_eval_model import HFBlockBatchLM
+
+    model, tok, _ = tiny
+    lm = HFBlockBatchLM(pretrained=model, tokenizer=tok, method=method, **options)
+
+    def no_decode(*_a, **_k):
+        raise AssertionError("a group decoded before every group's settings were checked")
+
+    monkeypatch.setattr(model, "generate", no_decode)
+    requests = [_FakeInstance("Question: 1 + 2?\nAnswer:", {"until": ["\n"], "max_gen_toks": g or model.config.context_length})
+                for g in gens]  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        lm.generate_until(requests)
+
+
 def test_lm_eval_adapter_answers_the_harness_chat_and_name_questions(tiny):
     """What the harness asks beside generate_until (with --apply_chat_template, and to name its cache files), a
     generation length given as a string by a Python caller, and the two refusals of this construction path: none

@@ -223,6 +223,11 @@ class HFBlockBatchLM(_LMBase):
         args = [tuple(r.args) for r in requests]
         # group requests with the same generation settings, longest first (less padding per batch)
         order = sorted(range(len(args)), key=lambda i: (self._settings_key(args[i][1]), -len(args[i][0])))
+        # every group's settings first: a task whose max_gen_toks (or temperature) the method or the model's context
+        # cannot take was refused only at its group's turn, after every group before it had decoded
+        for gen_length, temperature in sorted({self._settings_key(a[1]) for a in args}):
+            self._check_room(gen_length)
+            self._config(gen_length, temperature).validate()
         out: list[str | None] = [None] * len(args)
         bar = tqdm(total=len(args), desc="hf_blockbatch", disable=disable_tqdm or self._rank != 0)
         i = 0
@@ -274,18 +279,31 @@ class HFBlockBatchLM(_LMBase):
         temperature = float(gen_kwargs.get("temperature", 0.0) or 0.0) if gen_kwargs.get("do_sample", True) else 0.0
         return self._gen_length(gen_kwargs), temperature
 
+    def _config(self, gen_length: int, temperature: float) -> Any:
+        """The method's config for a group of requests: its generation length and its temperature (sampling when
+        above 0)."""
+        cfg = build_method_configs([self.method], gen_length, self.overrides)[self.method]
+        cfg.temperature = temperature
+        cfg.follow_temperature()  # sampling when > 0: the method's config is greedy (do_sample False) by default
+        return cfg
+
+    def _check_room(self, gen_length: int) -> None:
+        """Refuse a generation length that leaves no position of the model's context for a prompt."""
+        limit = getattr(self.model.config, "context_length", None)
+        if limit and limit - gen_length < 1:
+            raise ValueError(
+                f"gen_length {gen_length} leaves no room for a prompt in the model's context of {limit} positions: "
+                "lower gen_length (model_args) or the task's max_gen_toks."
+            )
+
     def _fit_context(self, ids: torch.Tensor, mask: torch.Tensor, gen_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Cut prompts longer than the context minus ``gen_length`` from the left, with a warning, as
         the harness's ``hf`` model does (the few-shot examples come first, the question last)."""
         limit = getattr(self.model.config, "context_length", None)
         if not limit or ids.shape[1] + gen_length <= limit:
             return ids, mask
+        self._check_room(gen_length)
         keep = limit - gen_length
-        if keep < 1:
-            raise ValueError(
-                f"gen_length {gen_length} leaves no room for a prompt in the model's context of {limit} positions: "
-                "lower gen_length (model_args) or the task's max_gen_toks."
-            )
         lengths = mask.sum(1)
         cut = int((lengths > keep).sum())
         if cut:
@@ -297,9 +315,7 @@ class HFBlockBatchLM(_LMBase):
 
     def _generate(self, contexts: list[str], gen_kwargs: dict[str, Any]) -> tuple[list[str], list[int], list[dict]]:
         gen_length, temperature = self._settings_key(gen_kwargs)
-        cfg = build_method_configs([self.method], gen_length, self.overrides)[self.method]
-        cfg.temperature = temperature
-        cfg.follow_temperature()  # sampling when > 0: the method's config is greedy (do_sample False) by default
+        cfg = self._config(gen_length, temperature)
         bos = getattr(self.tokenizer, "bos_token", None)
         # a context rendered by a chat template already starts with BOS; a raw one gets it added
         add_special = not (bos and all(c.startswith(bos) for c in contexts))
