@@ -597,6 +597,17 @@ def _(capsys, tmp_path, **_):
                  "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
 
 
+@case("bench-output-not-writable")
+def _(capsys, tmp_path, monkeypatch, **_):
+    import os
+
+    real = os.access  # a read-only file system, as os.access reports it (root ignores permissions)
+    monkeypatch.setattr(os, "access", lambda path, mode: False if Path(path) == tmp_path and mode & os.W_OK
+                        else real(path, mode))  # fmt: skip
+    return _cli(["bench", "--task", "arith", "--methods", "fast_dllm", "--limit", "1", "--no-progress", "--no-plots",
+                 "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
+
+
 @case("bench-plots-without-matplotlib")
 def _(capsys, tmp_path, monkeypatch, **_):
     import sys

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -1500,6 +1501,27 @@ def test_bench_refuses_plots_without_matplotlib_before_the_first_decode(tiny, tm
     settings = BenchSettings(tasks=["arith"], methods=["fast_dllm"], limit=1, warmup=False, progress=False,
                              output_dir=str(tmp_path))  # fmt: skip
     with pytest.raises(ValueError, match=r"^the plots need matplotlib, which is not installed: .*--no-plots"):
+        run_bench(settings, model=tiny[0], tokenizer=tiny[1], shard=ShardInfo())
+
+
+def _unwritable(monkeypatch, folder):
+    """``folder`` as a read-only file system (or another user's folder) shows it to this process: ``os.access`` says
+    no write (the tests run as root, whom permissions do not stop)."""
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if Path(path) == folder and mode & os.W_OK
+                        else real(path, mode))  # fmt: skip
+
+
+@pytest.mark.parametrize("sub", ["", "results"])
+def test_bench_refuses_an_output_folder_it_cannot_write_into_before_the_first_decode(tiny, tmp_path, monkeypatch, sub):
+    """On a read-only file system (a mounted dataset volume) the bench decoded every item, then its first write
+    (samples.jsonl) was an OSError traceback; a folder to create under it failed at once, as a traceback."""
+    _unwritable(monkeypatch, tmp_path)
+    monkeypatch.setattr(runner, "_decode", _no_decode)
+    settings = BenchSettings(tasks=["arith"], methods=["fast_dllm"], limit=1, warmup=False, plots=False,
+                             progress=False, output_dir=str(tmp_path / sub))  # fmt: skip
+    with pytest.raises(ValueError, match=rf"^output_dir: {re.escape(str(tmp_path))} is not writable here: name a "
+                                         rf"folder you can write into for {re.escape(str(tmp_path / sub))}\.$"):  # fmt: skip
         run_bench(settings, model=tiny[0], tokenizer=tiny[1], shard=ShardInfo())
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import sys
@@ -309,6 +310,13 @@ def test_the_shared_argument_types_and_run_main(tmp_path, capsys) -> None:
         sa.out_folder(str(tmp_path / "f" / "x"))
     with pytest.raises(argparse.ArgumentTypeError, match="is a folder"):
         sa.out_file(str(tmp_path))
+    # a folder this process cannot write into (a read-only file system; root ignores permissions, so os.access says it)
+    real = os.access
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "access", lambda path, mode: False if Path(path) == tmp_path and mode & os.W_OK else real(path, mode))
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"^{re.escape(str(tmp_path))} is not writable here: "
+                                                             rf"name a folder you can write into for .*new$"):  # fmt: skip
+            sa.out_folder(str(tmp_path / "new"))
     (tmp_path / "obj.json").write_text('{"a": 1}')
     assert sa.read_json(tmp_path / "obj.json") == {"a": 1}
     with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path))}: cannot read it \(Is a directory\); expected a JSON file$"):

@@ -941,6 +941,8 @@ def run_bench(
     the launcher's environment and accelerate's barrier; tests pass them to run the shards of a
     multi-process run one after another in one process.
     """
+    from hf_blockbatch.eval.script_args import folder_problem
+
     shard = shard or shard_info()
     barrier = barrier or default_barrier(shard)
     n_alone = settings.latency_batch_1
@@ -950,6 +952,8 @@ def run_bench(
     out_dir = Path(settings.output_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"output_dir {str(out_dir)!r} is a file: name a folder for the results.")
+    if problem := folder_problem(out_dir):  # the first write is after every decode
+        raise ValueError(f"output_dir: {problem}.")
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_output_files(out_dir, settings.plots, shard)
     # tasks, items and configs first: a misspelt task or method is said before minutes of loading an 8B model

@@ -112,13 +112,16 @@ def torch_device(text: str) -> str:
 
 def folder_problem(folder: str | os.PathLike[str]) -> str | None:
     """Why files cannot be written into ``folder`` (created where missing), or None: the folder, or the nearest of
-    its parents that exists, is a file. Said before a run's work, not when its report is written after it."""
+    its parents that exists, is a file, or a folder this process cannot write into (its permissions, a read-only
+    file system). Said before a run's work, not when its report is written after it."""
     folder = Path(folder)
     for at in (folder, *folder.parents):
         if at.exists():
-            if at.is_dir():
-                return None
-            return f"{at} is a file, not a folder: name a folder for {folder}"
+            if not at.is_dir():
+                return f"{at} is a file, not a folder: name a folder for {folder}"
+            if not os.access(at, os.W_OK | os.X_OK):  # access(2) says EROFS on a read-only file system, root too
+                return f"{at} is not writable here: name a folder you can write into for {folder}"
+            return None
     return None
 
 
