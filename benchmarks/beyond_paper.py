@@ -231,8 +231,10 @@ def read_config_file(path: str | os.PathLike[str] | None) -> dict[str, dict[str,
     return configs
 
 
-def _sampled(cfg: dict[str, Any]) -> bool:
-    return samples(config_from_dict({"max_new_tokens": 1, **cfg}))
+def _sampled(cfg: dict[str, Any], gen_length: int) -> bool:
+    """Whether a named config draws noise, read from the config it builds at ``gen_length`` (at a length of 1, a
+    ``variant='reference'`` config was refused: its block sizes must divide the length)."""
+    return samples(config_from_dict({"max_new_tokens": gen_length, **cfg}))
 
 
 def _key(model: str, suite: str, limit: int, gen_length: int, cfg: dict[str, Any], batch_size: int,
@@ -248,7 +250,7 @@ def _key(model: str, suite: str, limit: int, gen_length: int, cfg: dict[str, Any
         what["split"] = split
     if batch_size != 16:
         what["batch_size"] = batch_size
-    if _sampled(cfg):
+    if _sampled(cfg, gen_length):
         what["seed"], what["noise"] = seed, "keyed"
         if cfg.get("lookahead_draft_radius") is not None:  # sampled drafts re-query at the main radius (§40)
             what["draft_radius"] = "main when sampled"
@@ -501,6 +503,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.baseline not in configs:
         p.error(f"unknown baseline {args.baseline!r}")
 
+    # each config at each suite's generation length, before the model loads: one that a later suite's length
+    # refuses (variant='reference' with a block size that does not divide it) was refused at that suite's turn
+    tasks = {suite: load_task(suite) for suite in args.suites}
+    for suite, task in tasks.items():
+        gen_length = int(task.default_gen_length)
+        for name in names:
+            try:
+                config_from_dict({"max_new_tokens": gen_length, **configs[name]}).validate()
+            except (ValueError, TypeError) as err:
+                p.error(f"config {name!r} at {suite}'s generation length ({gen_length} tokens): {err}")
+
     model, tokenizer = load_for_benchmark(args.model, args.threads)
     chat = bool(getattr(tokenizer, "chat_template", None))
     out_dir = Path(args.out)
@@ -510,8 +523,7 @@ def main(argv: list[str] | None = None) -> None:
     full: dict[str, Any] = {"model": args.model, "limit": args.limit, "split": args.split, "batch_size": args.batch_size,
                             "rounds": args.rounds, "interleave": args.interleave, "baseline": args.baseline, "configs": {},
                             "suites": {}}  # fmt: skip
-    for suite in args.suites:
-        task = load_task(suite)
+    for suite, task in tasks.items():
         items = task.items(args.split, limit=args.limit)
         prompts = [task.prompt(it, tokenizer, chat=chat) for it in items]
         gen_length = int(task.default_gen_length)

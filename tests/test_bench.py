@@ -1321,6 +1321,15 @@ def test_beyond_paper_interleaves_configs_batch_by_batch(tmp_path, monkeypatch):
     assert "interleaved batch by batch" in (tmp_path / "inter" / "tiny-llada_3_b1.md").read_text()
 
 
+def test_beyond_paper_keys_a_reference_variant_config():
+    """The cache key read whether a config samples from the config built at a length of 1, which a
+    ``variant='reference'`` BlockBatch refuses (its block sizes must divide the length): no such config could run."""
+    beyond_paper = load_benchmark("beyond_paper")
+    ref = {"strategy": "blockbatch", "variant": "reference", "block_sizes": [16, 32, 64]}
+    assert beyond_paper._key("tiny-llada", "lists", 2, 64, ref, 16) == beyond_paper._key("tiny-llada", "lists", 2, 64,
+                                                                                         ref, 16, 1)  # greedy: no seed
+
+
 def test_beyond_paper_reports_on_the_test_split_apart_from_training_items(tmp_path, monkeypatch):
     """``beyond_paper.py --split test`` decodes the first items of the test split, says so in its files' names and
     contents, and keys its cached results apart from the training items' (whose keys stay as they were)."""

@@ -167,7 +167,8 @@ def test_the_cli_commands_the_docs_quote_parse(capsys, where: str, args: list[st
 # --------------------------------------------------------------------------------------------- bad input
 #: ``(id, script, arguments, what the one error line says)``: bad values each script refuses in one line with exit
 #: status 2, before any model loads. ``{tmp}`` is the test's folder, which holds ``a_file`` (a file),
-#: ``list.json`` (``[1, 2]``), ``five.json`` (``{"mine": 5}``), ``not_json.json`` and ``bench/summary.json`` (not JSON).
+#: ``list.json`` (``[1, 2]``), ``five.json`` (``{"mine": 5}``), ``not_json.json`` and ``bench/summary.json`` (not JSON),
+#: ``ref.json`` (a ``--config-file`` of one reference-variant BlockBatch, blocks 16, 32 and 64).
 BAD_INPUTS = [
     ("entropy-bound-hang", "commit_rules_probe", ["--rules", "entropy:-0.5"], "entropy bound (nats) must be >= 0"),
     ("threshold-above-1", "commit_rules_probe", ["--rules", "threshold:1.5"], "threshold must be in [0, 1]"),
@@ -189,6 +190,10 @@ BAD_INPUTS = [
     ("config-file-list", "beyond_paper", ["--config-file", "{tmp}/list.json"], "list.json: holds an array"),
     ("config-file-missing", "beyond_paper", ["--config-file", "{tmp}/none.json"], "none.json: no such file"),
     ("rounds-0", "beyond_paper", ["--rounds", "0"], "--rounds: must be >= 1, got 0"),
+    # valid at lists' 64 tokens, not at arith's 96: was refused after loading the model (at a length of 1 in the
+    # cache key, so for every suite), then, that fixed, after lists had decoded
+    ("config-invalid-at-a-suite-length", "beyond_paper", ["--suites", "lists", "arith", "--configs", "ref",
+     "--config-file", "{tmp}/ref.json"], "config 'ref' at arith's generation length (96 tokens): variant='reference'"),
     ("out-under-a-file", "beyond_paper", ["--out", "{tmp}/a_file/x"], "a_file is a file, not a folder"),
     ("cells-no-block", "many_masks_grid", ["--cells", "arith"], "expected suite:block"),
     ("cells-bad-block", "runner_up_grid", ["--cells", "arith:x"], "expected suite:block"),
@@ -215,6 +220,7 @@ def _bad_input_folder(tmp: Path) -> Path:
     (tmp / "list.json").write_text("[1, 2]")
     (tmp / "five.json").write_text('{"mine": 5}')
     (tmp / "not_json.json").write_text("not json")
+    (tmp / "ref.json").write_text('{"ref": {"strategy": "blockbatch", "variant": "reference", "block_sizes": [16, 32, 64]}}')
     (tmp / "bench").mkdir()
     (tmp / "bench" / "summary.json").write_text("not json")
     return tmp
