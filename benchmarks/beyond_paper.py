@@ -57,6 +57,7 @@ from hf_blockbatch.eval.script_args import nonnegative_int, out_folder, positive
 from hf_blockbatch.eval.stats import paired_difference, paired_time_ratio
 from hf_blockbatch.generation.configs import DRAFTED, DRAFTED_CONTAINED, config_from_dict
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
+from hf_blockbatch.generation.plans import check_config_model
 
 logger = logging.getLogger("beyond_paper")
 
@@ -515,6 +516,14 @@ def main(argv: list[str] | None = None) -> None:
                 p.error(f"config {name!r} at {suite}'s generation length ({gen_length} tokens): {err}")
 
     model, tokenizer = load_for_benchmark(args.model, args.threads)
+    # and each against the model, before the first decode (the reference variant on Dream was refused at its turn);
+    # the model's check does not depend on the length, which the loop above checked for every suite
+    first_length = int(next(iter(tasks.values())).default_gen_length)
+    for name in names:
+        try:
+            check_config_model(config_from_dict({"max_new_tokens": first_length, **configs[name]}), model)
+        except ValueError as err:
+            p.error(f"config {name!r} on {args.model}: {err}")
     chat = bool(getattr(tokenizer, "chat_template", None))
     out_dir = Path(args.out)
     (out_dir / "cache").mkdir(parents=True, exist_ok=True)

@@ -1330,6 +1330,24 @@ def test_beyond_paper_keys_a_reference_variant_config():
                                                                                          ref, 16, 1)  # greedy: no seed
 
 
+def test_beyond_paper_refuses_a_config_the_model_cannot_run_before_the_first_decode(tmp_path, monkeypatch, capsys):
+    """A reference-variant config on Dream (the authors' LLaDA decoder) was refused only at its turn, after the
+    baseline had decoded every suite's items; it is now said right after the model loads."""
+    beyond_paper = load_benchmark("beyond_paper")
+
+    def no_decode(*_a, **_k):
+        raise AssertionError("a config decoded before every config was checked against the model")
+
+    monkeypatch.setattr(beyond_paper, "decode_interleaved", no_decode)
+    configs = tmp_path / "configs.json"
+    configs.write_text(json.dumps({"ref": {"strategy": "blockbatch", "variant": "reference", "block_sizes": [16, 32, 64]}}))
+    with pytest.raises(SystemExit) as exit_:
+        beyond_paper.main(["--model", "tiny-dream", "--suites", "lists", "--limit", "1", "--config-file", str(configs),
+                           "--configs", "fd_es_b64", "ref", "--out", str(tmp_path / "out")])  # fmt: skip
+    assert exit_.value.code == 2
+    assert "config 'ref' on tiny-dream: variant='reference' reproduces the authors' LLaDA decoder" in capsys.readouterr().err
+
+
 def test_beyond_paper_reports_on_the_test_split_apart_from_training_items(tmp_path, monkeypatch):
     """``beyond_paper.py --split test`` decodes the first items of the test split, says so in its files' names and
     contents, and keys its cached results apart from the training items' (whose keys stay as they were)."""

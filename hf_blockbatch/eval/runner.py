@@ -689,12 +689,12 @@ def _check_methods_fit(model: Any, plans: list[tuple[str, Task, list[EvalItem], 
     """Refuse, once the model is loaded and before the first decode, a method the model cannot run (``generate``'s own
     check, :func:`~hf_blockbatch.generation.plans.check_model`): ``blockbatch_reference`` on Dream was refused only
     when its turn came, after every method before it had decoded."""
-    from hf_blockbatch.generation.plans import check_model, plan_from_config
+    from hf_blockbatch.generation.plans import check_config_model
 
     for name, _task, _items, _gen_length, configs in plans:
         for method, cfg in configs.items():
             try:
-                check_model(plan_from_config(cfg, [], []), model)
+                check_config_model(cfg, model)
             except ValueError as err:
                 raise ValueError(f"{name} / {method}: {err}") from None
 

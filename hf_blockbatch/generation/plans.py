@@ -85,6 +85,13 @@ def check_model(plan: DecodePlan, model: Any) -> None:
         )
 
 
+def check_config_model(cfg: DiffusionGenerationConfig, model: Any) -> None:
+    """:func:`check_model` for a config ``validate()`` accepted: what ``generate`` refuses before its first forward,
+    for a run of many configs to refuse before its first decode (the bench and the benchmark scripts, right after the
+    model loads), not at that config's turn."""
+    check_model(plan_from_config(cfg, [], []), model)
+
+
 def map_size(merge_threshold: float) -> int:
     """Entries per position in the probability map. A merge takes a token only when the map rates
     it above ``merge_threshold`` t, and fewer than 1/t tokens can each hold more than t, so the top
