@@ -631,6 +631,22 @@ def _(capsys, tmp_path, **_):
                  "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
 
 
+@case("bench-data-row-lacks-a-field")
+def _(capsys, tmp_path, **_):
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n{"question": "2 + 2?"}\n')
+    return _cli(["bench", "--task", "gsm8k", "--data", f"gsm8k={path}", "--limit", "1", "--no-progress", "--no-plots",
+                 "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
+
+
+@case("bench-data-gsm8k-answer-without-number")
+def _(capsys, tmp_path, **_):
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n{"question": "2 + 2?", "answer": "four"}\n')
+    return _cli(["bench", "--task", "gsm8k", "--data", f"gsm8k={path}", "--limit", "1", "--no-progress", "--no-plots",
+                 "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
+
+
 @case("bench-max-new-tokens")
 def _(capsys, **_):
     return _cli(["bench", "--set", "blockbatch.max_new_tokens=8"], capsys)

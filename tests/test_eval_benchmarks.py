@@ -287,3 +287,25 @@ def test_scoring_cuts_at_the_stop_sequences_and_mbpp_runs_its_setup_after_the_co
     path.write_text("".join(json.dumps({"task_id": i, "text": "?", "code": "", "test_list": []}) + "\n"
                             for i in (10, 11, 510, 511)))  # fmt: skip
     assert [it.id for it in MBPP(data_path=path, num_fewshot=0).items("test")] == ["mbpp/11", "mbpp/510"]
+
+
+@pytest.mark.parametrize("task, row, message", [
+    (GSM8K, {"question": "q"}, "gsm8k: data row 2 lacks answer: each row must be a JSON object with question, answer."),
+    (GSM8K, {"question": "q", "answer": "no number"}, "gsm8k: data row 2's answer holds no number"),
+    (MATH, {"problem": "p"}, "math: data row 2 lacks solution: each row must be a JSON object with problem, solution."),
+    (MATH, {"problem": "p", "solution": "it is two"}, "math: data row 2 has no answer, and its solution no \\boxed{...}"),
+    (MBPP, {"task_id": 12, "text": "t", "code": "c"}, "mbpp: data row 2 lacks test_list"),
+    (HumanEval, ["not", "an", "object"], "humaneval: data row 2 lacks task_id, prompt, canonical_solution, test, "
+                                         "entry_point"),
+])  # fmt: skip
+def test_a_data_row_that_cannot_be_an_item_is_refused_naming_it(tmp_path, task: type, row: Any, message: str):
+    """A ``--data`` row without a field was a ``KeyError`` traceback; a gsm8k or MATH row with no gold answer became an
+    item with an empty reference, against which every completion scored wrong, in silence."""
+    good = {GSM8K: {"question": "q", "answer": "#### 2"}, MATH: {"problem": "p", "solution": "\\boxed{2}"},
+            MBPP: {"task_id": 11, "text": "t", "code": "c", "test_list": ["assert True"]},
+            HumanEval: {"task_id": "H/0", "prompt": "p", "canonical_solution": "c", "test": "t", "entry_point": "f"}}
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(good[task]) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ValueError) as err:
+        task(data_path=path).items()
+    assert str(err.value).startswith(message)

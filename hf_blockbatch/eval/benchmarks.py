@@ -209,6 +209,17 @@ def _compiles(source: str) -> bool:
     return True
 
 
+def _require_fields(task: str, rows: list[Any], fields: tuple[str, ...]) -> list[dict[str, Any]]:
+    """``rows``, each checked to be a JSON object holding ``fields``, before any item is built: a ``--data`` file whose
+    row lacked one gave a ``KeyError`` traceback that named neither the file's row nor what it needs."""
+    for number, row in enumerate(rows, 1):
+        missing = [f for f in fields if f not in row] if isinstance(row, dict) else list(fields)
+        if missing:
+            raise ValueError(f"{task}: data row {number} lacks {', '.join(missing)}: each row must be a JSON object "
+                             f"with {', '.join(fields)}.")  # fmt: skip
+    return rows
+
+
 def _split_for_prefix(items: list[EvalItem], limit: int | None) -> list[EvalItem]:
     return items if limit is None else items[: max(0, limit)]
 
@@ -260,10 +271,14 @@ class GSM8K(Task):
     def items(self, split: str = "test", limit: int | None = None) -> list[EvalItem]:
         if split != "test":
             raise ValueError("gsm8k: only the 'test' split is provided (the shots are built in)")
-        rows = _load_rows(self.name, self.data_path, "gsm8k_test.jsonl", self.hub)
+        rows = _require_fields(self.name, _load_rows(self.name, self.data_path, "gsm8k_test.jsonl", self.hub),
+                               ("question", "answer"))  # fmt: skip
         out = []
         for i, r in enumerate(rows):
             gold = extract_gsm8k_answer(r["answer"])
+            if gold is None:  # was an empty reference: every completion scored wrong, in silence
+                raise ValueError(f"gsm8k: data row {i + 1}'s answer holds no number (GSM8K's end with '#### <number>'): "
+                                 "nothing could score it; fix or drop the row.")  # fmt: skip
             out.append(
                 EvalItem(
                     task=self.name,
@@ -329,10 +344,14 @@ class MATH(Task):
     def items(self, split: str = "test", limit: int | None = None) -> list[EvalItem]:
         if split != "test":
             raise ValueError("math: only the 'test' split (MATH-500) is provided")
-        rows = _load_rows(self.name, self.data_path, "math500_test.jsonl", self.hub)
+        rows = _require_fields(self.name, _load_rows(self.name, self.data_path, "math500_test.jsonl", self.hub),
+                               ("problem", "solution"))  # fmt: skip
         out = []
         for i, r in enumerate(rows):
             answer = r.get("answer") or remove_boxed(last_boxed_only_string(r["solution"])) or ""
+            if not answer:  # was an empty reference: every completion scored wrong, in silence
+                raise ValueError(f"math: data row {i + 1} has no answer, and its solution no \\boxed{{...}}: nothing "
+                                 "could score it; fix or drop the row.")  # fmt: skip
             out.append(
                 EvalItem(
                     task=self.name,
@@ -434,7 +453,8 @@ class HumanEval(_CodeTask):
                 entry_point=r["entry_point"],
                 target=r["canonical_solution"],
             )
-            for r in self._rows()
+            for r in _require_fields(self.name, self._rows(), ("task_id", "prompt", "canonical_solution", "test",
+                                                              "entry_point"))  # fmt: skip
         ]
         return _split_for_prefix(out, limit)
 
@@ -500,7 +520,8 @@ class MBPP(_CodeTask):
         self._shot_cache: tuple[EvalItem, ...] | None = None
 
     def _all_rows(self) -> list[dict[str, Any]]:
-        return _load_rows(self.name, self.data_path, "mbpp.jsonl", self.hub)
+        return _require_fields(self.name, _load_rows(self.name, self.data_path, "mbpp.jsonl", self.hub),
+                               ("task_id", "text", "code", "test_list"))  # fmt: skip
 
     @staticmethod
     def _item(r: dict[str, Any]) -> EvalItem:
