@@ -575,12 +575,17 @@ def _(capsys, tmp_path, **_):
     return _cli(["bench", "--configs", str(path)], capsys)
 
 
-@case("bench-data-invalid-json")
-def _(capsys, tmp_path, **_):
+def _bench_on_gsm8k_rows(second_row: str, capsys, tmp_path) -> str:
+    """``hf-blockbatch bench --task gsm8k --data`` on a file of a good row and ``second_row``."""
     path = tmp_path / "gsm8k.jsonl"
-    path.write_text('{"question": "1 + 1?", "answer": "#### 2"}\nnot json\n')
+    path.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n' + second_row + "\n")
     return _cli(["bench", "--task", "gsm8k", "--data", f"gsm8k={path}", "--limit", "1", "--no-progress", "--no-plots",
                  "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
+
+
+@case("bench-data-invalid-json")
+def _(capsys, tmp_path, **_):
+    return _bench_on_gsm8k_rows("not json", capsys, tmp_path)
 
 
 @case("bench-reference-on-dream")
@@ -633,18 +638,12 @@ def _(capsys, tmp_path, **_):
 
 @case("bench-data-row-lacks-a-field")
 def _(capsys, tmp_path, **_):
-    path = tmp_path / "gsm8k.jsonl"
-    path.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n{"question": "2 + 2?"}\n')
-    return _cli(["bench", "--task", "gsm8k", "--data", f"gsm8k={path}", "--limit", "1", "--no-progress", "--no-plots",
-                 "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
+    return _bench_on_gsm8k_rows('{"question": "2 + 2?"}', capsys, tmp_path)
 
 
 @case("bench-data-gsm8k-answer-without-number")
 def _(capsys, tmp_path, **_):
-    path = tmp_path / "gsm8k.jsonl"
-    path.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n{"question": "2 + 2?", "answer": "four"}\n')
-    return _cli(["bench", "--task", "gsm8k", "--data", f"gsm8k={path}", "--limit", "1", "--no-progress", "--no-plots",
-                 "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
+    return _bench_on_gsm8k_rows('{"question": "2 + 2?", "answer": "four"}', capsys, tmp_path)
 
 
 @case("bench-max-new-tokens")
