@@ -666,8 +666,8 @@ def _check_output_files(out_dir: Path, plots: bool, shard: ShardInfo) -> None:
     import importlib.util
 
     names = [SAMPLES_FILE, "run.json", "summary.json", "summary.md", *PLOT_FILES]
-    for path in [out_dir / n for n in names if (out_dir / n).is_dir()]:
-        raise ValueError(f"output_dir {str(out_dir)!r} holds a folder {path.name!r} where the run writes its file: "
+    if blocked := [n for n in names if (out_dir / n).is_dir()]:
+        raise ValueError(f"output_dir {str(out_dir)!r} holds a folder {blocked[0]!r} where the run writes its file: "
                          "move it away or name another folder for the results.")  # fmt: skip
     if shard.world_size > 1 and (out_dir / "shards").exists() and not (out_dir / "shards").is_dir():
         raise ValueError(f"output_dir {str(out_dir)!r} holds a file 'shards' where the processes write their rows: "
