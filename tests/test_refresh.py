@@ -258,3 +258,36 @@ def test_the_divergence_refresh_is_due_where_keys_drift_past_the_threshold():
     cache = SimpleNamespace(layers=[SimpleNamespace(keys=keys)])
     assert Divergence(10**6, 0.1).due(s, cache).tolist() == [False, False, True, True]
     assert Divergence(10**6, 0.6).due(s, cache).tolist() == [False] * 4
+
+
+def test_the_divergence_refresh_reads_nothing_back_from_the_device_and_groups_by_request_after_retirements():
+    """``Divergence`` is asked after every step: it must not read a tensor back to the host (it read
+    ``int(state.request.max())``, a device sync per step on a GPU). After request 0 retired its rows, the rows left are
+    requests 1 and 2's (ids not from 0): each is still compared with its own request's mean only."""
+    from types import SimpleNamespace
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_blockbatch.generation.refresh import Divergence
+    from hf_blockbatch.generation.state import DecodeState
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.reads += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    prompt = torch.tensor([[1, 2]] * 3)
+    s = DecodeState.start(prompt, torch.ones_like(prompt), [2, 4], 4, MASK_ID)
+    keep = torch.tensor([2, 3, 4, 5])  # request 0 (rows 0, 1) retired
+    s.request, s.since_refresh = s.request[keep], s.since_refresh[keep]
+    keys = torch.ones(4, 6, 2, 3)  # rows 0, 1: request 1 (agree); rows 2, 3: request 2 (keys 1 and 3 against 2)
+    keys[3, 2:] = 3.0
+    cache = SimpleNamespace(layers=[SimpleNamespace(keys=keys)])
+    with HostReads() as mode:
+        due = Divergence(10**6, 0.1).stale(s, cache)
+    assert mode.reads == 0
+    assert due.tolist() == [False, False, True, True]

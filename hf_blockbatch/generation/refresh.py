@@ -108,11 +108,15 @@ class Divergence(Periodic):
     def stale(self, state: DecodeState, cache: BranchCache) -> torch.Tensor:
         """Also a row whose keys drifted from its request's mean (each request's rows compared among themselves)."""
         keys = cache.layers[-1].keys[:, state.gen_start :].float().flatten(1)  # [R, G*H*D]
-        B = int(state.request.max()) + 1
-        sums = torch.zeros(B, keys.shape[1], device=keys.device).index_add_(0, state.request, keys)
-        ones = torch.ones_like(state.request, dtype=torch.float)
-        counts = torch.zeros(B, device=keys.device).index_add_(0, state.request, ones)
-        mean = sums[state.request] / counts[state.request, None]
+        # Rows are request-major, ``branches`` per request (:meth:`DecodeState.per_request`), so a row's place among
+        # the requests still running is its index // branches: known on the host, where ``state.request.max()`` was
+        # a device read every step. Each request's sum adds the same rows in the same order as before, and every
+        # request has ``branches`` rows.
+        R = keys.shape[0]
+        local = torch.arange(R, device=keys.device) // state.branches
+        B = R // state.branches
+        sums = torch.zeros(B, keys.shape[1], device=keys.device).index_add_(0, local, keys)
+        mean = sums[local] / state.branches
         drift = (keys - mean).norm(dim=-1) / mean.norm(dim=-1).clamp_min(1e-6)
         return super().stale(state, cache) | (drift > self.threshold)
 
