@@ -346,18 +346,22 @@ class BranchCache(Cache):
     # ------------------------------------------------------------------ geometry
     @property
     def num_rows(self) -> int:
+        """``R``, the rows the cache holds now: :meth:`keep_rows` lowers it (the allocation may hold more)."""
         return self.layers[0].keys.shape[0]
 
     @property
     def length(self) -> int:
+        """``L``, the canvas length (prompt and answer positions, left padding included); fixed at construction."""
         return self.layers[0].keys.shape[1]
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype K/V are stored in: writes cast a forward's K/V to it."""
         return self.layers[0].keys.dtype
 
     @property
     def device(self) -> torch.device:
+        """The device of the K/V storage, where row numbers given to the row operations are moved."""
         return self.layers[0].keys.device
 
     def nbytes(self) -> int:
