@@ -269,6 +269,8 @@ class GSM8K(Task):
         self.num_fewshot = num_fewshot
 
     def items(self, split: str = "test", limit: int | None = None) -> list[EvalItem]:
+        """:meth:`Task.items` for the test split only (the shots are built in), in the data file's order; each
+        item's ``reference`` is the number after the row's ``####``, and a row without one is refused."""
         if split != "test":
             raise ValueError("gsm8k: only the 'test' split is provided (the shots are built in)")
         rows = _require_fields(self.name, _load_rows(self.name, self.data_path, "gsm8k_test.jsonl", self.hub),
@@ -296,9 +298,12 @@ class GSM8K(Task):
         return "\n\n".join([*shots, f"Question: {item.question}\nAnswer:"])
 
     def prompt(self, item: EvalItem, tokenizer: Any = None, chat: bool = True) -> str:
+        """:meth:`Task.prompt`: :meth:`fewshot_text`, shots included, as one user turn of the chat template."""
         return apply_chat(self.fewshot_text(item), tokenizer, chat)
 
     def score(self, item: EvalItem, completion: str) -> Score:
+        """:meth:`Task.score`: cut at the first stop sequence, then the number after ``####`` (else the last
+        number) compared numerically with the reference."""
         return gsm8k_is_correct(truncate_at(completion, self.stop_sequences), item.reference)
 
 
@@ -342,6 +347,8 @@ class MATH(Task):
         self.num_fewshot = num_fewshot
 
     def items(self, split: str = "test", limit: int | None = None) -> list[EvalItem]:
+        """:meth:`Task.items` for the test split only (MATH-500), in the data file's order; each item's
+        ``reference`` is the row's ``answer``, else its solution's last ``\\boxed{}``; a row with neither is refused."""
         if split != "test":
             raise ValueError("math: only the 'test' split (MATH-500) is provided")
         rows = _require_fields(self.name, _load_rows(self.name, self.data_path, "math500_test.jsonl", self.hub),
@@ -370,9 +377,12 @@ class MATH(Task):
         return "\n\n".join([*shots, f"Problem:\n{item.question}\n\nSolution:"])
 
     def prompt(self, item: EvalItem, tokenizer: Any = None, chat: bool = True) -> str:
+        """:meth:`Task.prompt`: :meth:`fewshot_text`, shots included, as one user turn of the chat template."""
         return apply_chat(self.fewshot_text(item), tokenizer, chat)
 
     def score(self, item: EvalItem, completion: str) -> Score:
+        """:meth:`Task.score`: cut at the first stop sequence, then minerva's "final answer is $X$" (else the last
+        ``\\boxed{}``) compared with the reference by mathematical equivalence."""
         return math_is_correct(truncate_at(completion, self.stop_sequences), item.reference)
 
 
@@ -441,6 +451,8 @@ class HumanEval(_CodeTask):
         return _load_from_hub(self.hub, self.name)
 
     def items(self, split: str = "test", limit: int | None = None) -> list[EvalItem]:
+        """:meth:`Task.items` for the test split only, in the data file's order: ``question`` is the prompt (the
+        signature and docstring the model completes), ``tests`` the row's ``check`` function."""
         if split != "test":
             raise ValueError("humaneval: only the 'test' split exists")
         out = [
@@ -459,6 +471,7 @@ class HumanEval(_CodeTask):
         return _split_for_prefix(out, limit)
 
     def prompt(self, item: EvalItem, tokenizer: Any = None, chat: bool = True) -> str:
+        """:meth:`Task.prompt`, 0-shot: the bare HumanEval prompt, as one user turn of the chat template."""
         return apply_chat(item.question, tokenizer, chat)
 
     def completion_code(self, item: EvalItem, completion: str) -> tuple[str, bool]:
@@ -540,6 +553,8 @@ class MBPP(_CodeTask):
         )
 
     def items(self, split: str = "test", limit: int | None = None) -> list[EvalItem]:
+        """:meth:`Task.items` for any split of :attr:`SPLITS`, chosen by task-id range (a full local file holds
+        every split) and sorted by task id; ``tests`` are the row's asserts."""
         if split not in self.SPLITS:
             raise ValueError(f"mbpp: split must be one of {sorted(self.SPLITS)}")
         lo, hi = self.SPLITS[split]
@@ -573,6 +588,7 @@ class MBPP(_CodeTask):
         return "\n\n".join([*shots, self._problem_text(item)])
 
     def prompt(self, item: EvalItem, tokenizer: Any = None, chat: bool = True) -> str:
+        """:meth:`Task.prompt`: :meth:`fewshot_text`, shots included, as one user turn of the chat template."""
         return apply_chat(self.fewshot_text(item), tokenizer, chat)
 
     def program(self, item: EvalItem, completion: str) -> str:
