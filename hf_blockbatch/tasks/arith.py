@@ -76,6 +76,8 @@ class ArithTask(SyntheticTask):
     # ------------------------------------------------------------------ generation
 
     def generate(self, rng: random.Random) -> Draft:
+        """:meth:`SyntheticTask.generate`: a chain, compare or shop problem (weights 5 : 4 : 2); its
+        ``forms`` are every combination of each line's valid forms, its ``target`` one of them picked by ``rng``."""
         scenario = rng.choices(("chain", "compare", "shop"), weights=(5, 4, 2))[0]
         if scenario == "chain":
             question, sol, answer = self._chain(rng)

@@ -349,6 +349,9 @@ class CodeTask(SyntheticTask):
     distinct_test_key = "name"
 
     def generate(self, rng: random.Random) -> Draft:
+        """:meth:`SyntheticTask.generate`: a function from one of the weighted templates, under a
+        drawn ``verb_noun`` name; its forms are the template's bodies under the ``def`` line, fenced, its tests
+        asserts of what the template's reference function returns on its inputs."""
         makers, weights = zip(*_MAKERS)
         maker = rng.choices(makers, weights=weights)[0]
         fname = f"{rng.choice(NAME_VERBS)}_{rng.choice(NAME_NOUNS)}"
@@ -375,6 +378,8 @@ class CodeTask(SyntheticTask):
         return extract_code(completion).rstrip() + "\n\n" + "\n".join(item.tests) + "\n"
 
     def score(self, item: EvalItem, completion: str) -> Score:
+        """:meth:`Task.score`: right when :meth:`program` runs to its end in the sandbox; ``extracted`` is the
+        answer's code."""
         from hf_blockbatch.tasks.execution import check_program
 
         completion = completion or ""  # no completion scores as an empty one, as the other suites do

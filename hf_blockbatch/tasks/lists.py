@@ -76,6 +76,8 @@ class ListsTask(SyntheticTask):
     default_gen_length = 64
 
     def generate(self, rng: random.Random) -> Draft:
+        """:meth:`SyntheticTask.generate`: a filter, pair or sort problem (weights 4 : 4 : 2);
+        ``meta["kind"]`` and the numbers in ``meta`` are what :meth:`score` checks against, not ``reference``."""
         kind = rng.choices(("filter", "pair", "sort"), weights=(4, 4, 2))[0]
         if kind == "filter":
             return self._filter(rng)
