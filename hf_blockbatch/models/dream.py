@@ -242,15 +242,21 @@ class DreamModel(DiffusionLMMixin, BlockBatchGenerationMixin, DreamPreTrainedMod
         )
 
     def get_input_embeddings(self) -> nn.Embedding:
+        """``model.embed_tokens``, for transformers' ``resize_token_embeddings`` and PEFT (the table its default
+        accessor would find too; named here so that the layout is stated once, beside the setter)."""
         return self.model.embed_tokens
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
+        """Replace ``model.embed_tokens``: how ``resize_token_embeddings`` installs the resized table."""
         self.model.embed_tokens = value
 
     def get_output_embeddings(self) -> nn.Linear:
+        """``lm_head``, which ``resize_token_embeddings`` resizes with the embedding (and ties to it again when
+        ``tie_word_embeddings`` is set)."""
         return self.lm_head
 
     def set_output_embeddings(self, value: nn.Linear) -> None:
+        """Replace ``lm_head``: how ``resize_token_embeddings`` installs the resized head."""
         self.lm_head = value
 
     def _embed(self, input_ids: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:

@@ -300,9 +300,12 @@ class LLaDAModelLM(DiffusionLMMixin, BlockBatchGenerationMixin, LLaDAPreTrainedM
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
+        """``model.transformer.wte`` (the official parameter names), for ``resize_token_embeddings`` and PEFT:
+        transformers' default accessor looks for ``embed_tokens`` and raises ``NotImplementedError`` here."""
         return self.model.transformer.wte
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
+        """Replace ``model.transformer.wte``: how ``resize_token_embeddings`` installs the resized table."""
         self.model.transformer.wte = value
 
     def get_output_embeddings(self) -> nn.Module:
@@ -315,6 +318,8 @@ class LLaDAModelLM(DiffusionLMMixin, BlockBatchGenerationMixin, LLaDAPreTrainedM
         return t.wte if self.config.weight_tying else t.ff_out
 
     def set_output_embeddings(self, value: nn.Module) -> None:
+        """Replace what :meth:`get_output_embeddings` returns (``wte`` when tied, else ``ff_out``): how
+        ``resize_token_embeddings`` installs the resized head."""
         if self.config.weight_tying:
             self.model.transformer.wte = value
         else:
