@@ -554,6 +554,7 @@ class BranchCache(Cache):
         self.keep_rows(beam_idx)
 
     def __repr__(self) -> str:
+        """The geometry, dtype and model type, never the K/V themselves (a cache can hold gigabytes)."""
         return (
             f"BranchCache(layers={len(self.layers)}, rows={self.num_rows}, length={self.length}, "
             f"kv_heads={self.layers[0].keys.shape[2]}, head_dim={self.layers[0].keys.shape[3]}, "

@@ -98,6 +98,7 @@ class AttentionBackend:
         return out.transpose(1, 2)
 
     def __repr__(self) -> str:
+        """``ClassName()``: a backend holds no settings, so its class is all there is to show."""
         return f"{type(self).__name__}()"
 
 

@@ -124,6 +124,8 @@ class OpCounter(TorchFunctionMode):
     def __torch_function__(
         self, func: Callable[..., Any], types: Collection[type], args: tuple = (), kwargs: dict | None = None
     ) -> Any:
+        """``TorchFunctionMode``'s hook, called for every torch call while the mode is entered: count it in the
+        current bucket (metadata reads aside; nothing while ``bucket`` is ``None``), then run it unchanged."""
         bucket = self.bucket
         if bucket is not None and getattr(func, "__name__", "") not in _NOT_OPS:
             n = self.counts.get(bucket, 0)
@@ -218,6 +220,7 @@ class ForwardLog:
     kv_slots: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        """The operation counter and the open decode's bookkeeping, which are state, not dataclass fields."""
         self.counter = OpCounter(self.by_caller)
         self._hooks: list = []
         self._after_forward = False  # the policy's operations now follow a forward of this decode
@@ -225,6 +228,8 @@ class ForwardLog:
 
     # ------------------------------------------------------------------ entering
     def __enter__(self) -> ForwardLog:
+        """Wrap the model's forward entry points, hook its decoder layers and start counting, in the policy's
+        bucket: the decode's operations before its first forward are the policy's."""
         m = self.model
         # what the instance itself holds under these names (accelerate's dispatch hooks set ``forward``
         # there), put back on exit; the class's methods otherwise
@@ -246,6 +251,8 @@ class ForwardLog:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Stop counting, remove the layer hooks and put the model's entry points back as they were (the
+        instance's own where it had one, else the class's methods); an exception propagates."""
         self.counter.bucket = None
         self.counter.__exit__(*exc)
         for hook in self._hooks:

@@ -132,6 +132,9 @@ class DecodeState:
     steps: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        """Allocate the fields left ``None`` that every plan, or this plan's ``features``, needs: zeros, -1 where a
+        token id or a row is not known yet, ``drafted`` a copy of the canvas. A group allocated together (e.g. the
+        lookahead's fields, keyed on ``drafted``) is skipped whole when its key is given."""
         R, dev, G = self.canvas.shape[0], self.canvas.device, self.canvas.shape[1] - self.gen_start
         for name in ("win_start", "win_end", "since_refresh", "steps_in_block", "masked_at_block_start", "committed",
                      "merged", "copied", "syncs", "refreshes", "block_forwards", "block_queries",

@@ -140,6 +140,8 @@ class Recorder:
     _uncounted: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (request, winner row, its rows)
 
     def __post_init__(self) -> None:
+        """Per-request NFE counters (block and refresh forwards) on ``device``, and an empty stats dict and trace
+        per request (any ``stats`` or ``trace`` passed in are replaced)."""
         self.nfe_block = torch.zeros(self.num_requests, dtype=torch.long, device=self.device)
         self.nfe_refresh = torch.zeros_like(self.nfe_block)
         self.stats = [{} for _ in range(self.num_requests)]
