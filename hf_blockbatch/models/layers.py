@@ -66,9 +66,10 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
 
 
 class RopeTable:
-    """``cos``/``sin`` for positions ``[0, length)``, computed once per device (grown by doubling
-    when a longer canvas arrives, never beyond what was asked: Dream's context is 131k positions)
-    and looked up by position. Each entry is computed exactly as :func:`rope_cos_sin` computes it, so the
+    """``cos``/``sin`` for positions ``[0, length)``, computed once per device (at least 256 positions
+    at first; when a longer canvas arrives, grown to twice its size, or to the length asked if that is
+    longer: never the model's whole context up front, which for Dream is 131k positions) and looked up
+    by position. Each entry is computed exactly as :func:`rope_cos_sin` computes it, so the
     lookup is bitwise identical; it saves two transcendental passes per forward, which on small
     models is a visible share of a decoding step. A plain attribute, not a buffer, for the same
     reason as above (meta-device loading)."""
