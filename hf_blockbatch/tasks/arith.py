@@ -3,17 +3,18 @@
 Why these limits: a prior trial with numbers up to 15 and ``+ - *`` taught a tiny model the
 format and the copying (~97 % right) but not the sums (6-17 % per equation), so answers were
 right ~8 % of the time and no decoder comparison could be read off them. Here every equation is
-a small fact from a closed set: ``v + k`` and ``v - k`` with ``v <= 20`` and ``k <= 9``, a
-times table up to ``5 x 5`` (plus doubling up to 10 and halving/thirding), and sums of at most
-three values up to 20. The *chain* still matters: each line's first operand is a value
+a small fact from a closed set: ``v + k`` and ``v - k`` with ``k <= 9`` and ``v <= 20``, or
+``v <= 25`` where ``v`` is a product (a chain that starts from ``a x b``, or a shop's bill: up to
+``25 + 9 = 34``), a times table up to ``5 x 5`` (plus doubling up to 10 and halving/thirding),
+and totals of two values up to 20. The *chain* still matters: each line's first operand is a value
 computed on an earlier line, so a decoder that fills a later line before the earlier one has
 settled gets it wrong, as on GSM8K.
 
 Shape (GSM8K): question in prose, solution as short lines "..., so 3 + 4 = 7." and a final
-``#### N``. Several valid forms: totals ("together they have 5 + 3 + 8") list their terms in
+``#### N``. Several valid forms: totals ("together they have 5 + 3") list their terms in
 any order and products ("3 boxes of 4") may be written ``3 * 4`` or ``4 * 3``; the generator
 picks one form per item with its RNG, the scorer reads only the final number. A decoder that
-commits many positions at once can splice two orders into ``5 + 5 + 8``, then the sum is wrong:
+commits many positions at once can splice two orders into ``5 + 5``, then the sum is wrong:
 that is the failure mode of large blocks and low thresholds in real dLLMs.
 """
 
@@ -26,7 +27,8 @@ from hf_blockbatch.tasks.base import Draft, SyntheticTask
 from hf_blockbatch.tasks.contract import EvalItem, Score
 from hf_blockbatch.tasks.words import CONTAINERS, PEOPLE, PRICED, THINGS
 
-#: every value a solution line holds stays in 0..MAX_VALUE (the facts stay a small closed set)
+#: the largest value a gain, a doubling or a comparison's total reaches (the facts stay a small closed set); a
+#: product reaches MAX_FACTOR ** 2 = 25, which a chain may start from and a shop's bill adds one digit to (34)
 MAX_VALUE = 20
 #: the second operand of + and - (one digit)
 MAX_STEP = 9
