@@ -7,7 +7,7 @@ Why it looks like this:
   halves, and the 500 test items all have different names: in a prior trial nearly every
   failure was a *guessed* name that shared a first letter with the right one, so the suite makes
   copying the name necessary, and measures it.
-* Bodies are 1-3 lines of the most common Python idioms, so a ~1M-parameter model can learn
+* Bodies are 1-4 lines of the most common Python idioms, so a ~1M-parameter model can learn
   them; constants come from the prompt (copied), not from reasoning.
 * Many tasks have several valid bodies: ``x + 7`` / ``7 + x``, ``max(a, b)`` / ``max(b, a)``,
   ``len([...])`` / ``sum(1 for ...)``. The generator trains on one of them at random; a decoder
