@@ -289,6 +289,11 @@ def test_scoring_cuts_at_the_stop_sequences_and_mbpp_runs_its_setup_after_the_co
     assert [it.id for it in MBPP(data_path=path, num_fewshot=0).items("test")] == ["mbpp/11", "mbpp/510"]
 
 
+_GOOD_ROWS = {GSM8K: {"question": "q", "answer": "#### 2"}, MATH: {"problem": "p", "solution": "\\boxed{2}"},
+              MBPP: {"task_id": 11, "text": "t", "code": "c", "test_list": ["assert True"]},
+              HumanEval: {"task_id": "H/0", "prompt": "p", "canonical_solution": "c", "test": "t", "entry_point": "f"}}
+
+
 @pytest.mark.parametrize("task, row, message", [
     (GSM8K, {"question": "q"}, "gsm8k: data row 2 lacks answer: each row must be a JSON object with question, answer."),
     (GSM8K, {"question": "q", "answer": "no number"}, "gsm8k: data row 2's answer holds no number"),
@@ -301,11 +306,20 @@ def test_scoring_cuts_at_the_stop_sequences_and_mbpp_runs_its_setup_after_the_co
 def test_a_data_row_that_cannot_be_an_item_is_refused_naming_it(tmp_path, task: type, row: Any, message: str):
     """A ``--data`` row without a field was a ``KeyError`` traceback; a gsm8k or MATH row with no gold answer became an
     item with an empty reference, against which every completion scored wrong, in silence."""
-    good = {GSM8K: {"question": "q", "answer": "#### 2"}, MATH: {"problem": "p", "solution": "\\boxed{2}"},
-            MBPP: {"task_id": 11, "text": "t", "code": "c", "test_list": ["assert True"]},
-            HumanEval: {"task_id": "H/0", "prompt": "p", "canonical_solution": "c", "test": "t", "entry_point": "f"}}
     path = tmp_path / "rows.jsonl"
-    path.write_text(json.dumps(good[task]) + "\n" + json.dumps(row) + "\n")
+    path.write_text(json.dumps(_GOOD_ROWS[task]) + "\n" + json.dumps(row) + "\n")
     with pytest.raises(ValueError) as err:
         task(data_path=path).items()
     assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize("task", [GSM8K, MATH, MBPP, HumanEval])
+def test_a_negative_limit_is_refused_before_the_data_is_read(tmp_path, task: type) -> None:
+    """``items(limit=-1)`` returned no item, in silence, where the tiny suites refuse it (they share the check):
+    a caller who computed a limit wrongly scored an empty run. It is refused before the file is looked for."""
+    with pytest.raises(ValueError, match=rf"^{task.name}: limit must be >= 0 \(or None: every item\), got -1$"):
+        task(data_path=tmp_path / "missing.jsonl").items(limit=-1)
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(_GOOD_ROWS[task]) + "\n")
+    assert task(data_path=path).items(limit=0) == []
+    assert len(task(data_path=path).items(limit=1)) == len(task(data_path=path).items(limit=5)) == 1

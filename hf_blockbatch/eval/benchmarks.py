@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_blockbatch.tasks.contract import EvalItem, Score, Task, apply_chat
+from hf_blockbatch.tasks.contract import EvalItem, Score, Task, apply_chat, check_limit
 from hf_blockbatch.tasks.execution import ExecResult, run_program, run_programs
 from hf_blockbatch.tasks.scoring import (
     extract_code,
@@ -221,7 +221,8 @@ def _require_fields(task: str, rows: list[Any], fields: tuple[str, ...]) -> list
 
 
 def _split_for_prefix(items: list[EvalItem], limit: int | None) -> list[EvalItem]:
-    return items if limit is None else items[: max(0, limit)]
+    """The first ``limit`` items (all when ``None``); ``items()`` refused a negative one before reading its file."""
+    return items if limit is None else items[:limit]
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,6 +272,7 @@ class GSM8K(Task):
     def items(self, split: str = "test", limit: int | None = None) -> list[EvalItem]:
         """:meth:`Task.items` for the test split only (the shots are built in), in the data file's order; each
         item's ``reference`` is the number after the row's ``####``, and a row without one is refused."""
+        check_limit(self.name, limit)
         if split != "test":
             raise ValueError("gsm8k: only the 'test' split is provided (the shots are built in)")
         rows = _require_fields(self.name, _load_rows(self.name, self.data_path, "gsm8k_test.jsonl", self.hub),
@@ -349,6 +351,7 @@ class MATH(Task):
     def items(self, split: str = "test", limit: int | None = None) -> list[EvalItem]:
         """:meth:`Task.items` for the test split only (MATH-500), in the data file's order; each item's
         ``reference`` is the row's ``answer``, else its solution's last ``\\boxed{}``; a row with neither is refused."""
+        check_limit(self.name, limit)
         if split != "test":
             raise ValueError("math: only the 'test' split (MATH-500) is provided")
         rows = _require_fields(self.name, _load_rows(self.name, self.data_path, "math500_test.jsonl", self.hub),
@@ -453,6 +456,7 @@ class HumanEval(_CodeTask):
     def items(self, split: str = "test", limit: int | None = None) -> list[EvalItem]:
         """:meth:`Task.items` for the test split only, in the data file's order: ``question`` is the prompt (the
         signature and docstring the model completes), ``tests`` the row's ``check`` function."""
+        check_limit(self.name, limit)
         if split != "test":
             raise ValueError("humaneval: only the 'test' split exists")
         out = [
@@ -555,6 +559,7 @@ class MBPP(_CodeTask):
     def items(self, split: str = "test", limit: int | None = None) -> list[EvalItem]:
         """:meth:`Task.items` for any split of :attr:`SPLITS`, chosen by task-id range (a full local file holds
         every split) and sorted by task id; ``tests`` are the row's asserts."""
+        check_limit(self.name, limit)
         if split not in self.SPLITS:
             raise ValueError(f"mbpp: split must be one of {sorted(self.SPLITS)}")
         lo, hi = self.SPLITS[split]

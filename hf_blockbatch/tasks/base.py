@@ -20,7 +20,7 @@ from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_blockbatch.tasks.contract import EvalItem, Task, apply_chat
+from hf_blockbatch.tasks.contract import EvalItem, Task, apply_chat, check_limit
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +139,7 @@ class SyntheticTask(Task):
         """``test`` (500 fixed items) or ``train`` (``DEFAULT_TRAIN_SIZE`` unless ``limit``): the first ``limit``
         items (0: none). A negative ``limit`` is refused: as a slice it would drop items from the end and decode
         nearly all of them."""
-        if limit is not None and limit < 0:
-            raise ValueError(f"{self.name}: limit must be >= 0 (or None: every item), got {limit}")
+        check_limit(self.name, limit)
         if split == "test":
             out = self.test_items()
             return list(out if limit is None else out[:limit])

@@ -63,6 +63,13 @@ class Task(ABC):
         """Score a completion (the decoded new text only, special tokens removed)."""
 
 
+def check_limit(task: str, limit: int | None) -> None:
+    """Refuse a negative ``limit`` for :meth:`Task.items`: as a slice it would drop items from the end (and decode
+    nearly all of them), and clamped to 0 it would return no item, in silence, where the caller asked for some."""
+    if limit is not None and limit < 0:
+        raise ValueError(f"{task}: limit must be >= 0 (or None: every item), got {limit}")
+
+
 def apply_chat(text: str, tokenizer: Any = None, chat: bool = True) -> str:
     """Wrap ``text`` as one user turn with the tokenizer's chat template, when there is one.
 
