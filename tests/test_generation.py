@@ -124,6 +124,29 @@ def test_decode_runs_in_inference_mode_and_returns_ordinary_tensors(model):
     embedding.weight.grad = None
 
 
+DEFAULT_DTYPE_CONFIGS = [
+    BlockBatchConfig(max_new_tokens=G, block_sizes=[4, 8], threshold=0.47),  # the probability map
+    BlockBatchConfig(max_new_tokens=G, block_sizes=[4, 8], threshold=0.47, refresh="divergence", refresh_interval=4,
+                     divergence_threshold=1e-3),  # fmt: skip
+    FastDLLMConfig.drafted(max_new_tokens=G, block_length=G),  # the runner-up drafts' map
+    FastDLLMConfig(max_new_tokens=G, block_length=8, threshold=0.47),
+]
+
+
+@pytest.mark.parametrize("cfg", DEFAULT_DTYPE_CONFIGS, ids=["blockbatch", "divergence", "drafted", "fast_dllm"])
+def test_the_default_dtype_does_not_change_the_decode(model, cfg):
+    """``torch.set_default_dtype(torch.float64)`` (set by a user for something else) reached the decoders' float
+    buffers: BlockBatch, the drafted presets and the divergence refresh failed deep in torch on a float32 model
+    (``index_copy_(): ... Double and ... Float``). Every decoder now decodes the same tokens in the same forwards."""
+    plain = _gen(model, PROMPT, cfg)
+    torch.set_default_dtype(torch.float64)
+    try:
+        under = _gen(model, PROMPT, cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert torch.equal(under.sequences, plain.sequences) and torch.equal(under.nfe, plain.nfe)
+
+
 # ----------------------------------------------------------------------------- 5. padding
 PADDED_CONFIGS = [
     VanillaDiffusionConfig(max_new_tokens=G, steps=8, block_length=8),

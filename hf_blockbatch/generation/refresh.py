@@ -115,7 +115,7 @@ class Divergence(Periodic):
         R = keys.shape[0]
         local = torch.arange(R, device=keys.device) // state.branches
         B = R // state.branches
-        sums = torch.zeros(B, keys.shape[1], device=keys.device).index_add_(0, local, keys)
+        sums = torch.zeros(B, keys.shape[1], dtype=keys.dtype, device=keys.device).index_add_(0, local, keys)
         mean = sums[local] / state.branches
         drift = (keys - mean).norm(dim=-1) / mean.norm(dim=-1).clamp_min(1e-6)
         return super().stale(state, cache) | (drift > self.threshold)

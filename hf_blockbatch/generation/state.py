@@ -147,7 +147,7 @@ class DecodeState:
         if self.eos_prob is None:
             self.eos_prob = _zeros(R, dev, torch.float64)
         if self.map_k and self.prob_p is None:
-            self.prob_p = torch.zeros(R, G, self.map_k, device=dev)
+            self.prob_p = torch.zeros(R, G, self.map_k, dtype=torch.float32, device=dev)  # sampling.py: float32
             self.prob_ids = torch.full((R, G, self.map_k), -1, dtype=torch.long, device=dev)
         if "lookahead" in self.features and self.drafted is None:
             self.drafted = self.canvas.clone()
@@ -157,7 +157,7 @@ class DecodeState:
             self.draft_parent = torch.full((R,), -1, dtype=torch.long, device=dev)
             self.draft_row = self.branch > 0
         if "runner_up" in self.features and self.runner_p is None:
-            self.runner_p = torch.zeros(R, G, device=dev)
+            self.runner_p = torch.zeros(R, G, dtype=torch.float32, device=dev)
             self.runner_ids = torch.full((R, G), -1, dtype=torch.long, device=dev)
         if "noise" in self.features and self.steps is None:
             self.noise_key, self.steps = _zeros(R, dev), _zeros(R, dev)
