@@ -358,6 +358,27 @@ def test_settings_that_fit_no_data_are_refused(tmp_path):
     assert not (tmp_path / "train_config.json").exists()
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # arith's longest test prompt (56 tokens, item 3) is longer than its first 16 training prompts' (51)
+        ({"eval_items_per_suite": 8, "decode_items_per_suite": 0, "gen_max": 72, "max_positions": 123},
+         "The longest held-out test prompt plus gen_max is 128 tokens, beyond the model's 123 positions"),
+        ({"eval_items_per_suite": 3, "decode_items_per_suite": 4, "gen_max": 48, "max_positions": 99},
+         "The longest decoded arith test prompt plus its 48 tokens is 104 tokens, beyond the model's 99 positions"),
+    ],
+)
+def test_test_prompts_beyond_the_context_are_refused_before_training(tmp_path, monkeypatch, options, message):
+    """The check covered the training prompts only: a longer test prompt failed in the forward of the first
+    evaluation, ``eval_every`` steps into the run, with a traceback instead of the command line's one line."""
+    monkeypatch.setattr(sft, "make_batch", lambda *_a: pytest.fail("a training step ran"))
+    cfg = _tiny("llada", steps=1, eval_every=1, suites={"arith": 1.0}, train_items_per_suite=16, gen_min=48, **options)
+    with pytest.raises(sft.TrainingSettingsError) as err:
+        train(cfg, tmp_path, show_progress=False)
+    assert str(err.value) == message + ": raise max_positions or lower gen_max."
+    assert not (tmp_path / "train_config.json").exists()
+
+
 def test_init_from_a_checkpoint_of_the_other_family_is_refused(tmp_path):
     """A Dream checkpoint continued as LLaDA trained the Dream weights with LLaDA's tokenizer and prompts."""
     import hf_blockbatch as hb

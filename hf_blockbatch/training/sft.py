@@ -296,6 +296,46 @@ def _load_data(config: TrainConfig, tokenizer: Any, eot_id: int) -> tuple[dict[s
     return train, test
 
 
+def _decode_gen_length(config: TrainConfig, task: Any) -> int:
+    """The canvas the held-out decode gives ``task``: its default length, within ``[gen_min, gen_max]``."""
+    return min(config.gen_max, max(config.gen_min, int(getattr(task, "default_gen_length", 128))))
+
+
+def _check_context(
+    config: TrainConfig,
+    tokenizer: Any,
+    train_data: dict[str, list[Example]],
+    heldout: dict[str, list[Example]],
+    test_items: dict[str, list[Any]],
+    context: int,
+) -> None:
+    """Refuse, before any step, a canvas of the run beyond the model's ``context`` positions.
+
+    The training rows, the held-out loss batches (test prompts, ``gen_max``) and the held-out decodes (test prompts,
+    :func:`_decode_gen_length`) each need one. Test prompts can be longer than the training ones: unchecked, the
+    first evaluation failed in the forward, ``eval_every`` steps into the run.
+    """
+    from hf_blockbatch.tasks import get_suite
+
+    longest = max(len(e.prompt) for exs in train_data.values() for e in exs)
+    canvases = [(longest + config.gen_max, "training prompt plus gen_max")]
+    held = [len(e.prompt) for exs in heldout.values() for e in exs]
+    if held:
+        canvases.append((max(held) + config.gen_max, "held-out test prompt plus gen_max"))
+    for name, items in test_items.items():
+        if items := items[: config.decode_items_per_suite]:
+            task = get_suite(name)
+            prompts = tokenizer([task.prompt(it, tokenizer) for it in items], add_special_tokens=False)["input_ids"]
+            length = _decode_gen_length(config, task)
+            canvases.append((max(map(len, prompts)) + length, f"decoded {name} test prompt plus its {length} tokens"))
+    size, what = max(canvases, key=lambda c: c[0])
+    if size > context:
+        raise TrainingSettingsError(
+            f"The longest {what} is {size} tokens, beyond the model's {context} positions: raise max_positions or "
+            "lower gen_max."
+        )
+
+
 def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) -> dict[str, Any]:
     """Train one model and keep the best checkpoint (by held-out decode accuracy, then loss) in ``out_dir``.
 
@@ -350,25 +390,23 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
             f"No training item of {', '.join(empty)} fits gen_min={config.gen_min} tokens (its target and end of "
             "turn): raise gen_min."
         )
-    longest = max(len(e.prompt) for examples in train_data.values() for e in examples) + config.gen_max
-    if longest > model.config.context_length:
-        raise TrainingSettingsError(
-            f"The longest prompt plus gen_max is {longest} tokens, beyond the model's {model.config.context_length} "
-            "positions: raise max_positions or lower gen_max."
+    suite_names = list(config.suites)
+    heldout_examples = {
+        name: encode_items(
+            test_items[name][: config.eval_items_per_suite], get_suite(name), tokenizer, ids["eot"], config.gen_max
         )
+        for name in suite_names
+    }
+    _check_context(config, tokenizer, train_data, heldout_examples, test_items, model.config.context_length)
     (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
     logger.info("data ready in %.1fs: %s", time.time() - t0, {k: len(v) for k, v in train_data.items()})
-    suite_names = list(config.suites)
     weights = torch.tensor([config.suites[s] for s in suite_names], dtype=torch.float)
 
     # fixed held-out batches, noised once with their own seed
     g_eval = torch.Generator().manual_seed(12345)
     heldout = []
     for name in suite_names:
-        task = get_suite(name)
-        exs = encode_items(
-            test_items[name][: config.eval_items_per_suite], task, tokenizer, ids["eot"], config.gen_max
-        )
+        exs = heldout_examples[name]
         for i in range(0, len(exs), 32):
             b, p = make_batch(exs[i : i + 32], config.gen_max, ids["eos"])
             noisy, masked = apply_noise(b, p, ids["mask"], g_eval, t=torch.full((b.shape[0],), 0.5))
@@ -407,7 +445,7 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
                     break
                 task = get_suite(name)
                 items = test_items[name][: config.decode_items_per_suite]
-                gl = min(config.gen_max, max(config.gen_min, int(getattr(task, "default_gen_length", 128))))
+                gl = _decode_gen_length(config, task)
                 acc, texts = decode_accuracy(
                     model, tokenizer, task, items, gl, ids, tokens_per_step=config.decode_tokens_per_step
                 )
