@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_blockbatch.checks import check_positive_int
+from hf_blockbatch.checks import COMPUTE_DTYPES, check_device, check_positive_int
 
 if TYPE_CHECKING:  # the model modules import this one
     from hf_blockbatch.models.dream import DreamConfig
@@ -263,6 +263,14 @@ class BranchCache(Cache):
                  "head_dim": head_dim}  # fmt: skip
         for name, size in sizes.items():
             check_positive_int(name, size)
+        # torch said "empty(): argument 'dtype' must be torch.dtype, not str", or listed every device type it knows.
+        # A name is refused, not read: transformers' own caches take a torch.dtype too (only from_pretrained reads
+        # names). A model's new_cache() passes its torch.device, which needs no check.
+        if not isinstance(dtype, torch.dtype) or dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype must be a floating torch.dtype ({', '.join(map(str, COMPUTE_DTYPES))}), got "
+                             f"{dtype!r}: pass e.g. torch.float16, or build the cache with model.new_cache().")  # fmt: skip
+        if not isinstance(device, torch.device):
+            check_device(device)
         shape = (num_layers, 2, num_rows, length, num_kv_heads, head_dim)
         on_cpu = (torch.device(device) if device is not None else torch.get_default_device()).type == "cpu"
         if _POOL.lending is not None and on_cpu:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_bool", "check_not_numpy_int", "check_positive_int", "check_positive_real", "check_real", "check_token_ids", "vocabulary_size"]
+__all__ = ["COMPUTE_DTYPES", "check_bool", "check_device", "check_not_numpy_int", "check_positive_int", "check_positive_real", "check_real", "check_token_ids", "vocabulary_size"]
 
 
 def check_real(name: str, value: Any) -> float:
@@ -55,6 +55,28 @@ def check_bool(name: str, value: Any) -> None:
     """On/off fields take True or False only: ``"false"`` (a string from a JSON file or a form) is truthy."""
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be true or false, got {value!r} ({type(value).__name__}).")
+
+
+def check_device(device: str | torch.device | None) -> None:
+    """A device this PyTorch can use, or a one-line error (torch's own is a RuntimeError listing
+    every device type it knows)."""
+    if device is None:
+        return
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device={str(device)!r} is not a device PyTorch knows: use cpu, or cuda (cuda:0, ...).") from err
+    if kind == "meta":  # exists in every PyTorch, but holds shapes only: "not available" misled
+        raise ValueError("device='meta' holds no weights, so nothing could decode on it: use cpu, or cuda (cuda:0, ...).")
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if kind in available and not available[kind]:
+        raise ValueError(f"device={str(device)!r} but this PyTorch sees no {kind.upper()} device: use device='cpu'.")
+    if kind not in available and not getattr(getattr(torch, kind, None), "is_available", lambda: False)():
+        raise ValueError(f"device={str(device)!r} is not available in this PyTorch: use cpu, or cuda (cuda:0, ...).")
+
+
+#: the dtypes a model loads and computes in, and a cache holds K/V in
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def vocabulary_size(model: Any) -> int | None:

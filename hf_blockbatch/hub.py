@@ -18,6 +18,8 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModel, AutoTokenizer, PreTrainedConfig
 
+from hf_blockbatch.checks import COMPUTE_DTYPES, check_device
+
 if TYPE_CHECKING:  # for the hints only
     from transformers import PreTrainedTokenizerBase
 
@@ -86,36 +88,14 @@ def _not_found(name: str, why: str) -> FileNotFoundError:
     )
 
 
-def _check_device(device: str | torch.device | None) -> None:
-    """A device this PyTorch can use, or a one-line error (torch's own is a RuntimeError listing
-    every device type it knows)."""
-    if device is None:
-        return
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device={str(device)!r} is not a device PyTorch knows: use cpu, or cuda (cuda:0, ...).") from err
-    if kind == "meta":  # exists in every PyTorch, but holds shapes only: "not available" misled
-        raise ValueError("device='meta' holds no weights, so nothing could decode on it: use cpu, or cuda (cuda:0, ...).")
-    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
-    if kind in available and not available[kind]:
-        raise ValueError(f"device={str(device)!r} but this PyTorch sees no {kind.upper()} device: use device='cpu'.")
-    if kind not in available and not getattr(getattr(torch, kind, None), "is_available", lambda: False)():
-        raise ValueError(f"device={str(device)!r} is not available in this PyTorch: use cpu, or cuda (cuda:0, ...).")
-
-
-#: the dtypes a model loads and computes in
-_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
 def checked_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
     """A floating torch dtype, given as one or by name (``"bfloat16"``, ``"torch.float16"``), ``None``, or ``"auto"``
     (the checkpoint's own), or a one-line error: transformers' is an ``AttributeError`` on the ``torch`` module."""
     # (float8 is floating point to torch, but weights cannot be loaded or computed in it)
-    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype) and dtype in _COMPUTE_DTYPES:
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype) and dtype in COMPUTE_DTYPES:
         return dtype
     named = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
-    if isinstance(named, torch.dtype) and named in _COMPUTE_DTYPES:
+    if isinstance(named, torch.dtype) and named in COMPUTE_DTYPES:
         return named
     raise ValueError(f"dtype={dtype!r} is not a dtype a model loads in: use float32, bfloat16 or float16 "
                      "(a torch.dtype or its name), or 'auto' for the checkpoint's own.")  # fmt: skip
@@ -151,7 +131,7 @@ def load_model(
             raise ValueError("Pass dtype= only (torch_dtype is its older name), not both.")
         dtype = kwargs.pop("torch_dtype")
     path = resolve_model_path(name_or_path)
-    _check_device(device)
+    check_device(device)
     dtype = checked_dtype(dtype)
     local = Path(path).exists()
     if not local:

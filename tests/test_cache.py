@@ -77,6 +77,30 @@ def test_mask_validation() -> None:
     assert cache.key_mask.all()  # a refused mask leaves the old one
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"dtype": "float16"}, "dtype must be a floating torch.dtype (torch.float32, torch.bfloat16, torch.float16, "
+                               "torch.float64), got 'float16': pass e.g. torch.float16, or build the cache with "
+                               "model.new_cache()."),
+        ({"dtype": torch.int64}, "dtype must be a floating torch.dtype (torch.float32, torch.bfloat16, torch.float16, "
+                                 "torch.float64), got torch.int64: pass e.g. torch.float16, or build the cache with "
+                                 "model.new_cache()."),
+        ({"device": "tpu"}, "device='tpu' is not a device PyTorch knows: use cpu, or cuda (cuda:0, ...)."),
+        ({"device": "meta"}, "device='meta' holds no weights, so nothing could decode on it: use cpu, or cuda "
+                             "(cuda:0, ...)."),
+    ],
+)
+def test_a_dtype_or_device_the_cache_cannot_hold_is_refused_in_one_line(options, message) -> None:
+    """A dtype's name, a non-floating dtype or an unknown device gave torch's error (``empty(): argument 'dtype'
+    must be torch.dtype, not str``; a list of every device type torch knows; ``item()`` on a meta tensor), or built
+    an int64 cache no forward can fill. transformers' caches take a torch.dtype, not a name: so does this one."""
+    with pytest.raises(ValueError) as err:
+        hb.BranchCache(1, 2, 4, 1, 2, **options)
+    assert str(err.value) == message
+    assert hb.BranchCache(1, 2, 4, 1, 2, dtype=torch.float16, device="cpu").dtype == torch.float16
+
+
 def test_copy_rows_exact() -> None:
     cache = random_cache(left_padded_mask([0, 3, 0, 1, 0]))
     before = state(cache)
