@@ -325,6 +325,16 @@ def _(**_):
     return _message(lambda: hb.FastDLLMConfig(max_new_tokens=8, block_length=4, threshold=None, steps=3))
 
 
+@case("fast-dllm-steps-over-block")
+def _(**_):
+    return _message(lambda: hb.FastDLLMConfig(max_new_tokens=32, block_length=8, threshold=None, steps=64))
+
+
+@case("steps-over-short-answer")
+def _(**_):
+    return _message(lambda: hb.FastDLLMConfig(max_new_tokens=8, threshold=None, steps=32))
+
+
 @case("blockbatch-no-rule")
 def _(**_):
     return _message(lambda: hb.BlockBatchConfig(threshold=None))

@@ -363,6 +363,27 @@ class DiffusionGenerationConfig(GenerationConfig):
             raise ValueError(f"{name} does not use {what} Remove {'it' if len(unsupported) == 1 else 'them'}.")
 
 
+def _check_steps(steps: int, max_new_tokens: int, block: int) -> None:
+    """LLaDA's per-block schedule, which vanilla and Fast-dLLM's ``steps`` rule share: ``steps`` spread evenly over
+    the blocks, at most a block's tokens each (``block``, or ``max_new_tokens`` when that is shorter). Why the bound:
+    a step commits at least one token and a block is left once it has no mask (as in the official loops), so the
+    steps asked beyond it never ran: Fast-dLLM's ``steps=64`` on 32 tokens in blocks of 8 ran 32 forwards, and
+    ``steps=32`` on 8 tokens in a block of 32 ran 8, vanilla's too, in silence. (A shorter last block may still get
+    fewer tokens than steps: the bench's default rounds steps up to a multiple of the blocks.)"""
+    num_blocks = -(-max_new_tokens // block)
+    if steps % num_blocks:
+        raise ValueError(
+            f"steps ({steps}) must be a multiple of the number of blocks ({num_blocks} blocks of {block} in "
+            f"{max_new_tokens} tokens)."
+        )
+    name, most = ("block_length", block) if block <= max_new_tokens else ("max_new_tokens", max_new_tokens)
+    if steps // num_blocks > most:
+        raise ValueError(
+            f"steps per block ({steps // num_blocks}) cannot exceed {name} ({most}): a step commits at least one "
+            f"token, so give steps <= {num_blocks * most}."
+        )
+
+
 class VanillaDiffusionConfig(DiffusionGenerationConfig):
     """LLaDA's original sampler: ``steps`` full forwards (no cache), a fixed number of tokens per
     step, spread evenly over the blocks of ``block_length``.
@@ -406,14 +427,7 @@ class VanillaDiffusionConfig(DiffusionGenerationConfig):
         steps, block = self.resolved()
         check_positive_int("steps", steps)
         check_positive_int("block_length", block)
-        num_blocks = -(-self.max_new_tokens // block)
-        if steps % num_blocks:
-            raise ValueError(
-                f"steps ({steps}) must be a multiple of the number of blocks ({num_blocks} blocks of "
-                f"{block} in {self.max_new_tokens} tokens)."
-            )
-        if steps // num_blocks > block:
-            raise ValueError(f"steps per block ({steps // num_blocks}) cannot exceed block_length ({block}).")
+        _check_steps(steps, self.max_new_tokens, block)
 
 
 class FastDLLMConfig(DiffusionGenerationConfig):
@@ -430,7 +444,8 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             0.85 above 16 masks saves 2-7 % of the forwards at no accuracy cost on training items, where
             0.85 everywhere loses up to 1.5 points (RESULTS §48). In ``drafted(exact=False)``.
         factor: instead of a threshold, commit the largest n with (n + 1)(1 − c_n) < factor.
-        steps: with neither threshold nor factor, a fixed quota of tokens per step.
+        steps: with neither threshold nor factor, a fixed quota of tokens per step: ``steps`` spread evenly
+            over the blocks (a multiple of their number), at most ``block_length`` a block.
         rule / entropy_bound: ``rule="entropy"`` replaces the threshold with entropy-bounded commits
             (EB-sampler): the masks by confidence, as many as keep their predictive entropies' sum
             within ``entropy_bound`` nats of the largest (RESULTS §32: ahead of the threshold on lists
@@ -600,9 +615,7 @@ class FastDLLMConfig(DiffusionGenerationConfig):
             check_positive_real("factor", self.factor)
         if self.steps is not None:
             check_positive_int("steps", self.steps)
-            num_blocks = -(-self.max_new_tokens // self.block_length)
-            if self.steps % num_blocks:
-                raise ValueError(f"steps ({self.steps}) must be a multiple of the number of blocks ({num_blocks}).")
+            _check_steps(self.steps, self.max_new_tokens, self.block_length)
         _check_lookahead(self)
         k = self.refresh_after_commits
         if k is not None:
