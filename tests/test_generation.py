@@ -537,6 +537,39 @@ def test_block_sizes_read_as_a_list_however_they_are_set(sizes, tmp_path):
         updated.update(block_sizes="4,8")
 
 
+@pytest.mark.parametrize("cls", [FastDLLMConfig, BlockBatchConfig])
+def test_update_and_from_pretrained_read_a_rule_or_a_temperature_as_generate_does(cls, tmp_path):
+    """``update(factor=1.0)`` on a config with the default threshold, and ``update(temperature=0.7)`` on a greedy one,
+    were refused ("Give exactly one of threshold, factor or steps", "do_sample=False asks for greedy decoding"), as
+    was ``from_pretrained(folder, factor=1.0)``, where the constructor and ``generate()``'s keywords take them: the
+    keyword names the rule, and the temperature sets do_sample."""
+    cls(max_new_tokens=16).save_pretrained(tmp_path)
+    for options in ({"factor": 1.0}, {"temperature": 0.7}, {"factor": 2.0, "temperature": 0.5}):
+        want = cls(max_new_tokens=16, **options)
+        updated = cls(max_new_tokens=16)
+        assert updated.update(**options) == {}
+        assert updated == want and cls.from_pretrained(tmp_path, **options) == want
+    greedy = cls(max_new_tokens=16, temperature=0.7)
+    greedy.update(temperature=0.0)
+    assert greedy == cls(max_new_tokens=16) and greedy.do_sample is False
+
+
+def test_a_refused_update_leaves_the_config_as_it_was():
+    """transformers' ``update`` sets the values before it validates them: a refused ``update`` left them set, so
+    the config (threshold and factor both) was refused by every later ``generate``."""
+    m = make_tiny_llada()
+    cfg = FastDLLMConfig(max_new_tokens=8, block_length=4)
+    with pytest.raises(ValueError, match=r"Give exactly one of threshold, factor or steps \(got \['threshold', 'factor'\]\)"):
+        cfg.update(threshold=0.8, factor=1.0)
+    with pytest.raises(ValueError, match="block_length must be a positive integer, got 0"):
+        cfg.update(block_length=0, temperature=0.7)
+    assert cfg == FastDLLMConfig(max_new_tokens=8, block_length=4)
+    out = m.generate(torch.tensor([PROMPT]), generation_config=cfg, return_dict_in_generate=True)
+    want = m.generate(torch.tensor([PROMPT]), generation_config=FastDLLMConfig(max_new_tokens=8, block_length=4),
+                      return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, want.sequences)
+
+
 @pytest.mark.parametrize("cls", [VanillaDiffusionConfig, FastDLLMConfig, BlockBatchConfig])
 def test_config_from_model_config_takes_the_token_ids(cls):
     """transformers' ``from_model_config`` would copy the model's fields (``d_model``, ...) into the

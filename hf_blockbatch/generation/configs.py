@@ -261,16 +261,51 @@ class DiffusionGenerationConfig(GenerationConfig):
             keys_to_pop = [*(keys_to_pop or ()), "temperature"]
         super().to_json_file(json_file_path, use_diff=use_diff, keys_to_pop=keys_to_pop)
 
+    @classmethod
+    def _read_keywords(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """``options`` with what naming them means, as the constructor reads them: naming another transfer rule
+        (``factor``, ``steps``) without a ``threshold`` drops the config's threshold, default or not (the call names
+        its rule); a ``temperature`` without ``do_sample`` unsets ``do_sample``, which then follows the temperature
+        (:meth:`follow_temperature`). ``generate()``'s keywords, ``update`` and ``from_pretrained``/``from_dict``'s
+        keywords all read them so."""
+        implied: dict[str, Any] = {}
+        if "threshold" in cls._ours and "threshold" not in options and any(options.get(r) is not None for r in _RULES[1:]):
+            implied["threshold"] = None
+        if "temperature" in options and "do_sample" not in options:
+            implied["do_sample"] = None
+        return {**options, **implied}
+
     def override(self, options: dict[str, Any]) -> None:
-        """Set ``generate()``'s keyword options, as the constructor would have: naming another
-        transfer rule (``factor``, ``steps``) without a ``threshold`` drops the config's threshold, default or
-        not: the call names its rule. Unknown names are kept, so that :meth:`validate` refuses them with a
-        suggestion."""
-        for key, value in options.items():
+        """Set ``generate()``'s keyword options, as the constructor would have (:meth:`_read_keywords`). Unknown
+        names are kept, so that :meth:`validate` refuses them with a suggestion."""
+        for key, value in self._read_keywords(options).items():
             setattr(self, key, value)
-        other_rule = any(options.get(rule) is not None for rule in _RULES[1:])
-        if other_rule and "threshold" not in options and "threshold" in self._ours:
-            self.threshold = None
+        if self.do_sample is None:
+            self.follow_temperature()
+
+    def update(self, defaults_only: bool = False, allow_custom_entries: bool = False, **kwargs: Any) -> dict[str, Any]:
+        """transformers' ``update``, reading its keywords as ``generate()`` does (:meth:`override`), and leaving the
+        config as it was when it refuses them. It refused ``update(factor=1.0)`` on a config with the default
+        threshold and ``update(temperature=0.7)`` on a greedy one, which ``generate(..., factor=1.0)`` and the
+        constructor take, and the refused values stayed set: every later ``generate`` refused the config. Returns the
+        keywords not used, as transformers' does."""
+        used = {k: v for k, v in kwargs.items()
+                if (hasattr(self, k) or allow_custom_entries) and not (defaults_only and getattr(self, k, None) is not None)}  # fmt: skip
+        before = dict(vars(self))
+        try:
+            self.override(used)
+            self.validate()
+        except (TypeError, ValueError):
+            vars(self).clear()
+            vars(self).update(before)
+            raise
+        return {k: v for k, v in kwargs.items() if k not in used}
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """transformers' ``from_dict`` (which ``from_pretrained`` calls), its keywords read as ``generate()`` reads
+        them: ``from_pretrained(folder, factor=1.0)`` of a saved threshold config was refused for naming two rules."""
+        return super().from_dict(config_dict, **cls._read_keywords(kwargs))
 
     def follow_temperature(self) -> None:
         """Set ``do_sample`` from the temperature (sampling when > 0), as ``generate`` does when a call

@@ -110,8 +110,6 @@ def _resolve_config(model: Any, generation_config: GenerationConfig | None,
     if kwargs:  # options given to generate() override a copy; the caller's config is never changed
         cfg = copy.deepcopy(cfg)
     cfg.override(kwargs)  # an unknown option is refused by validate(), with a suggestion
-    if "temperature" in kwargs and "do_sample" not in kwargs:
-        cfg.follow_temperature()  # the config's do_sample followed its temperature: follow the new one
     cfg.validate()
     return cfg
 
