@@ -1088,3 +1088,40 @@ def test_draft_rows_ride_only_plans_that_keep_no_commit_probabilities(options, m
     out = make_tiny_llada().generate(torch.tensor([[5, 6, 7]]), generation_config=cfg, return_dict_in_generate=True)
     assert len(states) == 1 and states[0].branches == 5 and states[0].commit_prob is None
     assert out.stats[0]["lookahead_adopted"] > 0  # the drafts rode and were adopted
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_preset_narrowed_by_generate_or_update_is_the_preset_built_so(trained, exact):
+    """``generate(..., generation_config=FastDLLMConfig.drafted(), lookahead=2)`` was refused ("lookahead_runner_up
+    ... set lookahead >= 3, or leave lookahead_runner_up False", a value the caller never set), as were ``factor=``
+    or ``rule=`` on ``drafted(exact=False)`` (its ``many_masks_threshold``), where ``drafted(lookahead=2)`` and
+    ``drafted(exact=False, factor=1.0)`` take them: keywords now narrow a config as they narrow the preset."""
+    model, tok = trained
+    enc = _batch(tok, "lists", 4)
+    preset = hb.FastDLLMConfig.drafted(exact=exact, max_new_tokens=32, block_length=32)
+    for narrowing in ({"lookahead": 2}, {"lookahead": 1}, {"factor": 1.0}, {"rule": "entropy", "entropy_bound": 0.3}):
+        want = hb.FastDLLMConfig.drafted(exact=exact, max_new_tokens=32, block_length=32, **narrowing)
+        updated = hb.FastDLLMConfig.drafted(exact=exact, max_new_tokens=32, block_length=32)
+        updated.update(**narrowing)
+        assert updated == want
+        if "lookahead" in narrowing:
+            got = model.generate(**enc, generation_config=preset, return_dict_in_generate=True, **narrowing)
+            built = model.generate(**enc, generation_config=want, return_dict_in_generate=True)
+            assert torch.equal(got.sequences, built.sequences) and torch.equal(got.nfe, built.nfe)
+            assert _adopted(got).tolist() == _adopted(built).tolist()
+
+
+def test_no_drafts_on_a_drafted_preset_names_every_draft_option_to_set():
+    """``lookahead=0`` on ``drafted(exact=False)`` was refused one option at a time, each "(or leave it None)" of a
+    value the preset had set: now one message names all four with the value each needs."""
+    with pytest.raises(ValueError) as err:
+        hb.FastDLLMConfig.drafted(exact=False).update(lookahead=0)
+    assert str(err.value) == (
+        "lookahead_max_masks, lookahead_accept, lookahead_draft_radius, lookahead_query_budget say how to draft: they "
+        "need lookahead >= 1 (or set lookahead_max_masks=None, lookahead_accept='exact', lookahead_draft_radius=None, "
+        "lookahead_query_budget=None)."
+    )
+    cfg = hb.FastDLLMConfig.drafted(exact=False)
+    cfg.update(lookahead=0, lookahead_max_masks=None, lookahead_accept="exact", lookahead_draft_radius=None,
+               lookahead_query_budget=None)  # fmt: skip
+    assert cfg.lookahead == 0 and cfg.window_queries == "sparse"

@@ -184,7 +184,7 @@ def _check_window_queries(cfg: Any, cache: str) -> None:
         raise ValueError(f"requery_radius must be an integer >= 0 (positions either side), got {r!r}.")
     if r != _REQUERY_RADIUS and cfg.window_queries != "sparse":
         raise ValueError("requery_radius chooses what a sparse block step re-queries: it needs "
-                         "window_queries='sparse' (or leave requery_radius at its default).")  # fmt: skip
+                         f"window_queries='sparse' (or set requery_radius={_REQUERY_RADIUS}, its default).")  # fmt: skip
 
 
 class DiffusionGenerationConfig(GenerationConfig):
@@ -263,14 +263,24 @@ class DiffusionGenerationConfig(GenerationConfig):
 
     @classmethod
     def _read_keywords(cls, options: dict[str, Any]) -> dict[str, Any]:
-        """``options`` with what naming them means, as the constructor reads them: naming another transfer rule
-        (``factor``, ``steps``) without a ``threshold`` drops the config's threshold, default or not (the call names
-        its rule); a ``temperature`` without ``do_sample`` unsets ``do_sample``, which then follows the temperature
-        (:meth:`follow_temperature`). ``generate()``'s keywords, ``update`` and ``from_pretrained``/``from_dict``'s
-        keywords all read them so."""
+        """``options`` with what naming them means, for options that change a config already set (a preset's or a
+        saved one): naming another transfer rule (``factor``, ``steps``) without a ``threshold`` drops the config's
+        threshold, default or not (the call names its rule), and another rule (those, or ``rule=``) without
+        ``many_masks_threshold``/``many_masks`` drops those too (they lower the threshold); fewer than three drafts
+        (``lookahead``) without ``lookahead_runner_up`` turn the runner-up drafts off (no row is spare); a
+        ``temperature`` without ``do_sample`` unsets ``do_sample``, which then follows the temperature
+        (:meth:`follow_temperature`). ``generate()``'s keywords, ``update``, ``from_pretrained``/``from_dict``'s
+        keywords and the presets' (``FastDLLMConfig.drafted``) all read them so."""
         implied: dict[str, Any] = {}
-        if "threshold" in cls._ours and "threshold" not in options and any(options.get(r) is not None for r in _RULES[1:]):
+        other_rule = any(options.get(r) is not None for r in _RULES[1:])
+        if "threshold" in cls._ours and "threshold" not in options and other_rule:
             implied["threshold"] = None
+        if ("many_masks" in cls._ours and (other_rule or options.get("rule") is not None)
+                and not {"many_masks_threshold", "many_masks"} & set(options)):  # fmt: skip
+            implied.update(many_masks_threshold=None, many_masks=None)
+        k = options.get("lookahead")
+        if "lookahead_runner_up" in cls._ours and isinstance(k, int) and k < 3 and "lookahead_runner_up" not in options:
+            implied["lookahead_runner_up"] = False
         if "temperature" in options and "do_sample" not in options:
             implied["do_sample"] = None
         return {**options, **implied}
@@ -621,15 +631,8 @@ class FastDLLMConfig(DiffusionGenerationConfig):
         ``exact=False`` lowers while many masks are left, so ``many_masks_threshold`` / ``many_masks`` are dropped
         with it unless given (``drafted(exact=False, rule="localleap", relaxed_threshold=0.8, leap_radius=4)``, the
         README's LocalLeap drafts of RESULTS §23, raised since §48 added them)."""
-        options = {**(DRAFTED if exact else DRAFTED_CONTAINED), **kwargs}
-        k = options["lookahead"]  # fewer drafts leave no row spare (a wrong value is validate()'s to explain)
-        if isinstance(k, int) and k < 3 and "lookahead_runner_up" not in kwargs:
-            options["lookahead_runner_up"] = False
-        other_rule = kwargs.get("rule") is not None or any(kwargs.get(r) is not None for r in _RULES[1:])
-        if other_rule and not {"many_masks_threshold", "many_masks"} & set(kwargs):
-            options.pop("many_masks_threshold", None)
-            options.pop("many_masks", None)
-        return cls(**options)
+        # the keywords narrow the preset as generate()'s narrow a config (a wrong value is validate()'s to explain)
+        return cls(**{**(DRAFTED if exact else DRAFTED_CONTAINED), **cls._read_keywords(kwargs)})
 
     def validate(self, **kwargs: Any) -> None:
         """The shared checks, then Fast-dLLM's: exactly one of threshold, factor or steps, the cache mode, and
@@ -698,20 +701,21 @@ def _check_lookahead(cfg: FastDLLMConfig) -> None:
     check_bool("lookahead_runner_up", cfg.lookahead_runner_up)
     if cfg.lookahead_runner_up and k < 3:
         raise ValueError(f"lookahead_runner_up drafts in rows whose shape cannot ride, and with lookahead={k} every shape "
-                         "rides whenever a draft can: set lookahead >= 3, or leave lookahead_runner_up False.")  # fmt: skip
+                         "rides whenever a draft can: set lookahead >= 3, or lookahead_runner_up=False.")  # fmt: skip
     if not k:
-        if qb is not None:
-            raise ValueError("lookahead_query_budget says how many drafts fit a step: it needs lookahead >= 1 (or leave it None).")
-        if m is not None:
-            raise ValueError("lookahead_max_masks says when to draft: it needs lookahead >= 1 (or leave it None).")
-        if rd is not None:
-            raise ValueError("lookahead_draft_radius says how drafts query: it needs lookahead >= 1 (or leave it None).")
-        if accept != "exact":
-            raise ValueError("lookahead_accept says which drafts are adopted: it needs lookahead >= 1 (or leave it 'exact').")
+        # all at once, with the values to set: a preset (drafted()) sets several, which one message each, saying
+        # "leave it None" of a value the caller never set, left to find one by one
+        drafting = {name: default for name, value, default in (
+            ("lookahead_max_masks", m, None), ("lookahead_accept", accept, "exact"),
+            ("lookahead_draft_radius", rd, None), ("lookahead_query_budget", qb, None)) if value != default}  # fmt: skip
+        if drafting:
+            says, needs = ("says", "it needs") if len(drafting) == 1 else ("say", "they need")
+            raise ValueError(f"{', '.join(drafting)} {says} how to draft: {needs} lookahead >= 1 (or set "
+                             + ", ".join(f"{name}={default!r}" for name, default in drafting.items()) + ").")
         return
     if rd is not None and (accept != "contained" or cfg.window_queries != "sparse"):
         raise ValueError("lookahead_draft_radius makes a draft's forward differ from the next sparse step: it needs "
-                         "window_queries='sparse' and lookahead_accept='contained' (or leave it None).")
+                         "window_queries='sparse' and lookahead_accept='contained' (or set lookahead_draft_radius=None).")
     wrong = [
         why for bad, why in (
             (cfg.cache != "dual", f"cache='dual' (got {cfg.cache!r})"),
