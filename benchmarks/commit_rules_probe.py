@@ -64,6 +64,7 @@ import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -349,16 +350,32 @@ def fit_filter(model, tokenizer, suites: list[str], start: int, limit: int, bloc
     return Filter.fit(f[under], y[under]).to(model.device), info
 
 
+def suite_prompts(model, tokenizer, suite: str, limit: int, split: str, extra: int = 0) -> tuple[Any, list, list[str], int]:
+    """The suite's task, its first ``limit`` items of ``split``, their prompts and its generation length, refused
+    (ValueError) where the split is not the suite's or the longest prompt, ``extra`` positions more, does not fit the
+    context. :func:`check_suites` calls it for every suite before the first decode."""
+    task = load_task(suite)
+    items = task.items(split, limit=limit)
+    prompts = _prompts(task, items, tokenizer)
+    gen_length = int(task.default_gen_length)
+    _check_prompts_fit(model, tokenizer, suite, prompts, gen_length + extra)
+    return task, items, prompts, gen_length
+
+
+def check_suites(model, tokenizer, suites: list[str], limit: int, split: str, extra: int = 0) -> None:
+    """Every suite's items and prompts (:func:`suite_prompts`), before any decode: a split a later suite lacks
+    (``--suites arith gsm8k``, gsm8k holding its test split only) or a prompt it cannot fit was refused when that
+    suite's turn came, after the suites before it had decoded (200 items each by default)."""
+    for suite in suites:
+        suite_prompts(model, tokenizer, suite, limit, split, extra)
+
+
 def score_runs(model, tokenizer, suite: str, limit: int, split: str, runs: Mapping[str, Callable], extra: int = 0) -> dict:
     """Each run on the suite's first ``limit`` items of ``split``, one request at a time: per run, which items it
     answers, its forwards and its query tokens. ``runs[name](ids [1, P], gen_length, end_ids)`` decodes one request
     and returns ``(canvas, forwards, query tokens)``; ``extra`` positions beyond the canvas must fit the context too
     (the leave-one-out shadows)."""
-    task = load_task(suite)
-    items = task.items(split, limit=limit)
-    prompts = _prompts(task, items, tokenizer)
-    gen_length = int(task.default_gen_length)
-    _check_prompts_fit(model, tokenizer, suite, prompts, gen_length + extra)  # before any decode
+    task, items, prompts, gen_length = suite_prompts(model, tokenizer, suite, limit, split, extra)
     end_ids = torch.tensor(end_token_ids(tokenizer, model.config), device=model.device)
     out: dict[str, dict] = {}
     for name, run in runs.items():
@@ -377,9 +394,13 @@ def score_runs(model, tokenizer, suite: str, limit: int, split: str, runs: Mappi
 def run_suite(model, tokenizer, suite: str, limit: int, block: int, rules: list[Rule], split: str = "train") -> dict:
     """Every rule on the suite's first ``limit`` items of ``split``: per rule, correct items, forwards, query tokens."""
     mask_id = model.config.mask_token_id
-    shadows = block if any(r.tau_back is not None for r in rules) else 0  # the leave-one-out shadows: a block more
     runs = {rule.spec: (lambda ids, gen, end, rule=rule: decode(model, ids, gen, block, rule, mask_id, end)) for rule in rules}
-    return score_runs(model, tokenizer, suite, limit, split, runs, shadows)
+    return score_runs(model, tokenizer, suite, limit, split, runs, _shadows(rules, block))
+
+
+def _shadows(rules: list[Rule], block: int) -> int:
+    """Positions the rules need beyond the canvas: the leave-one-out shadows take a block more."""
+    return block if any(r.tau_back is not None for r in rules) else 0
 
 
 def summarize(raw: dict[str, dict], baseline: str = BASELINE) -> dict[str, dict]:
@@ -447,7 +468,8 @@ def main(argv: list[str] | None = None) -> None:
     if model.logit_shift:  # refuse before any decode, not after the first suite
         for rule in rules:
             if rule.tau_back is not None and rule.shadows_see_shadows:
-                raise SystemExit(f"{rule.spec}: {args.model} is a shifted model; use wino-loo / wino-loo-extras.")
+                raise ValueError(f"{rule.spec}: {args.model} is a shifted model; use wino-loo / wino-loo-extras.")
+    check_suites(model, tokenizer, args.suites, args.limit, args.split, _shadows(rules, args.block))
     result = {"model": args.model, "split": args.split, "limit": args.limit, "block": args.block,
               "tau_back": args.tau_back, "suites": {}}  # fmt: skip
     if any(rule.learned is not None for rule in rules):  # fitted on other items than those it is judged on
@@ -455,10 +477,7 @@ def main(argv: list[str] | None = None) -> None:
         rules = [replace(rule, filter=filt) if rule.learned is not None else rule for rule in rules]
         logger.info("learned filter: %s", result["filter"])
     for suite in args.suites:
-        try:
-            rows = summarize(run_suite(model, tokenizer, suite, args.limit, args.block, rules, args.split))
-        except ValueError as err:  # a split the suite lacks, a prompt the context cannot hold: before any decode
-            raise SystemExit(f"error: {err}") from None
+        rows = summarize(run_suite(model, tokenizer, suite, args.limit, args.block, rules, args.split))
         result["suites"][suite] = rows
         for spec, r in rows.items():
             logger.info("%s %s %s: %.1f %% · NFE %.2f (×%.3f) · query tokens %.0f (×%.2f) · +%d/−%d items", args.model,

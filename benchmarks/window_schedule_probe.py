@@ -36,6 +36,7 @@ import torch
 from commit_rules_probe import (
     Rule,
     add_model_arguments,
+    check_suites,
     load_from_arguments,
     score_runs,
     summarize,
@@ -43,7 +44,7 @@ from commit_rules_probe import (
 )
 from commit_rules_probe import decode as fixed_decode
 
-from hf_blockbatch.eval.runner import write_report
+from hf_blockbatch.eval.runner import ALL_TASKS, write_report
 from hf_blockbatch.eval.script_args import out_folder, positive_int, run_main
 from hf_blockbatch.generation.rules.threshold import threshold_select
 from hf_blockbatch.generation.sampling import sample_tokens
@@ -128,7 +129,7 @@ def run_suite(model, tokenizer, suite: str, limit: int, schedules: list[Schedule
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(p)
-    p.add_argument("--suites", nargs="+", default=["arith", "code", "lists"])
+    p.add_argument("--suites", nargs="+", choices=ALL_TASKS, default=["arith", "code", "lists"], metavar="SUITE")
     p.add_argument("--limit", type=positive_int, default=100, help="items per suite")
     p.add_argument("--split", default="train", choices=("train", "test"))
     p.add_argument("--schedules", nargs="+", default=["fixed:64", "sliding:64", "masks:64"],
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         p.error(str(err))
     model, tokenizer = load_from_arguments(args)
+    check_suites(model, tokenizer, args.suites, args.limit, args.split)
     result = {"model": args.model, "split": args.split, "limit": args.limit, "baseline": schedules[0].spec, "suites": {}}
     for suite in args.suites:
         rows = summarize(run_suite(model, tokenizer, suite, args.limit, schedules, args.split), schedules[0].spec)

@@ -179,6 +179,7 @@ BAD_INPUTS = [
     ("items-negative", "localleap_tiny", ["--items", "-3"], "--items: must be >= 1, got -3"),
     ("block-0", "draft_misses", ["--block", "0"], "--block: must be >= 1, got 0"),
     ("suite-unknown", "draft_misses", ["--suites", "arithh"], "--suites: invalid choice: 'arithh'"),
+    ("suite-unknown", "window_schedule_probe", ["--suites", "arith", "arithh"], "--suites: invalid choice: 'arithh'"),
     ("suite-real-for-training", "lookahead_shapes", ["--suites", "gsm8k"], "--suites: invalid choice: 'gsm8k'"),
     ("suite-unknown", "beyond_paper", ["--suites", "code", "gsm8kk"], "--suites: invalid choice: 'gsm8kk'"),
     ("limit-0", "draft_rankings", ["--limit", "0"], "--limit: must be >= 1, got 0"),

@@ -181,9 +181,21 @@ def test_main_writes_the_table_against_the_baseline(tmp_path) -> None:
     assert f"| `wino:0.8` | {w['delta_points']:+.1f} · {w['nfe_ratio']:.3f} · {w['query_ratio']:.2f} |" in table
 
 
-def test_main_refuses_a_split_the_suite_lacks_before_decoding(tmp_path) -> None:
-    with pytest.raises(SystemExit, match="error: gsm8k: only the 'test' split"):
-        probe.main(["--model", "tiny-llada", "--suites", "gsm8k", "--limit", "2", "--out", str(tmp_path)])
+@pytest.mark.parametrize(("args", "says"), [
+    (["--suites", "arith", "gsm8k"], "error: gsm8k: only the 'test' split is provided (the shots are built in)"),
+    (["--model", "tiny-dream", "--rules", "wino:0.8"], "error: wino:0.8: tiny-dream is a shifted model; use wino-loo / "
+                                                       "wino-loo-extras."),
+])  # fmt: skip
+def test_main_refuses_what_a_suite_or_the_model_cannot_run_before_any_decode(tmp_path, monkeypatch, capsys, args,
+                                                                             says) -> None:  # fmt: skip
+    """``--suites arith gsm8k`` (gsm8k holds its test split only) was refused when gsm8k's turn came, after arith's
+    items had decoded (200 of them by default); it and a rule the model cannot run exited with status 1, where
+    ``run_main`` says bad input with status 2. Both now stop before the first decode, with status 2."""
+    from hf_blockbatch.eval.script_args import run_main
+
+    monkeypatch.setattr(probe, "decode", lambda *a, **k: pytest.fail("a decode ran before the refusal"))
+    status = run_main(lambda: probe.main(["--model", "tiny-llada", "--limit", "2", "--out", str(tmp_path), *args]))
+    assert status == 2 and capsys.readouterr().err.strip().splitlines()[-1] == says
     assert not list(tmp_path.iterdir())
 
 

@@ -86,3 +86,15 @@ def test_fixed_is_the_rules_probes_baseline(loaded) -> None:
     ours = probe.decode(model, ids, gen, probe.Schedule.parse("fixed:32"), model.config.mask_token_id, end)
     theirs = rules_probe.decode(model, ids, gen, 32, rules_probe.Rule.parse(rules_probe.BASELINE), model.config.mask_token_id, end)
     assert torch.equal(ours[0], theirs[0]) and ours[1:] == theirs[1:]
+
+
+def test_main_refuses_a_split_a_later_suite_lacks_before_any_decode(tmp_path, monkeypatch, capsys) -> None:
+    """As the rules' probe: ``--suites arith gsm8k`` was refused when gsm8k's turn came, after arith had decoded."""
+    from hf_blockbatch.eval.script_args import run_main
+
+    monkeypatch.setattr(probe, "decode", lambda *a, **k: pytest.fail("a decode ran before the refusal"))
+    status = run_main(lambda: probe.main(["--model", "tiny-llada", "--suites", "arith", "gsm8k", "--limit", "2",
+                                          "--out", str(tmp_path)]))  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and err[-1] == "error: gsm8k: only the 'test' split is provided (the shots are built in)"
+    assert not list(tmp_path.iterdir())
