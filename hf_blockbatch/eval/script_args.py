@@ -58,44 +58,35 @@ def finite_float(text: str) -> float:
     return value
 
 
-def positive_int(text: str) -> int:
-    """A count or a size of at least 1 (items, rows, repeats, a block, threads)."""
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _bounded(name: str, parse: Callable[[str], Any], holds: Callable[[Any], bool], rule: str, doc: str) -> Callable[[str], Any]:
+    """An argparse type named ``name``: ``parse`` the text (:func:`_int` or :func:`finite_float`), then refuse a value
+    for which ``holds`` is false with "must be ``rule``, got <value>" (a float shown with ``:g``). The four bounded
+    types below are made here, so that they parse, refuse and word their refusal one way."""
+
+    def check(text: str) -> Any:
+        value = parse(text)
+        if not holds(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {value:g}" if isinstance(value, float)
+                                             else f"must be {rule}, got {value}")  # fmt: skip
+        return value
+
+    check.__name__ = check.__qualname__ = name
+    check.__doc__ = doc
+    return check
 
 
-def nonnegative_int(text: str) -> int:
-    """A count where 0 means none (warm-up passes, callers listed)."""
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite rate or size above 0 (a bandwidth, a temperature that samples)."""
-    value = finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value:g}")
-    return value
-
-
-def nonnegative_float(text: str) -> float:
-    """A finite number where 0 means none (a temperature, where 0 is greedy; a host time per operation)."""
-    value = finite_float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
-    return value
-
-
-def probability(text: str) -> float:
-    """A threshold or an efficiency in (0, 1]: 0 would commit (or do) nothing, above 1 nothing ever reaches it."""
-    value = finite_float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value:g}")
-    return value
+positive_int = _bounded("positive_int", _int, lambda v: v >= 1, ">= 1",
+                        "A count or a size of at least 1 (items, rows, repeats, a block, threads).")
+nonnegative_int = _bounded("nonnegative_int", _int, lambda v: v >= 0, ">= 0",
+                           "A count where 0 means none (warm-up passes, callers listed).")
+positive_float = _bounded("positive_float", finite_float, lambda v: v > 0, "> 0",
+                          "A finite rate or size above 0 (a bandwidth, a temperature that samples).")
+nonnegative_float = _bounded("nonnegative_float", finite_float, lambda v: v >= 0, ">= 0",
+                             "A finite number where 0 means none (a temperature, where 0 is greedy; a host time per "
+                             "operation).")
+probability = _bounded("probability", finite_float, lambda v: 0 < v <= 1, "in (0, 1]",
+                       "A threshold or an efficiency in (0, 1]: 0 would commit (or do) nothing, above 1 nothing ever "
+                       "reaches it.")
 
 
 def torch_device(text: str) -> str:
