@@ -323,3 +323,36 @@ def test_a_negative_limit_is_refused_before_the_data_is_read(tmp_path, task: typ
     path.write_text(json.dumps(_GOOD_ROWS[task]) + "\n")
     assert task(data_path=path).items(limit=0) == []
     assert len(task(data_path=path).items(limit=1)) == len(task(data_path=path).items(limit=5)) == 1
+
+
+# ---------------------------------------------------------------------------- bad arguments and data files
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: GSM8K(num_fewshot=2.5), "gsm8k: num_fewshot must be an integer in 0..5, got 2.5."),
+    (lambda: GSM8K(num_fewshot=True), "gsm8k: num_fewshot must be an integer in 0..5, got True."),
+    (lambda: GSM8K(num_fewshot=6), "gsm8k: num_fewshot must be an integer in 0..5, got 6."),
+    (lambda: MATH(num_fewshot="2"), "math: num_fewshot must be an integer in 0..4, got '2'."),
+    (lambda: MATH(num_fewshot=-1), "math: num_fewshot must be an integer in 0..4, got -1."),
+    (lambda: MBPP(num_fewshot=1.5), "mbpp: num_fewshot must be an integer in 0..3, got 1.5."),
+    (lambda: HumanEval(timeout=-1), "humaneval: timeout must be > 0, got -1."),
+    (lambda: HumanEval(timeout="3"), "humaneval: timeout must be a number, got '3' (str)."),
+    (lambda: MBPP(timeout=float("nan")), "mbpp: timeout must be a finite number, got nan."),
+])  # fmt: skip
+def test_a_bad_shot_count_or_timeout_is_refused_when_the_task_is_made(make: Any, message: str) -> None:
+    """``num_fewshot=2.5`` passed the range check and failed only when the prompt sliced the shots (a ``TypeError``
+    about slice indices, after the model had loaded); ``"2"`` failed with a ``TypeError`` about ``<=``; a timeout of
+    -1 scored every program "timeout" without running it (every answer wrong, in silence)."""
+    with pytest.raises(ValueError) as err:
+        make()
+    assert str(err.value) == message
+
+
+def test_run_program_refuses_a_timeout_that_is_not_a_positive_number() -> None:
+    from hf_blockbatch.tasks.execution import run_program
+
+    with pytest.raises(ValueError, match=r"^timeout must be > 0, got -1\.$"):
+        run_program("pass\n", timeout=-1)
+    with pytest.raises(ValueError, match=r"^timeout must be a finite number, got nan\.$"):
+        run_program("pass\n", timeout=float("nan"))
+

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hf_blockbatch.checks import check_not_numpy_int, check_positive_real
 from hf_blockbatch.tasks.contract import EvalItem, Score, Task, apply_chat, check_limit
 from hf_blockbatch.tasks.execution import ExecResult, run_program, run_programs
 from hf_blockbatch.tasks.scoring import (
@@ -220,6 +221,15 @@ def _require_fields(task: str, rows: list[Any], fields: tuple[str, ...]) -> list
     return rows
 
 
+def _check_num_fewshot(task: str, num_fewshot: Any, most: int) -> None:
+    """``num_fewshot`` a Python ``int`` in ``0..most``, else a ValueError naming the task: ``2.5`` and ``"2"`` passed
+    the range check or failed it with a ``TypeError`` about ``<=``, and a float failed only when the prompt sliced the
+    shots (``slice indices must be integers``), after the model had loaded."""
+    check_not_numpy_int(f"{task}: num_fewshot", num_fewshot)
+    if isinstance(num_fewshot, bool) or not isinstance(num_fewshot, int) or not 0 <= num_fewshot <= most:
+        raise ValueError(f"{task}: num_fewshot must be an integer in 0..{most}, got {num_fewshot!r}.")
+
+
 def _split_for_prefix(items: list[EvalItem], limit: int | None) -> list[EvalItem]:
     """The first ``limit`` items (all when ``None``); ``items()`` refused a negative one before reading its file."""
     return items if limit is None else items[:limit]
@@ -264,8 +274,7 @@ class GSM8K(Task):
     hub = _HubSource("openai/gsm8k", "main", "test", "main/test-00000-of-00001.parquet")
 
     def __init__(self, data_path: str | os.PathLike[str] | None = None, num_fewshot: int = 5) -> None:
-        if not 0 <= num_fewshot <= len(GSM8K_FEWSHOT):
-            raise ValueError(f"gsm8k: num_fewshot must be in 0..{len(GSM8K_FEWSHOT)}")
+        _check_num_fewshot(self.name, num_fewshot, len(GSM8K_FEWSHOT))
         self.data_path = data_path
         self.num_fewshot = num_fewshot
 
@@ -343,8 +352,7 @@ class MATH(Task):
     hub = _HubSource("HuggingFaceH4/MATH-500", None, "test", "test.jsonl")
 
     def __init__(self, data_path: str | os.PathLike[str] | None = None, num_fewshot: int = 4) -> None:
-        if not 0 <= num_fewshot <= len(MATH_FEWSHOT):
-            raise ValueError(f"math: num_fewshot must be in 0..{len(MATH_FEWSHOT)}")
+        _check_num_fewshot(self.name, num_fewshot, len(MATH_FEWSHOT))
         self.data_path = data_path
         self.num_fewshot = num_fewshot
 
@@ -436,6 +444,7 @@ class HumanEval(_CodeTask):
     )
 
     def __init__(self, data_path: str | os.PathLike[str] | None = None, timeout: float = 3.0) -> None:
+        check_positive_real(f"{self.name}: timeout", timeout)
         self.data_path = data_path
         self.timeout = timeout
 
@@ -529,8 +538,8 @@ class MBPP(_CodeTask):
     def __init__(
         self, data_path: str | os.PathLike[str] | None = None, num_fewshot: int = 3, timeout: float = 3.0
     ) -> None:
-        if not 0 <= num_fewshot <= len(MBPP_FEWSHOT_IDS):
-            raise ValueError(f"mbpp: num_fewshot must be in 0..{len(MBPP_FEWSHOT_IDS)}")
+        _check_num_fewshot(self.name, num_fewshot, len(MBPP_FEWSHOT_IDS))
+        check_positive_real(f"{self.name}: timeout", timeout)
         self.data_path = data_path
         self.num_fewshot = num_fewshot
         self.timeout = timeout

@@ -34,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
+from hf_blockbatch.checks import check_positive_real
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["ExecResult", "run_program", "check_program", "run_programs", "check_programs"]
@@ -167,6 +169,9 @@ def run_program(
     it writes. The working directory is a fresh temporary directory, removed afterwards by the
     parent. Standard output of the program is discarded.
     """
+    # a timeout of -1 returned "timeout" for every program without running it (every answer scored wrong, in
+    # silence), and NaN failed in math.ceil
+    check_positive_real("timeout", timeout)
     python = python or sys.executable
     cpu_s = max(1, math.ceil(timeout) + 1)  # CPU backstop; the wall-clock kill is the real limit
     args = [
