@@ -177,3 +177,57 @@ def test_an_unknown_family_is_refused_before_any_training_or_path():
         with pytest.raises(ValueError) as err:
             call()
         assert str(err.value) == f"family must be one of {FAMILIES}, got 'gpt'"
+
+
+@pytest.mark.parametrize("size, message", [
+    (100, f"vocab_size must be at least {256 + NUM_SPECIAL} (the 256 byte symbols and the {NUM_SPECIAL} special tokens "
+          f"are always in the vocabulary), got 100."),
+    (-5, "vocab_size must be a positive integer, got -5."),
+    (400.0, "vocab_size must be a positive integer, got 400.0."),
+])  # fmt: skip
+def test_a_vocabulary_size_the_tokenizer_cannot_have_is_refused(size, message):
+    """``vocab_size=100`` gave a tokenizer of 264 tokens (the byte symbols and the specials are always in) without a
+    word, and the CLI then printed "wrote llada tokenizer (264 tokens)"; -5 was an OverflowError from the trainer."""
+    with pytest.raises(ValueError) as err:
+        train_tokenizer(None, "llada", vocab_size=size, per_suite=150)
+    assert str(err.value) == message
+
+
+def test_the_command_line_trains_one_family_or_rewrites_the_assets(tmp_path, monkeypatch, capsys):
+    import functools
+
+    import hf_blockbatch.training.tokenizer as tk
+
+    monkeypatch.setattr(tk, "train_tokenizer", functools.partial(train_tokenizer, per_suite=150))
+    tk.main(["--out", str(tmp_path / "tok"), "--family", "dream", "--vocab-size", "400", "--seed", "2"])
+    assert capsys.readouterr().out == f"wrote dream tokenizer (400 tokens) to {tmp_path / 'tok'}\n"
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    assert len(tok) == 400 and tok.mask_token == SPECIAL_TOKENS["dream"][MASK_ID]
+    with pytest.raises(SystemExit) as exit_:
+        tk.main(["--family", "dream"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.endswith("error: --out and --family are required (or use --assets)\n")
+    # --assets rewrites both families' folders (here under tmp_path, with a small corpus)
+    monkeypatch.setattr(tk, "ASSETS_DIR", tmp_path / "assets")
+    monkeypatch.setattr(tk, "DEFAULT_PER_SUITE", 150)
+    tk.main(["--assets", "--vocab-size", "400"])
+    assert capsys.readouterr().out == "".join(f"wrote {tmp_path / 'assets' / f'tiny-{f}'}\n" for f in FAMILIES)
+    for family in FAMILIES:
+        assert len(AutoTokenizer.from_pretrained(str(tmp_path / "assets" / f"tiny-{family}"))) == 400
+
+
+@pytest.mark.filterwarnings("ignore:'hf_blockbatch.training.tokenizer' found in sys.modules:RuntimeWarning")
+def test_the_command_line_says_a_bad_vocabulary_size_in_one_line(tmp_path, monkeypatch, capsys):
+    """``python -m hf_blockbatch.training.tokenizer`` (run here in-process) says bad input as ``error: ...``, status
+    2, instead of a traceback."""
+    import runpy
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["tokenizer", "--out", str(tmp_path), "--family", "llada", "--vocab-size", "100"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("hf_blockbatch.training.tokenizer", run_name="__main__")
+    assert exit_.value.code == 2 and capsys.readouterr().err == (
+        f"error: vocab_size must be at least {256 + NUM_SPECIAL} (the 256 byte symbols and the {NUM_SPECIAL} special "
+        "tokens are always in the vocabulary), got 100.\n"
+    )
+    assert not any(tmp_path.iterdir())

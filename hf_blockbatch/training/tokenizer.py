@@ -233,6 +233,15 @@ def _train_bpe(vocab_size: int, seed: int, per_suite: int) -> dict[str, Any]:
     """Train the shared BPE model; returns the tokenizer as JSON with placeholder specials."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    from hf_blockbatch.checks import check_positive_int
+
+    # the byte alphabet and the specials are always in the vocabulary: a smaller size gave a tokenizer of another
+    # size than asked for (100 -> 264 tokens) without a word, and a negative one an OverflowError from the trainer
+    check_positive_int("vocab_size", vocab_size)
+    least = len(pre_tokenizers.ByteLevel.alphabet()) + NUM_SPECIAL
+    if vocab_size < least:
+        raise ValueError(f"vocab_size must be at least {least} (the {least - NUM_SPECIAL} byte symbols and the "
+                         f"{NUM_SPECIAL} special tokens are always in the vocabulary), got {vocab_size}.")  # fmt: skip
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -401,4 +410,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from hf_blockbatch.eval.script_args import run_main
+
+    raise SystemExit(run_main(main))
