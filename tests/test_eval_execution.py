@@ -119,3 +119,10 @@ def test_run_programs_with_the_default_workers_or_one_keeps_order() -> None:
     progs = ["assert True", "assert False", "assert 2 + 2 == 4"]
     for workers in (None, 1):
         assert [r.status for r in run_programs(progs, workers=workers)] == ["passed", "failed", "passed"]
+
+
+def test_an_interpreter_that_cannot_start_is_an_error_naming_it(tmp_path: Path) -> None:
+    missing = tmp_path / "no-python"
+    r = run_program("pass\n", python=str(missing))
+    assert (r.passed, r.status, r.elapsed) == (False, "error", 0.0)
+    assert r.detail == f"could not start the sandbox: [Errno 2] No such file or directory: '{missing}'"

@@ -400,3 +400,38 @@ def test_paired_difference_refuses_an_outcome_that_is_an_array() -> None:
         paired_difference({1: np.array([1, 0])}, {1: True})
     assert str(err.value) == ("paired_difference: a's values must say whether each item was answered right (True/False "
                               "or 1/0), got array([1, 0]) for item 1.")
+
+
+def test_math_verify_giving_no_verdict_leaves_the_strings_to_decide(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """math-verify's failure paths, faked: an expression it cannot parse is "not equal" (False); one it raises on, in the
+    main thread or in a worker thread, and one it is still verifying after twice its timeout, give no verdict (None),
+    the last with a warning, so that :func:`math_is_equivalent` falls back to the normalised strings."""
+    from hf_blockbatch.tasks import scoring
+
+    math_verify = pytest.importorskip("math_verify")
+    monkeypatch.setattr(math_verify, "parse", lambda text, parsing_timeout: [] if "?" in text else [text])
+
+    def verify(gold: list[str], pred: list[str], timeout_seconds: int | None) -> bool:
+        if "boom" in pred[0]:
+            raise TypeError("boom")
+        if "slow" in pred[0]:
+            stop.wait(5)
+        return gold == pred
+
+    stop = threading.Event()
+    monkeypatch.setattr(math_verify, "verify", verify)
+    equal = scoring._math_verify_equal
+    assert equal("?", "1", 1) is False and equal("1", "1", 1) is True
+    assert equal("boom", "1", 1) is None
+    in_thread: list[bool | None] = []
+    worker = threading.Thread(target=lambda: in_thread.extend([equal("boom", "1", 1), equal("2", "2", 1)]))
+    worker.start()
+    worker.join()
+    assert in_thread == [None, True]
+    caplog.set_level("WARNING", logger=scoring.__name__)
+    worker = threading.Thread(target=lambda: in_thread.append(equal("slow", "1", 0.05)))  # type: ignore[arg-type]
+    worker.start()
+    worker.join()
+    stop.set()
+    assert in_thread[-1] is None
+    assert "math-verify timed out on 'slow' vs '1'; using the string fallback" in caplog.text
