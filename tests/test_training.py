@@ -397,3 +397,23 @@ def test_the_command_line_says_what_to_change(capsys):
         with pytest.raises(SystemExit) as exit_:
             main(["--family", "llada", "--out", "/nonexistent/out", *argv])
         assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_continuing_a_checkpoint_keeps_its_context_in_the_saved_tokenizer(tmp_path, caplog):
+    """``init_from`` continues the checkpoint (its architecture and context, whatever ``max_positions`` says); the
+    tokenizer saved beside the result claimed ``max_positions`` (256 here) as its ``model_max_length`` while the model
+    has 512 positions, so truncation stopped at the wrong length. The evaluation decodes ``decode_items_per_suite``
+    items of each suite and records their accuracy and a sample."""
+    import hf_blockbatch as hb
+
+    caplog.set_level("INFO", logger=sft.__name__)
+    cfg = TrainConfig(family="dream", init_from=str(hb.TINY_DREAM), max_positions=256, steps=1, batch_size=2,
+                      warmup_steps=0, eval_every=1, log_every=1, suites={"lists": 1.0}, train_items_per_suite=16,
+                      eval_items_per_suite=2, decode_items_per_suite=1, gen_min=40, gen_max=48, num_threads=1,
+                      decode_tokens_per_step=8)  # fmt: skip
+    best = train(cfg, tmp_path, show_progress=False)
+    assert f"continuing from {hb.TINY_DREAM}" in caplog.text
+    model = AutoModel.from_pretrained(tmp_path)
+    assert model.config.context_length == AutoModel.from_pretrained(hb.TINY_DREAM).config.context_length == 512
+    assert AutoTokenizer.from_pretrained(tmp_path).model_max_length == 512
+    assert best["decode_acc"] == best["decode_acc/lists"] in (0.0, 1.0) and isinstance(best["sample/lists"], str)

@@ -363,7 +363,6 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     tokenizer = AutoTokenizer.from_pretrained(str(asset_dir(config.family)))
-    tokenizer.model_max_length = config.max_positions  # saved with the checkpoint: truncation stops at its context
     ids = special_token_ids(tokenizer)
     if config.init_from:
         from transformers import AutoModel
@@ -379,6 +378,9 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
         logger.info("continuing from %s", config.init_from)
     else:
         model = build_model(config, tokenizer).to(device)
+    # saved with the checkpoint: truncation stops at its context. The model's, not max_positions: a checkpoint
+    # continued with init_from keeps its own context, and the tokenizer saved beside it claimed max_positions
+    tokenizer.model_max_length = model.config.context_length
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("%s: %.2fM parameters on %s", config.family, n_params / 1e6, device)
 
