@@ -417,3 +417,17 @@ def test_continuing_a_checkpoint_keeps_its_context_in_the_saved_tokenizer(tmp_pa
     assert model.config.context_length == AutoModel.from_pretrained(hb.TINY_DREAM).config.context_length == 512
     assert AutoTokenizer.from_pretrained(tmp_path).model_max_length == 512
     assert best["decode_acc"] == best["decode_acc/lists"] in (0.0, 1.0) and isinstance(best["sample/lists"], str)
+
+
+def test_a_continued_checkpoint_too_short_for_gen_max_says_to_lower_gen_max(tmp_path):
+    """The refusal said "raise max_positions or lower gen_max", but a checkpoint continued with ``init_from`` keeps its
+    own context: raising max_positions (2048 here) changed nothing, and the same refusal came back."""
+    import hf_blockbatch as hb
+
+    cfg = TrainConfig(family="dream", init_from=str(hb.TINY_DREAM), max_positions=2048, suites={"lists": 1.0},
+                      train_items_per_suite=16, eval_items_per_suite=2, decode_items_per_suite=0, gen_min=40,
+                      gen_max=600, num_threads=1)  # fmt: skip
+    with pytest.raises(ValueError, match=r"^The longest [a-z -]+ plus gen_max is \d+ tokens, beyond the model's 512 "
+                                         r"positions \(the init_from checkpoint's\): lower gen_max\.$"):  # fmt: skip
+        train(cfg, tmp_path, show_progress=False)
+    assert not (tmp_path / "train_config.json").exists()

@@ -331,8 +331,10 @@ def _check_context(
     size, what = max(canvases, key=lambda c: c[0])
     if size > context:
         raise TrainingSettingsError(
-            f"The longest {what} is {size} tokens, beyond the model's {context} positions: raise max_positions or "
-            "lower gen_max."
+            f"The longest {what} is {size} tokens, beyond the model's {context} "
+            # a checkpoint continued with init_from keeps its context: raising max_positions changed nothing
+            + ("positions (the init_from checkpoint's): lower gen_max." if config.init_from else
+               "positions: raise max_positions or lower gen_max.")
         )
 
 
