@@ -1983,3 +1983,109 @@ def test_a_rank_outside_the_world_size_is_refused_and_an_unknown_method_labels_a
     with pytest.raises(ValueError, match=r"^RANK=2 is outside WORLD_SIZE=2$"):
         runner.shard_info()
     assert runner.method_label("my_method") == "my_method"  # a method of --configs the bench does not know
+
+
+# ---------------------------------------------------------------------------- branches no other test ran
+
+
+def test_the_report_skips_a_task_without_rows_and_names_batch_1_mismatches(tmp_path):
+    """A task of the run with no rows (every item filtered away) has no section and no plot panel; a method whose
+    greedy answers decoded alone differ from its batched ones is named with the count; a summary with no task that has
+    methods draws no plot (and writes nothing)."""
+    rows = _cell_rows("fast_dllm", [10] * 4, 2) + _cell_rows("blockbatch", [6] * 4, 2)
+    for r, same in zip(rows[4:], (True, False, False, None)):
+        r["same_output_b1"] = same
+    s = runner.summarize(rows, ["arith", "lists"], ["fast_dllm", "blockbatch"])
+    assert s["tasks"]["lists"]["methods"] == {}
+    md = runner.render_markdown(s)
+    assert "## arith (4 items)" in md and "## lists" not in md
+    label = s["tasks"]["arith"]["methods"]["blockbatch"]["label"]
+    assert ("\n**Decoded alone, these greedy answers differ from the batched ones** (a padded batch must decode as "
+            f"alone): {label}: 2.\n") in md  # fmt: skip
+    empty = runner.summarize(rows, ["lists"], ["fast_dllm", "blockbatch"])
+    assert runner.make_plots(empty, rows, tmp_path) == [] and runner.accuracy_plots(empty, tmp_path) == []
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_accuracy_panel_says_when_no_method_reports_its_axis_and_goes_logarithmic_for_a_wide_range():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, squeeze=False)
+    cell = {"accuracy": 0.5, "ci95": (0.25, 0.75), "label": "A", "nfe_mean": 2.0, "query_tokens_mean": None}
+    t = {"methods": {"a": cell, "b": {**cell, "label": "B", "nfe_mean": 100.0}}}
+    runner._accuracy_panel(axes[0, 0], "arith", t, "query_tokens_mean", "mean query tokens per request")
+    assert [x.get_text() for x in axes[0, 0].texts] == ["no method reports mean query tokens per request"]
+    assert axes[0, 0].get_legend() is None and axes[0, 0].get_xscale() == "linear"
+    runner._accuracy_panel(axes[0, 1], "arith", t, "nfe_mean", "mean NFE per request")
+    assert len(axes[0, 1].texts) == 0 and axes[0, 1].get_xscale() == "log"  # 100 > 20 x 2
+    assert [x.get_text() for x in axes[0, 1].get_legend().get_texts()] == ["A", "B"]
+    runner._save_grid(fig, axes, 2, Path(os.devnull))  # two panels used: the third is hidden
+    assert [ax.get_visible() for ax in axes.flat] == [True, True, False]
+
+
+def test_a_missing_shard_is_named(tmp_path):
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "samples.rank0-of-2.jsonl").write_text("")
+    with pytest.raises(FileNotFoundError) as err:
+        runner.merge_shards(tmp_path, 2, ["arith"], ["blockbatch"])
+    assert str(err.value) == f"shard of process 1 is missing: {tmp_path / 'shards' / 'samples.rank1-of-2.jsonl'}"
+
+
+def test_results_json_writes_an_object_it_cannot_hold_as_its_text():
+    assert runner._jsonable({"path": Path("a/b"), 3: [torch.float16]}) == {"path": "a/b", "3": ["torch.float16"]}
+
+
+def test_a_launch_whose_process_count_accelerate_disagrees_with_is_refused(monkeypatch):
+    """Under a launcher, accelerate must see WORLD_SIZE processes: otherwise each would act alone and the barrier wait
+    for no one. The one-process barrier is a no-op; several processes wait on accelerate's."""
+    import datetime
+
+    import accelerate
+
+    made = []
+
+    class FakeState:
+        def __init__(self, cpu: bool, timeout: datetime.timedelta) -> None:
+            made.append((cpu, timeout))
+            self.num_processes = 1
+
+        def wait_for_everyone(self) -> None:
+            pass
+
+    monkeypatch.setattr(accelerate, "PartialState", FakeState)
+    with pytest.raises(RuntimeError) as err:
+        runner.partial_state(runner.ShardInfo(rank=0, world_size=2))
+    assert str(err.value) == ("accelerate sees 1 process(es) but WORLD_SIZE=2; launch with `accelerate launch "
+                              "--num_processes N` or `torchrun --nproc_per_node N`")  # fmt: skip
+    assert made == [(not torch.cuda.is_available(), datetime.timedelta(days=2))]
+    assert runner.default_barrier(runner.ShardInfo())() is None and len(made) == 1
+    FakeState.__init__ = lambda self, cpu, timeout: setattr(self, "num_processes", 2)  # type: ignore[method-assign]
+    barrier = runner.default_barrier(runner.ShardInfo(rank=1, world_size=2, local_rank=1))
+    assert barrier.__func__ is FakeState.wait_for_everyone
+
+
+def test_prompts_are_padded_with_the_end_token_when_the_tokenizer_has_no_pad_token():
+    tok = AutoTokenizer.from_pretrained(str(hb.TINY_LLADA))
+    tok.pad_token = None
+    ids, mask = runner._encode(tok, ["a b c", "a"], torch.device("cpu"))
+    assert tok.pad_token == tok.eos_token and tok.padding_side == "left"
+    assert ids[1, 0].item() == tok.eos_token_id and mask.tolist()[1][0] == 0 and mask[0].all()
+
+
+def test_a_task_without_score_batch_is_scored_item_by_item():
+    class OneByOne:
+        def score(self, item, completion):
+            return (item, completion)
+
+    assert runner._score_all(OneByOne(), ["i", "j"], ["c", "d"]) == [("i", "c"), ("j", "d")]
+
+
+def test_the_bench_model_goes_where_device_map_or_the_default_device_says():
+    settings = runner.BenchSettings(model="tiny-llada", device_map="cpu")
+    model, _ = runner._load_model(settings, runner.ShardInfo())
+    assert model.device.type == "cpu"
+    model, _ = runner._load_model(runner.BenchSettings(model="tiny-llada", device=None), runner.ShardInfo())
+    assert str(model.device) == ("cuda:0" if torch.cuda.is_available() else "cpu")
