@@ -11,6 +11,7 @@ import queue
 import re
 import shutil
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -481,6 +482,7 @@ def test_lm_eval_long_prompt_is_cut_from_the_left_with_a_warning(caplog):
     with caplog.at_level("WARNING"):
         out = lm.generate_until([_Request(long, kwargs, "t", 0), _Request("Question: 1 + 2\nAnswer:", kwargs, "t", 1)])
     assert len(out) == 2 and lm.truncated == 1 and "Left truncation applied: 1 prompt(s)" in caplog.text
+    assert lm.get_model_info()["hf_blockbatch_truncated_prompts"] == 1  # what the harness writes beside the scores
     with pytest.raises(ValueError, match="leaves no room for a prompt"):
         lm.generate_until([_Request("hi", {**kwargs, "max_gen_toks": 200}, "t", 0)])
 
@@ -533,6 +535,68 @@ def test_lm_eval_data_parallel_results_count_every_process_s_requests(monkeypatc
     assert results["results"]["a"]["mean_nfe,none"] == own + 5
     assert [s["hf_blockbatch"][0]["nfe"] for s in results["samples"]["a"]] == [own, own + 10]
 
+
+
+def test_lm_eval_data_parallel_hooks_gather_through_accelerate(monkeypatch):
+    """The harness's hooks under several processes: ``all_gather`` hands accelerate a 1-element tensor for a scalar
+    (its gather refuses 0-d tensors), ``gather_object`` a one-element list, ``barrier`` waits on accelerate's state;
+    the adapter joins the process group when it is made, and a model named by string goes to the process's device."""
+    import accelerate.utils
+
+    from hf_blockbatch.eval import lm_eval_model
+
+    seen: list = []
+    monkeypatch.setattr(accelerate.utils, "gather", lambda t: seen.append(("gather", t.shape)) or t.repeat(2))
+    monkeypatch.setattr(accelerate.utils, "gather_object", lambda objs: seen.append(("objects", objs)) or objs * 2)
+
+    class State:
+        def wait_for_everyone(self) -> None:
+            seen.append(("wait",))
+
+    monkeypatch.setattr(lm_eval_model, "partial_state", lambda shard: seen.append(("join", shard.world_size)) or State())
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    lm = lm_eval_model.HFBlockBatchLM(pretrained="tiny-llada", method="fast_dllm", device=None)
+    assert (lm.rank, lm.world_size) == (1, 2) and seen == [("join", 2)]
+    assert str(lm._device) == ("cuda:1" if torch.cuda.is_available() else "cpu")
+    assert lm.all_gather(torch.tensor(3.0)).tolist() == [3.0, 3.0] and seen[-1] == ("gather", torch.Size([1]))
+    assert lm.gather_object({"a": 1}) == [{"a": 1}, {"a": 1}] and seen[-1] == ("objects", [{"a": 1}])
+    lm.barrier()
+    assert seen[-2:] == [("join", 2), ("wait",)]
+
+
+def test_lm_eval_loads_a_named_model_with_a_device_map():
+    from hf_blockbatch.eval.lm_eval_model import HFBlockBatchLM
+
+    lm = HFBlockBatchLM(pretrained="tiny-llada", method="vanilla", device_map="cpu", dtype="float32")
+    assert lm._name == "tiny-llada" and lm._device.type == "cpu" and lm.model.dtype == torch.float32
+
+
+def test_lm_eval_command_line_needs_the_harness_and_leaves_it_as_it_found_it(monkeypatch):
+    """Without lm-evaluation-harness the command says what to install; with it, the results are annotated during the
+    call and the package's ``simple_evaluate`` is what it was before (here: bound before the call)."""
+    from hf_blockbatch.eval import lm_eval_model
+
+    monkeypatch.setattr(lm_eval_model, "HAVE_LM_EVAL", False)
+    with pytest.raises(SystemExit) as exit_:
+        lm_eval_model.main([])
+    assert str(exit_.value) == "lm-evaluation-harness is not installed: pip install 'hf-blockbatch[lmeval]'"
+    monkeypatch.setattr(lm_eval_model, "HAVE_LM_EVAL", True)
+    pytest.importorskip("lm_eval")
+    import lm_eval
+    import lm_eval.__main__
+    import lm_eval.evaluator
+
+    original = lm_eval.evaluator.simple_evaluate
+    monkeypatch.setattr(lm_eval, "simple_evaluate", original, raising=False)
+    monkeypatch.setattr(lm_eval.evaluator, "simple_evaluate", lambda *a, **k: {"results": {}})
+    during = []
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: during.append(lm_eval.simple_evaluate()))
+    monkeypatch.setattr("sys.argv", ["hf-blockbatch"])
+    lm_eval_model.main(["--tasks", "x"])
+    assert during == [{"results": {}}] and lm_eval.simple_evaluate is original
+    assert sys.argv == ["hf-blockbatch", "--tasks", "x"]
 
 def test_lm_eval_batches_only_requests_of_one_setting_up_to_the_batch_size():
     """Requests decode together only when they share the generation length and temperature, at most ``batch_size``
