@@ -310,3 +310,22 @@ def test_attn_implementation_flash_attention_2_asks_for_flash_varlen() -> None:
     model.set_attention_backend("sdpa")
     assert model.attention_backend.name == "sdpa"
     model.generate(torch.tensor([[1, 2, 3]]), generation_config=hb.FastDLLMConfig(max_new_tokens=8, block_length=4))
+
+
+def test_a_varlen_kernel_that_cannot_be_imported_is_unavailable_and_a_bad_device_is_named(monkeypatch):
+    """A CUDA kernel whose package is missing (flash-attn not installed, a torch without varlen) makes its backend
+    unavailable rather than failing at the first forward; an unknown device name is refused in one line."""
+    from hf_blockbatch.attention import backends
+
+    class Missing(backends._VarlenBackend):
+        _fn = None
+
+        @classmethod
+        def _import(cls):
+            raise ImportError("no such kernel")
+
+    assert Missing._load() is None and not Missing.is_available(torch.device("cuda"), torch.float16)
+    assert repr(backends.get_backend("reference", "cpu", torch.float32)) == "ReferenceBackend()"
+    with pytest.raises(ValueError) as err:
+        backends.get_backend("sdpa", "gpu", torch.float32)
+    assert str(err.value) == "device='gpu' is not a device PyTorch knows: use cpu or cuda (cuda:0, ...)."
