@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
+import types
 from pathlib import Path
 
 import pytest
@@ -431,3 +433,56 @@ def test_a_continued_checkpoint_too_short_for_gen_max_says_to_lower_gen_max(tmp_
                                          r"positions \(the init_from checkpoint's\): lower gen_max\.$"):  # fmt: skip
         train(cfg, tmp_path, show_progress=False)
     assert not (tmp_path / "train_config.json").exists()
+
+
+_SMALL_RUN = dict(steps=6, batch_size=2, warmup_steps=0, eval_every=4, log_every=1, suites={"lists": 1.0},
+                  train_items_per_suite=16, eval_items_per_suite=2, decode_items_per_suite=0, gen_min=40, gen_max=48,
+                  max_positions=384)  # fmt: skip
+
+
+def _events(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_an_interrupted_run_evaluates_and_saves_where_it_stopped(tmp_path, monkeypatch, caplog):
+    """Ctrl-C during the third step: the two finished steps are evaluated, kept as the best, and saved as ``last``."""
+    real_factor = sft._lr_factor
+
+    def factor(progress, step, *a):
+        if step == 2:
+            raise KeyboardInterrupt
+        return real_factor(progress, step, *a)
+
+    monkeypatch.setattr(sft, "_lr_factor", factor)
+    best = train(_tiny("llada", **_SMALL_RUN), tmp_path, show_progress=False)
+    assert "interrupted at step 2: evaluating and saving" in caplog.text
+    events = _events(tmp_path)
+    assert [r["step"] for r in events if r["event"] == "eval"] == [2] and best["step"] == 2
+    assert events[-1]["event"] == "done" and events[-1]["step"] == 2
+    assert json.loads((tmp_path / "last" / "best_metrics.json").read_text())["step"] == 2
+
+
+def test_the_wall_clock_budget_ends_the_run_and_the_last_step_is_evaluated(tmp_path, monkeypatch, caplog):
+    """``minutes``: the run stops at the first step that starts past the budget (a fake clock: 25 s per reading, a
+    one-minute budget), then evaluates the step it reached."""
+    clock = iter(range(0, 10**6, 25))
+    monkeypatch.setattr(sft, "time", types.SimpleNamespace(time=lambda: float(next(clock))))  # sft's clock only
+    caplog.set_level("INFO", logger=sft.__name__)
+    best = train(_tiny("llada", minutes=1.0, **_SMALL_RUN), tmp_path, show_progress=False)
+    reached = int(re.search(r"wall-clock budget of 1\.0 min reached at step (\d+)", caplog.text).group(1))
+    assert 1 <= reached < _SMALL_RUN["steps"]
+    events = _events(tmp_path)
+    assert max(r["step"] for r in events if r["event"] == "train") == reached == events[-1]["step"]
+    assert [r["step"] for r in events if r["event"] == "eval"][-1] == reached and best["step"] <= reached
+
+
+def test_the_command_line_trains_and_prints_the_best_evaluation(tmp_path, capsys):
+    sft.main(["--family", "dream", "--out", str(tmp_path), "--d-model", "32", "--n-layers", "2", "--n-heads", "4",
+              "--mlp-hidden", "64", "--num-threads", "1", "--steps", "1", "--batch-size", "2", "--warmup-steps", "0",
+              "--eval-every", "1", "--suites", "lists", "--train-items-per-suite", "16", "--eval-items-per-suite", "2",
+              "--decode-items-per-suite", "0", "--gen-min", "40", "--gen-max", "48", "--max-positions", "384",
+              "--no-progress"])  # fmt: skip
+    printed = json.loads(capsys.readouterr().out)
+    saved = json.loads((tmp_path / "best_metrics.json").read_text())
+    assert printed["event"] == "eval" and printed["step"] == saved["step"] == 1
+    assert printed["heldout_loss"] == saved["heldout_loss"] and not any(k.startswith("sample") for k in printed)
