@@ -536,3 +536,13 @@ def test_mbpp_shots_come_from_the_data_file_when_it_holds_ids_2_3_4_else_from_th
     assert MBPP(data_path=path, num_fewshot=0).prompt(item, chat=False) == open_problem
     with pytest.raises(ValueError, match=r"^mbpp: split must be one of \['prompt', 'test', 'train', 'validation'\]$"):
         MBPP(data_path=path).items("dev")
+
+
+def test_gsm8k_prompt_is_five_shot_without_the_data_file() -> None:
+    """The five built-in train shots, then the open question (``test_gsm8k_prompt_is_five_shot`` needs shared/data)."""
+    item = EvalItem(task="gsm8k", id="g", question="How many?", reference="3")
+    text = GSM8K().prompt(item, chat=False)
+    shots = [f"Question: {q}\nAnswer: {a}" for q, a in bm.GSM8K_FEWSHOT]
+    assert text == "\n\n".join([*shots, "Question: How many?\nAnswer:"]) and text.count("#### ") == 5
+    assert GSM8K().prompt(item, FakeChatTokenizer()) == f"<user>{text}</user><assistant>"
+    assert GSM8K(num_fewshot=2).prompt(item, chat=False) == "\n\n".join([*shots[:2], "Question: How many?\nAnswer:"])
