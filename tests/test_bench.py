@@ -2075,12 +2075,19 @@ def test_prompts_are_padded_with_the_end_token_when_the_tokenizer_has_no_pad_tok
     assert ids[1, 0].item() == tok.eos_token_id and mask.tolist()[1][0] == 0 and mask[0].all()
 
 
-def test_a_task_without_score_batch_is_scored_item_by_item():
+def test_a_task_is_scored_in_one_batch_when_it_can_else_item_by_item():
+    """A code benchmark's ``score_batch`` runs its programs several at a time: the bench hands it every item at once."""
+
     class OneByOne:
         def score(self, item, completion):
             return (item, completion)
 
+    class Batched(OneByOne):
+        def score_batch(self, items, completions):
+            return iter([("batch", len(items))])
+
     assert runner._score_all(OneByOne(), ["i", "j"], ["c", "d"]) == [("i", "c"), ("j", "d")]
+    assert runner._score_all(Batched(), ["i", "j"], ["c", "d"]) == [("batch", 2)]
 
 
 def test_the_bench_model_goes_where_device_map_or_the_default_device_says():
