@@ -571,6 +571,8 @@ def test_lm_eval_loads_a_named_model_with_a_device_map():
 
     lm = HFBlockBatchLM(pretrained="tiny-llada", method="vanilla", device_map="cpu", dtype="float32")
     assert lm._name == "tiny-llada" and lm._device.type == "cpu" and lm.model.dtype == torch.float32
+    t = torch.tensor(3.0)  # one process: the hooks hand back its own
+    assert lm.all_gather(t) is t and lm.gather_object({"a": 1}) == [{"a": 1}] and lm.barrier() is None
 
 
 def test_lm_eval_command_line_needs_the_harness_and_leaves_it_as_it_found_it(monkeypatch):
