@@ -76,6 +76,23 @@ def test_data_is_found_from_anywhere(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert [it.reference for it in GSM8K().items()] == ["2"]
 
 
+def test_a_data_folder_without_the_file_is_said_not_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """``$HF_BLOCKBATCH_DATA`` naming a folder that lacks the file (a typo, a missing folder) fell through to
+    ``shared/data/`` or the Hub without a word, so a run could score another copy than the one its caller chose."""
+    monkeypatch.setenv(bm.DATA_ENV, str(tmp_path / "typo"))
+    with caplog.at_level("WARNING", logger=bm.__name__):
+        find_data_file("gsm8k_test.jsonl")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"${bm.DATA_ENV}={tmp_path / 'typo'} holds no gsm8k_test.jsonl: looking in shared/data/ (then the Hub) instead."]
+    caplog.clear()
+    (tmp_path / "gsm8k_test.jsonl").write_text("")
+    monkeypatch.setenv(bm.DATA_ENV, str(tmp_path))
+    with caplog.at_level("WARNING", logger=bm.__name__):
+        assert find_data_file("gsm8k_test.jsonl") == tmp_path / "gsm8k_test.jsonl"
+    assert not caplog.records
+
+
 def test_explicit_data_path(tmp_path: Path) -> None:
     f = tmp_path / "mine.jsonl"
     f.write_text(

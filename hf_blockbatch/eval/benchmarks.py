@@ -94,6 +94,9 @@ def find_data_file(filename: str) -> Path | None:
         cand = p if p.is_file() and p.name == filename else p / filename
         if cand.is_file():
             return cand
+        # a typo in the variable's folder fell through to shared/data or the Hub in silence: the caller set it to
+        # choose the file, so say that another one (or a download) is used
+        logger.warning("$%s=%s holds no %s: looking in shared/data/ (then the Hub) instead.", DATA_ENV, env, filename)
     starts = [Path.cwd().resolve(), Path(__file__).resolve().parent]
     seen: set[Path] = set()
     for start in starts:
