@@ -243,29 +243,36 @@ class Forwards:
             if rd is not None and rd < r and self.draft_depth and self.drafting:  # drafts re-query closer in
                 near = torch.where(state.take(state.draft_row, rows)[:, None], within(rd), near)
         heads = self.model.predicting_queries(want)
+        always = heads if near is None else heads | near  # queried whatever the K/V records say
+        # the rows' canvases, which nothing changes before the step commits (taken once: drafts ask again)
+        canvas = state.take(state.canvas, rows)
+        written = state.kv_record(canvas)  # the records this step's forward leaves where it queries
 
-        def queried() -> torch.Tensor:  # [A, L] the positions each row queries, by its K/V records
-            stale = state.stale_kv(rows) & in_win  # masks (recorded as -1) and tokens committed since their K/V
-            return heads | stale if near is None else heads | stale | near
+        def queried(records: torch.Tensor | None = None) -> torch.Tensor:  # [A, L] the positions each row queries
+            # by its K/V records (``records``: the rows' ``kv_tokens``, when the caller holds them):
+            # masks (recorded as -1) and tokens committed since their K/V
+            return always | (state.stale_kv(rows, canvas, records) & in_win)
 
         queries, echo = queried(), None
         if self.draft_depth and self.drafting:
-            queries, echo = self._draft_records(state, rows, queries, queried)
+            queries, echo = self._draft_records(state, rows, queries, queried, written)
         out = self.timed(self.model.forward_positions, state.canvas, want, queries, self.cache, rows=rows, echo=echo)
-        state.kv_written(rows, out.query_mask)
+        state.kv_written(rows, out.query_mask, written)
         if self.draft_depth:
             self._mark_dirty(state, rows, out.query_mask, echo)
         self._layouts.append([rows, out.query_mask.sum(-1), 1])
         return out.logits
 
     def _draft_records(self, state: DecodeState, rows: torch.Tensor, queries: torch.Tensor,
-                       queried: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                       queried: Callable[[torch.Tensor], torch.Tensor],
+                       written: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Lookahead's draft rows in a sparse step. A draft row stands for its parent's next step (its
         main row's, or in a chain another draft's), so its cache must read as the parent's will after
         this forward: its K/V records become the parent's, updated with the parent's queries (then its
         own queries follow from them), and every position it does not query takes the K/V of the
         nearest ancestor that queries it (``forward_positions``' ``echo``). Chains resolve in
-        ``draft_depth`` rounds, a level each. Returns ``(queries, echo)``."""
+        ``draft_depth`` rounds, a level each. ``queried(records)``: the rows' queries by K/V records; ``written``:
+        the rows' :meth:`DecodeState.kv_record` of their canvases. Returns ``(queries, echo)``."""
         A = rows.shape[0]
         local = torch.full((state.num_rows,), -1, dtype=torch.long, device=rows.device)
         local[rows] = self.offsets[:A]
@@ -273,19 +280,21 @@ class Forwards:
         draft = up >= 0
         first = rows - state.take(state.branch, rows)  # each row's main row
         parent = local[first + up.clamp_min(0)].clamp_min(0)  # a live draft's parent steps
-        written = state.kv_record(state.take(state.canvas, rows))
-        records = state.take(state.kv_tokens, rows).clone()
+        # (no copy: each round builds new records before writing them back)
+        records = state.take(state.kv_tokens, rows)
         echo = torch.full_like(records, -1)
+        # what the rounds read and do not change, built once
+        is_draft, from_parent, parent_col = draft[:, None], written[parent], parent[:, None]
         # a level per round; when no draft in the step extends another draft, one round resolves them all
         # (a root draft's parent is a main row, whose records and queries the rounds do not change)
         depth = self.draft_depth if self.draft_depth > 1 and bool((up > 0).any()) else 1
         for _ in range(depth):
             took = queries[parent]
-            records = torch.where(draft[:, None], torch.where(took, written[parent], records[parent]), records)
-            via = torch.where(took, parent[:, None], echo[parent])
+            records = torch.where(is_draft, torch.where(took, from_parent, records[parent]), records)
+            via = torch.where(took, parent_col, echo[parent])
             state.kv_tokens[rows] = records
-            queries = queried()
-            echo = torch.where(draft[:, None] & ~queries, via, -1)
+            queries = queried(records)
+            echo = torch.where(is_draft & ~queries, via, -1)
         # a draft row's cache differs from its main row's where it wrote its own K/V before (kv_dirty);
         # what this step neither queries nor echoes there is taken back from the main row, which does
         # not write it in this forward (most of it is queried again: the masks and their neighbours)

@@ -259,13 +259,16 @@ class DecodeState:
         requests (13 against 6 us at 40 of 64 rows, 23 against 6 at 100 of 128; RESULTS §26)."""
         return t if rows.shape[0] == self.num_rows else t.index_select(0, rows)
 
-    def kv_written(self, rows: torch.Tensor | None, where: torch.Tensor | None = None) -> None:
+    def kv_written(self, rows: torch.Tensor | None, where: torch.Tensor | None = None,
+                   written: torch.Tensor | None = None) -> None:  # fmt: skip
         """The cache's K/V of ``rows`` (all when ``None``) were just computed from their canvases, at
         every position or at the ``[A, L]`` bool ``where``; call it before the step commits. A mask
-        is recorded as -1, so that :meth:`stale_kv` always names it."""
+        is recorded as -1, so that :meth:`stale_kv` always names it. ``written``: the rows' :meth:`kv_record`
+        of their canvases, when the caller has it already (a sparse step builds it before its forward)."""
         if self.kv_tokens is None:
             return
-        written = self.kv_record(self.canvas if rows is None else self.take(self.canvas, rows))
+        if written is None:
+            written = self.kv_record(self.canvas if rows is None else self.take(self.canvas, rows))
         if rows is None:
             self.kv_tokens.copy_(written)
         else:
@@ -275,12 +278,15 @@ class DecodeState:
         """What :attr:`kv_tokens` records for K/V computed from ``canvas``: its tokens, -1 for a mask."""
         return canvas.masked_fill(canvas == self.mask_id, -1)
 
-    def stale_kv(self, rows: torch.Tensor) -> torch.Tensor:
+    def stale_kv(self, rows: torch.Tensor, canvas: torch.Tensor | None = None,
+                 records: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """``[A, L]`` bool: the positions of ``rows`` whose cached K/V a sparse step recomputes:
         every mask (a dense step rewrites the masks' K/V each step, and the masks attend to each
         other), and every decoded position whose K/V were computed for another token (a mask, before
-        its commit)."""
-        return self.take(self.canvas, rows) != self.take(self.kv_tokens, rows)
+        its commit). ``canvas`` and ``records``: the rows' canvases and :attr:`kv_tokens`, when the caller
+        holds them already (a sparse step with drafts asks several times before its forward)."""
+        canvas = self.take(self.canvas, rows) if canvas is None else canvas
+        return canvas != (self.take(self.kv_tokens, rows) if records is None else records)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (whole requests: drop finished ones)."""
