@@ -296,8 +296,12 @@ class DecodeState:
                 setattr(self, f.name, value.index_select(0, rows))
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor, names: tuple[str, ...]) -> None:
-        """``row[dst] = row[src]`` for the named per-row tensors (leader sync)."""
+        """``row[dst] = row[src]`` for the named per-row tensors (a leader sync, a draft's adoption; ``dst``
+        unique). Each tensor is gathered once through one ``[R]`` row map (``dst`` reads ``src``, every other row
+        itself): one operation per tensor, where reading ``src`` and writing ``dst`` made two. So the named
+        tensors are replaced, not written in place: a view of one taken before the call keeps the old rows."""
+        source = canvas_positions(self.num_rows, dst.device).index_copy(0, dst, src)  # (a cached arange)
         for name in names:
             value = getattr(self, name)
             if value is not None:
-                value.index_copy_(0, dst, value.index_select(0, src))
+                setattr(self, name, value.index_select(0, source))
