@@ -20,8 +20,8 @@ from hf_blockbatch.tasks import get_suite
 CEILINGS = {
     "fast_dllm_sparse": (13, 1341),
     "blockbatch_sparse": (16, 4131),
-    "drafted": (12, 3896),
-    "drafted_contained": (12, 4278),
+    "drafted": (12, 3862),
+    "drafted_contained": (12, 4234),
 }
 
 

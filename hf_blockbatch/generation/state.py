@@ -207,6 +207,11 @@ class DecodeState:
         """A per-row tensor ``[R, ...]`` as ``[requests, branches, ...]``."""
         return t.view(-1, self.branches, *t.shape[1:])
 
+    def main_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """A per-row tensor ``[R, ...]`` at each request's first row (branch 0: Lookahead's main row), as
+        ``[requests, ...]``: one strided view, where :meth:`per_request` and an index make two."""
+        return t[:: self.branches]
+
     def decoded(self) -> torch.Tensor:
         """[R] non-mask tokens in each row's generated region."""
         return self.decoded_rows(None)

@@ -213,8 +213,9 @@ class Lookahead:
         L, gs, S = s.length, s.gen_start, ranks.shape[1]
         canvas = s.per_request(s.canvas)  # [B, N, L]
         main = canvas[:, 0]
-        ws, we = s.per_request(s.win_start)[:, :1], s.per_request(s.win_end)[:, :1]  # [B, 1]
-        in_win = in_window(canvas_positions(L, main.device), ws[:, 0], we[:, 0])  # [B, L]
+        ws, we = s.main_rows(s.win_start), s.main_rows(s.win_end)
+        in_win = in_window(canvas_positions(L, main.device), ws, we)  # [B, L]
+        ws, we = ws[:, None], we[:, None]  # [B, 1]
         open_ = (main == s.mask_id) & in_win
         # a draft needs its ranks and one mask left over; a finished request (done) drafts nothing;
         # a window with many masks left commits several next, which a draft of one or two rarely is
@@ -311,8 +312,8 @@ class Lookahead:
     @staticmethod
     def _main_completed(s: DecodeState) -> bool:
         """Whether some main row that is not done holds a window with no mask left (after this step's adoptions)."""
-        left = s.per_request(s.window_mask_count(s.win_start, s.win_end))[:, 0]
-        return bool(((left == 0) & ~s.per_request(s.done)[:, 0]).any())
+        left = s.main_rows(s.window_mask_count(s.win_start, s.win_end))
+        return bool(((left == 0) & ~s.main_rows(s.done)).any())
 
     @staticmethod
     def _spare(s: DecodeState, open_: torch.Tensor,
@@ -324,8 +325,8 @@ class Lookahead:
         if not bool(spare.any()):
             return None
         gs = s.gen_start
-        ids = s.per_request(s.runner_ids)[:, 0]  # [B, G] the main row's runner-ups
-        p = s.per_request(s.runner_p)[:, 0].masked_fill(~open_[:, gs:] | (ids < 0), -1.0)
+        ids = s.main_rows(s.runner_ids)  # [B, G] the main row's runner-ups
+        p = s.main_rows(s.runner_p).masked_fill(~open_[:, gs:] | (ids < 0), -1.0)
         best = p.topk(min(spare.shape[1], p.shape[1]), dim=-1)  # [B, K'] masks by their runner-up's probability
         k = (spare.cumsum(-1) - 1).clamp(0, best.indices.shape[1] - 1)  # a spare row's place among its request's
         spare &= best.values.gather(1, k) > 0
@@ -386,7 +387,7 @@ class Lookahead:
             parents = s.per_request(s.draft_parent)[:, 1:] if chained else None
             contained = self.accept == "contained"
             if contained:  # what does not change along a chain, built once
-                ws, we = s.per_request(s.win_start)[:, 0], s.per_request(s.win_end)[:, 0]
+                ws, we = s.main_rows(s.win_start), s.main_rows(s.win_end)
                 in_win = in_window(canvas_positions(s.length, live.device), ws, we)  # [B, L] the main row's window
                 written = drafted != s.mask_id  # [B, K, L] the drafted tokens (and the canvas they extend)
                 open_after = (after == s.mask_id) & in_win[:, None]  # masks left in a draft's window
