@@ -153,9 +153,9 @@ class Recorder:
         hit = torch.zeros_like(self.nfe_refresh, dtype=torch.bool).index_fill_(0, state.request[rows], True)
         self.nfe_refresh += hit
 
-    def nfe(self, request: int) -> int:
-        """Forwards so far of a live request."""
-        return 1 + self.block_steps + int(self.nfe_refresh[request])
+    def nfe(self, request: int, refreshes: int | None = None) -> int:
+        """Forwards so far of a live request (``refreshes``: its refresh forwards, when the caller has read them)."""
+        return 1 + self.block_steps + (int(self.nfe_refresh[request]) if refreshes is None else refreshes)
 
     def total_nfe(self) -> torch.Tensor:
         """``[B]`` forwards per request: the initial forward, its block steps and its refreshes."""
@@ -206,13 +206,16 @@ class Recorder:
         host = dict(zip(cols, torch.stack(list(cols.values())).tolist()))
         if self.eos_rank is not None:  # what ranked the EOS hitters (stop.pick_winners)
             eos_hit, eos_prob = state.eos_hit.tolist(), state.eos_prob.tolist()
-        wanted = set(req.tolist())
+        # one read for every finished request: which, its winner, whether by EOS, its refresh forwards (its block
+        # steps are the run's, just written)
+        ended = torch.stack((req, ending.winners, ending.by_eos.long(), self.nfe_refresh[req])).tolist()
+        wanted = set(ended[0])
         rows_of: dict[int, list[int]] = {r: [] for r in wanted}
         for i, r in enumerate(host["request"]):  # one pass over the rows, whatever finished
             if r in wanted:
                 rows_of[r].append(i)
         keys = (*_COUNTS, "decoded")
-        for r_i, w, e in zip(req.tolist(), ending.winners.tolist(), ending.by_eos.tolist()):
+        for r_i, w, e, refreshes in zip(*ended):
             rows = rows_of[r_i]
             branches = [{"block_size": host["block"][i], **{k: host[k][i] for k in keys},
                          "pruned": bool(host["pruned"][i]) if "pruned" in host else False,
@@ -226,9 +229,9 @@ class Recorder:
                 "winner_block_size": host["block"][w],
                 "winner_branch": host["branch"][w],
                 "stopped_by": "eos" if e else "complete",
-                "nfe": self.nfe(r_i),
-                "nfe_block": int(self.nfe_block[r_i]),
-                "nfe_refresh": int(self.nfe_refresh[r_i]),
+                "nfe": self.nfe(r_i, refreshes),
+                "nfe_block": self.block_steps,
+                "nfe_refresh": refreshes,
                 "syncs": sum(b["syncs"] for b in branches),
                 "merged": sum(b["merged"] for b in branches),
                 "pruned": sum(b["pruned"] for b in branches),
