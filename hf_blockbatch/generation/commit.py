@@ -19,7 +19,7 @@ from hf_blockbatch.generation.sampling import Sampled, eos_probability, runner_u
 from hf_blockbatch.generation.state import DecodeState
 from hf_blockbatch.generation.stop import mark_eos
 
-__all__ = ["Proposal", "completed_windows", "mark_eos_hits", "note_runner_ups", "propose", "write_commits"]
+__all__ = ["Proposal", "completed_windows", "map_entries", "mark_eos_hits", "note_runner_ups", "propose", "write_commits"]
 
 
 @dataclass
@@ -31,6 +31,14 @@ class Proposal:
     sampled: Sampled
     slot_index: torch.Tensor | None  # [A, W] row of the packed proposals (every slot read)
     entropy: torch.Tensor | None = None  # [A, W] at the read slots, when the sampling computed it
+    # [A, W] each slot's entry in the flat [R * G] probability maps (``row * G + position - gen_start``), when the
+    # plan keeps a map: the step's map update and its runner-up drafts index the maps with it
+    entries: torch.Tensor | None = None
+
+
+def map_entries(state: DecodeState, span: Span) -> torch.Tensor:
+    """``[A, W]`` each slot's entry in the flat ``[R * G]`` probability maps: ``row * G + position - gen_start``."""
+    return torch.add(span.positions - state.gen_start, span.rows[:, None], alpha=state.prob_p.shape[1])
 
 
 def propose(state: DecodeState, span: Span, sampled: Sampled, slot_index: torch.Tensor | None,
@@ -67,13 +75,14 @@ def propose(state: DecodeState, span: Span, sampled: Sampled, slot_index: torch.
             keep = slot_index.reshape(-1) if span.valid is None else slot_index[span.valid]
             top_probs, top_ids = sampled.top_probs[keep], sampled.top_ids[keep]
         scores = candidate_scores(scores, span.masked if span.in_win is None else span.masked & span.in_win)
+    entries = None
     if state.prob_p is not None:  # one flat index into the [R * G] map entries: two row copies
-        G, k = state.prob_p.shape[1:]
-        entry = span.positions + (span.rows * G - state.gen_start)[:, None]
-        entry = entry.reshape(-1) if need is None else entry[need]
+        k = state.prob_p.shape[2]
+        entries = map_entries(state, span)
+        entry = entries.reshape(-1) if need is None else entries[need]
         state.prob_p.view(-1, k).index_copy_(0, entry, top_probs)
         state.prob_ids.view(-1, k).index_copy_(0, entry, top_ids)
-    return Proposal(scores, tokens, sampled, slot_index, entropy)
+    return Proposal(scores, tokens, sampled, slot_index, entropy, entries)
 
 
 def write_commits(state: DecodeState, span: Span, proposal: Proposal,
@@ -155,8 +164,7 @@ def note_runner_ups(state: DecodeState, span: Span, proposal: Proposal, select: 
         left &= span.in_win
     # their logits (packed row-major, as the masks are read) and their entries in the [R * G] maps
     logits = packed[left[span.keep]] if span.keep is not None else packed[proposal.slot_index[left]]
-    G = state.runner_ids.shape[1]
-    entry = (span.positions + (span.rows * G - state.gen_start)[:, None])[left]
+    entry = (map_entries(state, span) if proposal.entries is None else proposal.entries)[left]
     best = state.prob_ids.view(-1, state.prob_ids.shape[-1])[entry, 0]  # the map's token, which the drafts guess
     p, ids = runner_up(logits, best, suppress_logit_ids, state.mask_id)
     state.runner_p.view(-1)[entry] = p
