@@ -76,19 +76,23 @@ def finished_requests(state: DecodeState, num_requests: int, early_stop: bool) -
     return finished.index_put_((state.request[first],), ends)
 
 
-def pick_winners(state: DecodeState, finished: torch.Tensor, early_stop: bool,
-                 widest: bool = False, ties: str = "decoded") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def pick_winners(state: DecodeState, finished: torch.Tensor, early_stop: bool, widest: bool = False,
+                 ties: str = "decoded", decoded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """For the rows of finished requests: the winning row index per request and whether it won by EOS.
 
     Returns ``(winner_row [B], by_eos [B])``; entries of unfinished requests are meaningless.
     EOS hitters first (by EOS probability, or by block size when ``widest``), then
     (``ties="decoded"``) the most decoded tokens, then the lowest branch (``ties="branch"``: the
-    lowest branch at once, as the authors).
+    lowest branch at once, as the authors). ``decoded``: :meth:`DecodeState.decoded`, when the caller has counted
+    it already.
     """
     R, B = state.num_rows, finished.shape[0]
     # a pruned row is a copy of a leader that went on: it may tie with it (a sync that copied a
     # completed canvas), never beat it
-    decoded = state.decoded() if ties == "decoded" else torch.zeros_like(state.committed)
+    if ties != "decoded":
+        decoded = torch.zeros_like(state.committed)
+    elif decoded is None:
+        decoded = state.decoded()
     decoded = state.per_request(decoded if state.pruned is None else decoded.masked_fill(state.pruned, -1))
     if early_stop:  # strictly by EOS probability first: a decoded count only breaks exact ties
         rank = state.block.double() if widest else state.eos_prob.double()
@@ -120,6 +124,7 @@ class Ending:
     winners: torch.Tensor  # [n] state rows
     by_eos: torch.Tensor  # [n] bool
     sequences: torch.Tensor  # [n, L]
+    decoded: torch.Tensor | None = None  # [R] DecodeState.decoded() when the winners were picked (the stats read it)
 
 
 @dataclass(frozen=True)
@@ -154,13 +159,14 @@ class StopRule:
         finished = finished_requests(state, num_requests, self.early_stop)
         if not bool(finished.any()):
             return None
-        winner, by_eos = pick_winners(state, finished, self.early_stop, self.eos_rank == "widest", self.ties)
+        decoded = state.decoded()  # the winners' tie-break (ties="decoded") and the finished requests' stats
+        winner, by_eos = pick_winners(state, finished, self.early_stop, self.eos_rank == "widest", self.ties, decoded)
         req = finished.nonzero().squeeze(1)
         rows, eos_req = winner[req], by_eos[req]
         out = state.canvas[rows]
         if bool(eos_req.any()):
             out = torch.where(eos_req[:, None], fill_after_eos(out, state.gen_start, state.mask_id, pad_id), out)
-        return Ending(finished, req, rows, eos_req, out)
+        return Ending(finished, req, rows, eos_req, out, decoded)
 
     def retire(self, state: DecodeState, cache: BranchCache | None, ending: Ending, pad_id: int,
                before_drop: Callable[[], None]) -> bool:  # fmt: skip

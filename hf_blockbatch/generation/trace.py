@@ -198,7 +198,8 @@ class Recorder:
         """Per-request stats of the requests that just ended (before their rows retire)."""
         req = ending.requests
         self.nfe_block[req] = self.block_steps
-        cols = {"request": state.request, "branch": state.branch, "block": state.block, "decoded": state.decoded(),
+        decoded = state.decoded() if ending.decoded is None else ending.decoded
+        cols = {"request": state.request, "branch": state.branch, "block": state.block, "decoded": decoded,
                 # Lookahead parks its draft rows with ``pruned``: they are drafts, not pruned branches
                 **({} if state.pruned is None or state.adopted is not None else {"pruned": state.pruned.long()}),
                 **({} if state.adopted is None else {"adopted": state.adopted}),
