@@ -178,7 +178,8 @@ class Run:
             starts = torch.full_like(rows, self.gs)
             lengths = torch.full_like(rows, self.L - self.gs)
         else:
-            starts, lengths = s.win_start[rows], (s.win_end[rows] - s.win_start[rows]).clamp_min(1)
+            starts = s.win_start[rows]
+            lengths = (s.win_end[rows] - starts).clamp_min(1)
         span = self.fwd.span(s, rows, self.fwd.layout(starts, lengths), window_only=not everywhere)
         packed = self.fwd.full(s, span, write_cache=self.cache is not None)
         if s.decoded_at_full is not None:  # what the cache was written over, before this step commits
