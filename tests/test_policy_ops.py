@@ -20,8 +20,8 @@ from hf_blockbatch.tasks import get_suite
 CEILINGS = {
     "fast_dllm_sparse": (13, 1279),
     "blockbatch_sparse": (16, 4046),
-    "drafted": (12, 3751),
-    "drafted_contained": (12, 4125),
+    "drafted": (12, 3733),
+    "drafted_contained": (12, 4093),
 }
 
 

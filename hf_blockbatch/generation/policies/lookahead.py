@@ -411,7 +411,8 @@ class Lookahead:
                         break
                 # a draft keeps a mask in the window, so a canvas equal to it does too: a block step
                 # follows it (nothing the decoder does between two steps needs checking)
-                differ = drafted != current[:, None]
+                current_k = current[:, None]  # [B, 1, L] against each draft
+                differ = drafted != current_k
                 merged = after
                 if not contained:
                     match = ~differ.any(-1)
@@ -422,9 +423,10 @@ class Lookahead:
                     # the merge is the draft's own canvas (its completion and EOS checks stand)
                     blank = current == s.mask_id
                     step_left = blank & in_win  # the main row's window still holds a mask
-                    merged = torch.where(blank[:, None], after, current[:, None])
+                    blank_k = blank[:, None]
+                    merged = torch.where(blank_k, after, current_k)
                     held = ~(differ & written).any(-1) & step_left.any(-1, keepdim=True)
-                    open_left = (open_after & blank[:, None]).any(-1)
+                    open_left = (open_after & blank_k).any(-1)
                     own_canvas = ~(merged != after).any(-1)  # the merge is the draft's own canvas
                     match = held & (open_left | own_canvas)
                 match &= cand
@@ -434,7 +436,7 @@ class Lookahead:
                 adopted = True
                 # (several drafts can be contained: the one holding most drafted tokens, the first on a tie)
                 j = (match * size).argmax(-1) if contained else match.byte().argmax(-1)
-                current = torch.where(hit[:, None], merged.gather(1, j[:, None, None].expand(B, 1, s.length)).squeeze(1), current)
+                current = torch.where(hit[:, None], merged[canvas_positions(B, j.device), j], current)  # (a cached arange)
                 source = torch.where(hit, j + 1, source)
                 took += hit
                 if ctx.recorder.tracing:
