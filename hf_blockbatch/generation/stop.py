@@ -56,7 +56,7 @@ def mark_eos(
         if in_window is not None:
             open_slots &= in_window
         complete = ~open_slots.any(-1)
-    hit = is_eos.any(-1) & complete & ~state.eos_hit[rows]
+    hit = is_eos.any(-1) & complete & ~state.take(state.eos_hit, rows)
     new = hit.nonzero().squeeze(1)
     if new.numel():
         first = is_eos[new].byte().argmax(-1)
@@ -67,13 +67,12 @@ def mark_eos(
 
 def finished_requests(state: DecodeState, num_requests: int, early_stop: bool) -> torch.Tensor:
     """[B] bool over the caller's batch: requests that end now (absent or retired requests: False)."""
-    first = state.first_rows()
     ends = state.per_request(state.done).all(-1)
     if early_stop:
         ends |= state.per_request(state.eos_hit).any(-1)
-    ends &= ~state.retired[first]
+    ends &= ~state.main_rows(state.retired)
     finished = torch.zeros(num_requests, dtype=torch.bool, device=ends.device)
-    return finished.index_put_((state.request[first],), ends)
+    return finished.index_put_((state.main_rows(state.request),), ends)
 
 
 def pick_winners(state: DecodeState, finished: torch.Tensor, early_stop: bool, widest: bool = False,
