@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["COMPUTE_DTYPES", "check_bool", "check_device", "check_not_numpy_int", "check_positive_int", "check_positive_real", "check_real", "check_token_ids", "vocabulary_size"]
+__all__ = ["COMPUTE_DTYPES", "check_bool", "check_device", "check_dropout", "check_not_numpy_int", "check_positive_int", "check_positive_real", "check_real", "check_token_ids", "vocabulary_size"]
 
 
 def check_real(name: str, value: Any) -> float:
@@ -34,6 +34,16 @@ def check_positive_real(name: str, value: Any) -> None:
     """A finite number above 0 (see :func:`check_real` for what is refused on the way), else a ValueError naming it."""
     if not check_real(name, value) > 0:
         raise ValueError(f"{name} must be > 0, got {value!r}.")
+
+
+def check_dropout(name: str, value: Any) -> float:
+    """A dropout probability: a finite number in ``[0, 1)`` (see :func:`check_real`), as a float, else a ValueError
+    naming the field. Above 1 failed inside torch's dropout at the first training forward; at 1 every attention
+    weight and residual update is dropped, which leaves nothing to train."""
+    p = check_real(name, value)
+    if not 0 <= p < 1:
+        raise ValueError(f"{name} must be a dropout probability in [0, 1), got {value!r}.")
+    return p
 
 
 def check_not_numpy_int(name: str, value: Any) -> None:

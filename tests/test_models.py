@@ -1024,3 +1024,100 @@ def test_forward_positions_refuses_a_refresh_mask_that_is_not_predicts_bool_shap
     with pytest.raises(ValueError) as err:
         model.forward_positions(ids, predict, refresh, cache)
     assert str(err.value) == f"refresh must be None or a bool of predict's shape (2, 4), got {got}."
+
+
+# ------------------------------------------------------------------------------ dropout
+#: each dropout option of the official configs, on its family (the official codes apply them in training mode only)
+DROPOUT_CASES = [("llada", "embedding_dropout"), ("llada", "attention_dropout"), ("llada", "residual_dropout"),
+                 ("dream", "attention_dropout")]  # fmt: skip
+CPU_BACKENDS = available_backends(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize(("family", "field"), DROPOUT_CASES)
+def test_each_dropout_acts_in_training_mode_and_repeats_under_a_seed(family: str, field: str, backend: str) -> None:
+    """The configs took the dropouts, and the models applied none of them: training (``hf-blockbatch sft`` or one's
+    own loop) ran without dropout, in silence. In training mode each one now changes the logits, differently under
+    another seed, identically under the same one; in eval mode it is off (logits of p = 0.3 equal those of p = 0)."""
+    model, plain = make(family, **{field: 0.3}), make(family)
+    model.set_attention_backend(backend)
+    plain.set_attention_backend(backend)
+    ids = canvas(2, 16)
+    with torch.no_grad():
+        inference = model(ids).logits
+        assert torch.equal(inference, plain(ids).logits)
+    model.train()
+    torch.manual_seed(1)
+    first = model(ids).logits
+    torch.manual_seed(1)
+    again = model(ids).logits
+    torch.manual_seed(2)
+    other = model(ids).logits
+    assert torch.equal(first, again)
+    assert (first - other).abs().max() > 1e-2
+    assert (first - inference).abs().max() > 1e-2
+    first.sum().backward()  # a training step's gradient flows through each dropout
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_mode_without_dropout_computes_what_eval_mode_does(family: str) -> None:
+    model = make(family)
+    ids = canvas(2, 16)
+    with torch.no_grad():
+        inference = model(ids).logits
+        assert torch.equal(model.train()(ids).logits, inference)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dropout_settings_save_and_load_back(family: str, tmp_path) -> None:
+    fields = {f: p for (fam, f), p in zip(DROPOUT_CASES, (0.1, 0.2, 0.3, 0.4)) if fam == family}
+    model = make(family, **fields)
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)
+    assert {f: getattr(loaded.config, f) for f in fields} == fields
+    ids = canvas(2, 16)
+    model.train()
+    loaded.train()
+    torch.manual_seed(3)
+    want = model(ids).logits
+    torch.manual_seed(3)
+    assert torch.equal(loaded(ids).logits, want)
+    with torch.no_grad():
+        assert (want - loaded.eval()(ids).logits).abs().max() > 1e-2  # the loaded one drops out too
+
+
+@pytest.mark.parametrize(("family", "field"), DROPOUT_CASES)
+@pytest.mark.parametrize("value", [1.0, 1.5, -0.1, float("nan"), "0.1"])
+def test_a_dropout_that_is_no_probability_is_refused(family: str, field: str, value) -> None:
+    """Refused when the model is built (it failed inside torch's dropout at the first training forward, or at 1
+    dropped everything), and when a config changed since then reaches a training forward."""
+    with pytest.raises(ValueError, match=rf"^{field} must be (a dropout probability in \[0, 1\)|a number|a finite)"):
+        make(family, **{field: value})
+    model = make(family)
+    setattr(model.config, field, value)
+    with torch.no_grad():
+        model(canvas(1, 8))  # eval mode reads no dropout
+        with pytest.raises(ValueError, match=rf"^config\.{field} must be"):
+            model.train()(canvas(1, 8))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_window_forward_in_training_mode_with_attention_dropout_is_refused(family: str) -> None:
+    """The window forwards (cached decoding) take no attention dropout (their varlen kernels have none): in training
+    mode with attention dropout on, a cached decode is refused with what to do, rather than decoding without it."""
+    model = make(family, attention_dropout=0.1)
+    ids = canvas(2, 16)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache
+        model.forward_windows(ids, [8, 8], [12, 12], cache)  # eval mode: served
+        model.train()
+        message = r"^This model is in training mode with config.attention_dropout=0.1.*call model.eval\(\) before decoding"
+        with pytest.raises(ValueError, match=message):
+            model.forward_windows(ids, [8, 8], [12, 12], cache)
+        predict = torch.zeros(2, 16, dtype=torch.bool)
+        predict[:, 9] = True
+        with pytest.raises(ValueError, match=message):
+            model.forward_positions(ids, predict, None, cache)
+        with pytest.raises(ValueError, match=message):
+            model.generate(ids[:, :8], generation_config=hb.FastDLLMConfig(max_new_tokens=8, block_length=8))

@@ -81,3 +81,25 @@ def test_comparison_is_sensitive(kind: str) -> None:
     ref = official(input_ids=ids, use_cache=False, return_dict=True).logits
     ours.config.rope_theta = ours.config.rope_theta / 50
     assert (ours(ids).logits - ref).abs().max() > 100 * FP32_ATOL
+
+
+#: every dropout each official config has, on together
+DROPOUTS = {"llada": dict(embedding_dropout=0.1, attention_dropout=0.3, residual_dropout=0.2), "dream": dict(attention_dropout=0.3)}
+
+
+@pytest.mark.parametrize("kind", ["llada", "dream"])
+@torch.no_grad()
+def test_training_mode_dropout_matches_official(kind: str) -> None:
+    """In training mode, under one seed, the official model and ours drop the same units (the same dropouts, at the
+    same places, drawn in the same order), so their logits agree; in eval mode neither drops anything."""
+    official, ours = parity.build_pair(kind, folder(kind), overrides=DROPOUTS[kind])
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(7))
+    inference = official(input_ids=ids, use_cache=False, return_dict=True).logits
+    torch.testing.assert_close(ours(ids).logits, inference, atol=FP32_ATOL, rtol=0)
+    official.train()
+    ours.train()
+    torch.manual_seed(8)
+    ref = official(input_ids=ids, use_cache=False, return_dict=True).logits
+    torch.manual_seed(8)
+    torch.testing.assert_close(ours(ids).logits, ref, atol=FP32_ATOL, rtol=0)
+    assert (ref - inference).abs().max() > 100 * FP32_ATOL  # the dropouts acted

@@ -5,8 +5,11 @@ Every backend answers the same two questions:
 * ``window(q, k_cache, v_cache, wb, scale)``: packed queries ``[T, H, D]`` of a window forward
   attend to their own row of the cache (``[R, L, H_kv, D]``, already holding the window's fresh
   K/V); returns ``[T, H, D]``.
-* ``dense(q, k, v, key_mask, scale)``: a full-canvas bidirectional forward, ``[B, L, H, D]``
-  tensors, ``key_mask`` ``[B, L]`` (valid keys), ``[B, L, L]`` (keys per query) or ``None``.
+* ``dense(q, k, v, key_mask, scale, dropout_p=0.0)``: a full-canvas bidirectional forward, ``[B, L, H, D]``
+  tensors, ``key_mask`` ``[B, L]`` (valid keys), ``[B, L, L]`` (keys per query) or ``None``; ``dropout_p``
+  drops attention weights (the model passes its ``attention_dropout`` in training mode, else 0). Training
+  runs the full forward, so only ``dense`` takes a dropout: window forwards decode (the model refuses them
+  in training mode with attention dropout on, ``DiffusionLMMixin._context``).
 
 Backends: ``flash_varlen`` (flash-attn, CUDA, fp16/bf16), ``torch_varlen`` (PyTorch's own
 varlen kernel, CUDA), ``sdpa_grouped`` (one ``scaled_dot_product_attention`` per group of rows with equal
@@ -56,9 +59,15 @@ def _bool_key_mask(key_mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """``scaled_dot_product_attention`` on ``[B, H, W, D]`` queries and ``[B, H_kv, L, D]`` keys.
+    """``scaled_dot_product_attention`` on ``[B, H, W, D]`` queries and ``[B, H_kv, L, D]`` keys, dropping
+    attention weights with probability ``dropout_p`` (0: none, SDPA's default).
 
     Grouped-query heads go through ``enable_gqa``, except on CUDA with a mask: PyTorch's fused
     CUDA kernels do not take both, and it would fall back to the math kernel, which materialises
@@ -69,7 +78,8 @@ def _sdpa(
     if gqa and attn_mask is not None and q.is_cuda:
         groups = q.shape[1] // k.shape[1]
         k, v, gqa = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
+                                          enable_gqa=gqa)  # fmt: skip
 
 
 class AttentionBackend:
@@ -90,11 +100,19 @@ class AttentionBackend:
         raise NotImplementedError
 
     def dense(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        scale: float,
+        dropout_p: float = 0.0,
     ) -> torch.Tensor:
         """A full-canvas bidirectional forward on ``[B, L, H, D]`` tensors; ``key_mask`` is ``[B, L]``
-        (valid keys), ``[B, L, L]`` (keys per query) or ``None``. SDPA unless a subclass does better."""
-        out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), _bool_key_mask(key_mask), scale)
+        (valid keys), ``[B, L, L]`` (keys per query) or ``None``; ``dropout_p``: the attention weights'
+        dropout (training only). SDPA unless a subclass does better."""
+        out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), _bool_key_mask(key_mask), scale,
+                    dropout_p)  # fmt: skip
         return out.transpose(1, 2)
 
     def __repr__(self) -> str:
@@ -109,7 +127,12 @@ class ReferenceBackend(AttentionBackend):
 
     @staticmethod
     def _attend(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        scale: float,
+        dropout_p: float = 0.0,
     ) -> torch.Tensor:
         # q [B, H, W, D], k/v [B, H_kv, L, D], key_mask [B, L] | [B, W, L] | None
         groups = q.shape[1] // k.shape[1]
@@ -119,6 +142,8 @@ class ReferenceBackend(AttentionBackend):
         if key_mask is not None:
             scores = scores.masked_fill(~_bool_key_mask(key_mask), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        if dropout_p:  # on the weights, as SDPA and the official eager attention drop them
+            probs = F.dropout(probs, dropout_p)
         return torch.einsum("bhwl,bhld->bhwd", probs, v).to(q.dtype)
 
     def window(
@@ -128,9 +153,15 @@ class ReferenceBackend(AttentionBackend):
         return _unpad(out, wb)
 
     def dense(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        scale: float,
+        dropout_p: float = 0.0,
     ) -> torch.Tensor:
-        out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), key_mask, scale)
+        out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), key_mask, scale, dropout_p)
         return out.transpose(1, 2)
 
 

@@ -48,7 +48,7 @@ from transformers.utils import ModelOutput
 from hf_blockbatch.attention.backends import AttentionBackend, get_backend
 from hf_blockbatch.attention.metadata import WindowBatch, build_query_batch, build_window_batch, packed_index
 from hf_blockbatch.cache import BranchCache, checked_padding_mask
-from hf_blockbatch.checks import check_token_ids
+from hf_blockbatch.checks import check_dropout, check_token_ids
 from hf_blockbatch.models.layers import ForwardContext, RopeTable
 
 logger = logging.getLogger(__name__)
@@ -185,11 +185,31 @@ class DiffusionLMMixin:
             table = self._rope_table = RopeTable(cfg.head_dim_, cfg.rope_theta)
         return table(positions, length)
 
+    def _dropout(self, field: str) -> float:
+        """``config.<field>``, a dropout probability, in training mode (checked: the config may have changed since
+        the model was built); 0.0 in eval mode, where nothing is read, or where the family's official code has no
+        such dropout (``config.dropout_fields`` names those it has)."""
+        if not self.training or field not in self.config.dropout_fields:
+            return 0.0
+        return check_dropout(f"config.{field}", getattr(self.config, field))
+
     def _context(self, mode: str, positions: torch.Tensor, length: int, **kwargs: Any) -> ForwardContext:
-        """What every layer of one forward shares (see ``ForwardContext``)."""
+        """What every layer of one forward shares (see ``ForwardContext``).
+
+        Training runs the full forward (``dense``), where the attention weights' dropout applies, as in the
+        official codes. A window forward (cached decoding) in training mode with ``attention_dropout`` on is
+        refused: its backends (flash and torch varlen among them) take no dropout, and decoding with dropout on
+        is a model left in training mode."""
+        attention_dropout = self._dropout("attention_dropout")
+        if attention_dropout and mode == "window":
+            raise ValueError(
+                f"This model is in training mode with config.attention_dropout={attention_dropout}, and a cached "
+                "window forward (decoding) applies no dropout: call model.eval() before decoding."
+            )
         cos, sin = self._rope(positions, length)
         return ForwardContext(mode=mode, backend=self.attention_backend, cos=cos, sin=sin,
-                              rope_full_precision=self.config.rope_in_fp32, **kwargs)  # fmt: skip
+                              rope_full_precision=self.config.rope_in_fp32, attention_dropout=attention_dropout,
+                              residual_dropout=self._dropout("residual_dropout"), **kwargs)  # fmt: skip
 
     # ---- attention backend ---------------------------------------------------------------
     @property

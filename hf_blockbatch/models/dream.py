@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
+from hf_blockbatch.checks import check_dropout
 from hf_blockbatch.generation.mixin import BlockBatchGenerationMixin
 from hf_blockbatch.models.base import DiffusionLMMixin, OwnModelTypeConfig
 from hf_blockbatch.models.layers import (
@@ -39,10 +40,15 @@ class DreamConfig(OwnModelTypeConfig, PreTrainedConfig):
     ``window_attention`` (ours) names the attention backend for window forwards (``auto``).
     ``eot_token_id`` (ours) is the end-of-turn token, which the official configs do not name:
     ``None`` means ``<|im_end|>`` (151645) for the official 152,064-token Qwen2.5 vocabulary, else none.
+
+    ``attention_dropout`` drops attention weights in training mode only, as Qwen2's attention does; Dream has no
+    other dropout.
     """
 
     model_type = "Dream"
     keys_to_ignore_at_inference = ["past_key_values"]
+    #: the config fields holding dropout probabilities (``DiffusionLMMixin._dropout``)
+    dropout_fields = ("attention_dropout",)
 
     def __init__(
         self,
@@ -126,7 +132,10 @@ class DreamConfig(OwnModelTypeConfig, PreTrainedConfig):
         }
 
     def validate_supported(self) -> None:
-        """Refuse architecture options this implementation does not compute (never guess)."""
+        """Refuse architecture options this implementation does not compute (never guess), and a dropout
+        probability outside ``[0, 1)``."""
+        for field in self.dropout_fields:
+            check_dropout(field, getattr(self, field))
         problems = []
         scaling = getattr(self, "rope_parameters", None) or {}  # what rope_scaling sets (transformers 5)
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))

@@ -17,7 +17,7 @@ from hf_blockbatch.attention.backends import AttentionBackend
 from hf_blockbatch.attention.metadata import WindowBatch
 from hf_blockbatch.cache import BranchCache
 
-__all__ = ["init_weights", "RMSNorm", "RopeTable", "rope_cos_sin", "apply_rope", "ForwardContext", "self_attention", "swiglu"]
+__all__ = ["init_weights", "RMSNorm", "RopeTable", "rope_cos_sin", "apply_rope", "ForwardContext", "dropout", "self_attention", "swiglu"]
 
 
 class RMSNorm(nn.Module):
@@ -116,6 +116,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """``x`` through dropout of probability ``p``, which the caller sets to 0.0 outside training (the forward's
+    :class:`ForwardContext` holds it): at 0 ``x`` itself, with no op at all, as the official LLaDA ``Dropout``
+    returns its input at ``p == 0``."""
+    return F.dropout(x, p) if p else x
+
+
 @dataclass
 class ForwardContext:
     """What every layer of one forward shares: the mode, RoPE tables, the cache and its metadata.
@@ -123,6 +130,9 @@ class ForwardContext:
     ``dense``: hidden states are ``[B, L, C]``; K/V of every position go to cache rows ``rows``
     (all rows when ``None``) if a cache is given. ``window``: hidden states are packed ``[T, C]``;
     their K/V go to ``wb.flat_slots`` and the queries attend to their rows of the cache.
+
+    ``attention_dropout`` / ``residual_dropout``: the dropout probabilities of this forward, the config's in
+    training mode and 0.0 in eval mode (``DiffusionLMMixin._context``), so that inference runs no dropout op.
     """
 
     mode: str
@@ -134,6 +144,8 @@ class ForwardContext:
     rows: torch.Tensor | None = None
     key_mask: torch.Tensor | None = None
     wb: WindowBatch | None = None
+    attention_dropout: float = 0.0
+    residual_dropout: float = 0.0
 
 
 def self_attention(
@@ -162,7 +174,7 @@ def self_attention(
     if ctx.mode == "dense":
         if ctx.cache is not None:
             ctx.cache.write_rows(layer_idx, ctx.rows, k, v)
-        out = ctx.backend.dense(q, k, v, ctx.key_mask, scale)
+        out = ctx.backend.dense(q, k, v, ctx.key_mask, scale, ctx.attention_dropout)
     else:
         # write first, so the window's queries see the window's own fresh keys
         wb = ctx.wb

@@ -22,11 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
+from hf_blockbatch.checks import check_dropout
 from hf_blockbatch.generation.mixin import BlockBatchGenerationMixin
 from hf_blockbatch.models.base import DiffusionLMMixin, OwnModelTypeConfig
 from hf_blockbatch.models.layers import (
     ForwardContext,
     RMSNorm,
+    dropout,
     init_weights,
     keep_rows,
     self_attention,
@@ -42,10 +44,16 @@ class LLaDAConfig(OwnModelTypeConfig, PreTrainedConfig):
     ``window_attention`` (ours) names the attention backend for window forwards (``auto``).
     ``eot_token_id`` (ours) is the end-of-turn token, which the official configs do not name:
     ``None`` means ``<|eot_id|>`` (126348) for the official 126,464-token vocabulary, else none.
+
+    The dropouts apply in training mode only, where the official code applies them: ``embedding_dropout`` to the
+    embeddings (after ``input_emb_norm``'s scaling), ``attention_dropout`` to the attention weights,
+    ``residual_dropout`` to each block's attention and MLP outputs before they join the residual stream.
     """
 
     model_type = "llada"
     keys_to_ignore_at_inference = ["past_key_values"]
+    #: the config fields holding dropout probabilities (``DiffusionLMMixin._dropout``)
+    dropout_fields = ("embedding_dropout", "attention_dropout", "residual_dropout")
 
     def __init__(
         self,
@@ -192,7 +200,10 @@ class LLaDAConfig(OwnModelTypeConfig, PreTrainedConfig):
         return {"num_layers": self.n_layers, "num_kv_heads": self.effective_n_kv_heads, "head_dim": self.head_dim_}
 
     def validate_supported(self) -> None:
-        """Refuse architecture options this implementation does not compute (never guess)."""
+        """Refuse architecture options this implementation does not compute (never guess), and dropout
+        probabilities outside ``[0, 1)``."""
+        for field in self.dropout_fields:
+            check_dropout(field, getattr(self, field))
         problems = []
         if self.alibi or not self.rope:
             problems.append("only RoPE position encoding is supported (alibi=False, rope=True)")
@@ -249,12 +260,13 @@ class LLaDALlamaBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, keep: torch.Tensor | None = None) -> torch.Tensor:
         """``keep``: only these rows of the flattened output (the last layer's, :func:`keep_rows`)."""
-        x = keep_rows(x, keep) + self_attention(
+        att = self_attention(
             self.attn_norm(x), self.q_proj, self.k_proj, self.v_proj, self.attn_out,
             self.layer_idx, self.n_heads, self.n_kv_heads, self.head_dim, ctx, keep,
         )  # fmt: skip
+        x = keep_rows(x, keep) + dropout(att, ctx.residual_dropout)
         h = self.ff_norm(x)
-        return x + self.ff_out(swiglu(self.ff_proj(h), self.up_proj(h)))
+        return x + dropout(self.ff_out(swiglu(self.ff_proj(h), self.up_proj(h))), ctx.residual_dropout)
 
 
 class LLaDAModel(nn.Module):
@@ -336,7 +348,7 @@ class LLaDAModelLM(DiffusionLMMixin, BlockBatchGenerationMixin, LLaDAPreTrainedM
         x = self.model.transformer.wte(input_ids) if embeds is None else embeds  # the official order: then the norm
         if self.config.input_emb_norm:
             x = x * (self.config.d_model**0.5)
-        return x
+        return dropout(x, self._dropout("embedding_dropout"))  # (then the dropout, in training mode)
 
     def _decoder_layers(self) -> nn.ModuleList:
         return self.model.transformer.blocks
