@@ -390,6 +390,22 @@ def _(**_):
     return _message(lambda: make_tiny_llada().set_attention_backend(["sdpa"]))
 
 
+@case("dropout-out-of-range")
+def _(**_):
+    from conftest import make_tiny_llada
+
+    return _message(lambda: make_tiny_llada(residual_dropout=1.5))
+
+
+@case("decode-training-mode-attention-dropout")
+def _(**_):
+    from conftest import make_tiny_llada
+
+    model = make_tiny_llada(attention_dropout=0.1).train()
+    config = hb.FastDLLMConfig(max_new_tokens=8, block_length=8)
+    return _message(lambda: model.generate(torch.tensor([[5, 6, 7]]), generation_config=config))
+
+
 @case("forward-cache-other-dtype")
 def _(**_):
     from conftest import make_tiny_llada
