@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser(
         "lm-eval", add_help=False,
-        help="lm-evaluation-harness's own command line with --model hf_blockbatch registered (pip install -e '.[lmeval]')",
+        help="lm-evaluation-harness's own command line with --model hf_blockbatch registered (pip install 'hf-blockbatch[lmeval]')",
     )  # fmt: skip
     return parser
 

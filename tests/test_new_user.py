@@ -333,6 +333,16 @@ def test_help_is_plain_text():
     assert not any("``" in t for t in texts)
 
 
+def test_the_help_s_install_hints_work_outside_a_clone():
+    """`hf-blockbatch --help` told an installed package's user to run `pip install -e '.[lmeval]'`, which only
+    works in a clone: the lm-eval hint names the package's extra, as the command's own error does."""
+    from hf_blockbatch.cli import build_parser
+
+    helps = {a.dest: a.help for a in build_parser()._subparsers._group_actions[0]._choices_actions}
+    assert not [name for name, text in helps.items() if "pip install -e" in text]
+    assert "pip install 'hf-blockbatch[lmeval]'" in helps["lm-eval"]
+
+
 def test_an_option_whose_help_offers_0_takes_it():
     """``demo --threads`` said "(0, the default: torch's choice)" while refusing 0 (must be >= 1)."""
     from hf_blockbatch.cli import build_parser
