@@ -80,7 +80,6 @@ def test_sdist_ships_no_tests_it_cannot_run(built: tuple[list[str], list[str]]) 
     clone (README); the sdist carries none, and nothing outside the package beside its metadata."""
     sdist, wheel = built
     assert [n for n in sdist if n.startswith("tests/")] == []
-    top = {n.split("/", 1)[0] for n in sdist}
-    assert top == {"hf_blockbatch", "hf_blockbatch.egg-info", "LICENSE", "README.md", "pyproject.toml",
-                   "MANIFEST.in", "PKG-INFO", "setup.cfg"}
+    top = {n.split("/", 1)[0] for n in sdist} - {"PKG-INFO", "setup.cfg", "hf_blockbatch.egg-info"}  # metadata
+    assert top == {"hf_blockbatch", "LICENSE", "README.md", "pyproject.toml", "MANIFEST.in"}
     assert {n.split("/", 1)[0].split("-", 1)[0] for n in wheel} == {"hf_blockbatch"}  # and its dist-info
