@@ -19,16 +19,22 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hf_blockbatch"
 
 
-def _setuptools_version() -> tuple[int, ...]:
+def _build_requirement_unmet() -> str | None:
+    """Why this interpreter's setuptools cannot build the package (``build-system.requires``), or None."""
     try:
         import setuptools
-    except ImportError:
-        return (0,)
-    return tuple(int(p) for p in setuptools.__version__.split(".")[:1])
+        import tomllib
+        from packaging.requirements import Requirement
+    except ImportError as err:
+        return f"cannot check the build requirement: {err}"
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["build-system"]["requires"]
+    need = next(Requirement(r) for r in requires if Requirement(r).name == "setuptools")
+    if not need.specifier.contains(setuptools.__version__):
+        return f"setuptools {setuptools.__version__} does not meet the build requirement {need}"
+    return None
 
 
-# 77: the SPDX `license` string of pyproject.toml (the build-system's own requirement)
-pytestmark = pytest.mark.skipif(_setuptools_version() < (77,), reason="needs setuptools >= 77 to build")
+pytestmark = pytest.mark.skipif(_build_requirement_unmet() is not None, reason=str(_build_requirement_unmet()))
 
 
 @pytest.fixture(scope="module")
