@@ -25,6 +25,7 @@ from hf_blockbatch.generation import (
 from hf_blockbatch.hub import TINY_DREAM, TINY_LLADA, load_model
 from hf_blockbatch.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM
 
+# the one place the version is written: pyproject.toml reads this literal (keep it a plain string)
 __version__ = "0.1.0"
 
 
