@@ -476,6 +476,26 @@ def test_the_wall_clock_budget_ends_the_run_and_the_last_step_is_evaluated(tmp_p
     assert [r["step"] for r in events if r["event"] == "eval"][-1] == reached and best["step"] <= reached
 
 
+@pytest.mark.parametrize("stop", ["budget", "interrupt"])
+def test_a_run_stopped_before_its_first_step_evaluates_and_saves_the_starting_model(tmp_path, monkeypatch, caplog, stop):
+    """A ``minutes`` budget that ends before the first step (or a Ctrl-C during it) returned ``{}``, saved no
+    best checkpoint in ``out`` (only ``last``) and the command line printed ``{}``: now, as a Ctrl-C later on,
+    the starting model is evaluated and saved, with a warning that no step ran."""
+    if stop == "budget":
+        clock = iter(range(0, 10**6, 25))  # 25 s per reading: past a 6 s budget at the first check
+        monkeypatch.setattr(sft, "time", types.SimpleNamespace(time=lambda: float(next(clock))))
+    else:
+        monkeypatch.setattr(sft, "_lr_factor", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    caplog.set_level("INFO", logger=sft.__name__)
+    best = train(_tiny("llada", minutes=0.1, **_SMALL_RUN), tmp_path, show_progress=False)
+    assert "no training step ran" in caplog.text
+    events = _events(tmp_path)
+    assert not [r for r in events if r["event"] == "train"]
+    assert [r["step"] for r in events if r["event"] == "eval"] == [0] and best["step"] == 0
+    assert json.loads((tmp_path / "best_metrics.json").read_text())["step"] == 0
+    assert AutoModel.from_pretrained(tmp_path).config.model_type == "llada"
+
+
 def test_the_command_line_trains_and_prints_the_best_evaluation(tmp_path, capsys):
     sft.main(["--family", "dream", "--out", str(tmp_path), "--d-model", "32", "--n-layers", "2", "--n-heads", "4",
               "--mlp-hidden", "64", "--num-threads", "1", "--steps", "1", "--batch-size", "2", "--warmup-steps", "0",

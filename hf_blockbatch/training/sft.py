@@ -479,7 +479,7 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
         while step < config.steps:
             elapsed = time.time() - t_start
             if budget and elapsed >= budget:
-                logger.info("wall-clock budget of %.1f min reached at step %d", config.minutes, step)
+                logger.info("wall-clock budget of %s min reached at step %d", config.minutes, step)
                 break
             progress = max(step / config.steps, elapsed / budget if budget else 0.0)
             for group in opt.param_groups:
@@ -515,7 +515,13 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
         logger.warning("interrupted at step %d: evaluating and saving", step)
     finally:
         bar.close()
-    if step and step % config.eval_every != 0:
+    if not step:  # a budget that ended, or a Ctrl-C that came, before the first step
+        logger.warning(
+            "no training step ran: the checkpoint saved in %s is the starting model (%s)",
+            out, f"init_from {config.init_from}" if config.init_from else "untrained",
+        )
+    # where it stopped, unless an evaluation there finished (one a Ctrl-C cut short runs again)
+    if best_key is None or step % config.eval_every != 0:
         evaluate(step)
     # the final weights too: "best" is chosen on a few dozen decoded items, a noisy criterion,
     # while the final weights have the lowest held-out loss of a decayed schedule
