@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template (base models)")
     gen.set_defaults(func=cmd_generate)
 
-    from hf_blockbatch.eval.runner import ALL_TASKS, BASE_METHODS, METHODS
+    from hf_blockbatch.eval.runner import ALL_TASKS, BASE_METHODS, DEFAULT_OUTPUT_DIR, METHODS
 
     bench = sub.add_parser(
         "bench",
@@ -269,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--at-tuned-block", nargs="+", action="extend", default=None, metavar="METHOD",
                        help="decode these methods (of --methods, e.g. fast_dllm_drafted_contained) last, at each task's "
                             "tuned Fast-dLLM block: the most accurate of the sweep and fast_dllm_early_stop, over every process's items")  # fmt: skip
-    bench.add_argument("--output-dir", default="benchmarks/results/bench")
+    bench.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
+                       help=f"folder for the results (default: {DEFAULT_OUTPUT_DIR}, under the working folder)")  # fmt: skip
     bench.add_argument("--device", default=None, help="cpu or cuda[:i] (default: this process's GPU when present)")
     bench.add_argument("--device-map", default=None,
                        help="accelerate device map, e.g. auto: one model over all visible GPUs (larger than one GPU)")  # fmt: skip

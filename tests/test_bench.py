@@ -928,6 +928,22 @@ def test_raw_bench_rows_are_ignored_by_git():
         assert got.returncode == 0, f"{path} is not ignored by .gitignore"
 
 
+def test_bench_writes_under_the_ignored_bench_out_by_default():
+    """Without --output-dir, bench wrote to benchmarks/results/bench under the working folder: a stray
+    benchmarks/ tree wherever an installed package ran, and untracked summaries among a clone's committed
+    results. The default (one constant, the command's and BenchSettings') is under bench_out/, which git ignores."""
+    from hf_blockbatch.cli import build_parser
+
+    default = build_parser().parse_args(["bench"]).output_dir
+    assert default == BenchSettings().output_dir == runner.DEFAULT_OUTPUT_DIR
+    assert Path(default).parts[0] == "bench_out"
+    repo = Path(__file__).resolve().parents[1]
+    if (repo / ".git").exists():
+        for name in (runner.SAMPLES_FILE, "summary.md", "run.json", *runner.PLOT_FILES):
+            got = subprocess.run(["git", "check-ignore", "-q", f"{default}/{name}"], cwd=repo)
+            assert got.returncode == 0, f"{default}/{name} is not ignored by .gitignore"
+
+
 def test_cli_bench_sweep_blocks_auto_reaches_each_tasks_generation_length():
     from hf_blockbatch.cli import build_parser
 

@@ -28,7 +28,7 @@ exactly; padded batches give the same tokens too, as the decoding core guarantee
 tuned block (``at_tuned_block``) decode last: before them the processes meet once more, and each reads
 every shard's results, so all of them pick the same block.
 
-Files written to ``output_dir``: ``samples.jsonl`` (one row per task × method × item),
+Files written to ``output_dir`` (:data:`DEFAULT_OUTPUT_DIR` unless named): ``samples.jsonl`` (one row per task × method × item),
 ``summary.md``, ``summary.json``, ``run.json`` (settings, configs, versions),
 ``accuracy_vs_nfe.png``, ``accuracy_vs_query_tokens.png`` and ``nfe_distribution.png``.
 """
@@ -491,6 +491,10 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 #: the per-sample rows of a bench folder; not kept in git (see ``benchmarks/RESULTS.md``)
 SAMPLES_FILE = "samples.jsonl"
+#: where a run writes without ``output_dir`` / ``--output-dir``, relative to the working folder: under bench_out/
+#: (gitignored, where the notebook and model cards write theirs), not benchmarks/results/, which put a stray
+#: ``benchmarks/`` tree in whatever folder an installed package ran from and untracked files in a clone's records
+DEFAULT_OUTPUT_DIR = "bench_out/bench"
 
 
 def read_samples(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -633,7 +637,7 @@ class BenchSettings:
     seed: int = 0
     #: None: each task's ``default_gen_length``
     gen_length: int | None = None
-    output_dir: str = "benchmarks/results/bench"
+    output_dir: str = DEFAULT_OUTPUT_DIR
     #: None: the GPU of this process when present, else the CPU
     device: str | None = None
     #: "auto" (bf16 on GPU, float32 on CPU), "float32", "bfloat16", "float16"
