@@ -187,6 +187,8 @@ class BranchCacheLayer(CacheLayerMixin):
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor,
                  rewritten: Callable[[torch.Tensor | None], None] | None = None) -> None:  # fmt: skip
+        """Point the layer at ``keys``/``values`` (:meth:`point_at`); ``rewritten`` is told the rows each write
+        changes."""
         super().__init__()
         self.point_at(keys, values)
         self.is_initialized = True
@@ -258,6 +260,9 @@ class BranchCache(Cache):
         attention_mask: torch.Tensor | None = None,
         model_type: str | None = None,
     ) -> None:
+        """Check the geometry, ``dtype`` and ``device``, then allocate the storage uninitialized (inside
+        :func:`reuse_storage`, CPU storage from its pool), each row its own version; no ``attention_mask``:
+        no padding."""
         # sizes < 1 would fail later with an IndexError (no layers) or a negative dimension inside torch
         sizes = {"num_layers": num_layers, "num_rows": num_rows, "length": length, "num_kv_heads": num_kv_heads,
                  "head_dim": head_dim}  # fmt: skip

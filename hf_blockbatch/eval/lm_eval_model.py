@@ -127,6 +127,9 @@ class HFBlockBatchLM(_LMBase):
         max_batch_size: int | None = None,
         **config_fields: Any,
     ) -> None:
+        """Check ``method``, ``gen_length`` and the config fields (those a task sets per request refused) before
+        anything loads, then load ``pretrained`` (a name) on this process's device or by ``device_map``, or take a
+        loaded model and its ``tokenizer``, which is set to pad on the left."""
         super().__init__()
         if method not in METHODS:  # every method the bench knows (a new one is one entry of METHODS)
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")

@@ -218,6 +218,9 @@ class DiffusionGenerationConfig(GenerationConfig):
     _ours = ("strategy", "remasking", "mask_token_id", "output_trace", "seed")
 
     def __init__(self, **kwargs: Any) -> None:
+        """Pop the shared fields (``max_new_tokens`` 128 and a greedy ``temperature`` 0 unless given), refuse a
+        ``strategy`` other than the class's, pass the rest to ``GenerationConfig`` and set ``do_sample`` from the
+        temperature when unset (:meth:`follow_temperature`)."""
         kwargs.setdefault("max_new_tokens", 128)
         kwargs.setdefault("temperature", 0.0)
         given = kwargs.pop("strategy", None)
@@ -444,6 +447,7 @@ class VanillaDiffusionConfig(DiffusionGenerationConfig):
     _ours = DiffusionGenerationConfig._ours + ("steps", "block_length", "logits_eos_inf", "confidence_eos_eot_inf")
 
     def __init__(self, **kwargs: Any) -> None:
+        """Pop vanilla's fields (unset ``steps``/``block_length``: :meth:`resolved`), then the shared ones."""
         self.steps = kwargs.pop("steps", None)
         self.block_length = kwargs.pop("block_length", None)
         self.logits_eos_inf = kwargs.pop("logits_eos_inf", False)
@@ -577,6 +581,8 @@ class FastDLLMConfig(DiffusionGenerationConfig):
     )  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:
+        """Pop Fast-dLLM's fields with their defaults (``threshold`` 0.9 unless ``factor`` or ``steps`` is given),
+        then the shared ones."""
         self.cache = kwargs.pop("cache", "dual")
         self.lookahead = kwargs.pop("lookahead", 0)
         self.lookahead_max_masks = kwargs.pop("lookahead_max_masks", None)
@@ -857,6 +863,8 @@ class BlockBatchConfig(DiffusionGenerationConfig):
     ) + _BEYOND  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:
+        """Pop BlockBatch's fields with their defaults (``threshold`` 0.9 unless ``factor`` is given; ``block_sizes``
+        a list, see :meth:`__setattr__`), then the shared ones."""
         self.variant = kwargs.pop("variant", "ours")
         self.block_sizes = kwargs.pop("block_sizes", (4, 8, 16, 32, 64, 128))
         self.threshold = kwargs.pop("threshold", 0.9 if "factor" not in kwargs else None)

@@ -60,6 +60,9 @@ class Run:
     def __init__(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, plan: DecodePlan,
                  mask_id: int, eos_ids: list[int], pad_id: int, generator: torch.Generator | None,
                  streamer: Any) -> None:  # fmt: skip
+        """Start the decode state (keyed noise lanes when it draws noise with a seed) and allocate the cache
+        (none for ``cache="none"``), the forwards, the recorder and the output: the prompt, then
+        ``max_new_tokens`` masks."""
         self.model, self.plan, self.generator, self.pad_id = model, plan, generator, pad_id
         device = input_ids.device
         self.eos_ids = torch.tensor(eos_ids, device=device, dtype=torch.long)

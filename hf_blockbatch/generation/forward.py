@@ -70,6 +70,7 @@ class Forwards:
     def __init__(self, model: Any, state: DecodeState, cache: BranchCache | None, cache_mode: str, pad_id: int,
                  eos_ids: torch.Tensor, masked_only: bool, eos_slot: bool, requery_radius: int = 0,
                  draft_depth: int = 0, draft_radius: int | None = None) -> None:  # fmt: skip
+        """Read the state's geometry and allocate the column offsets that every step slices (never re-allocated)."""
         self.requery_radius = requery_radius
         self.draft_radius = draft_radius  # draft rows' own re-query radius (Lookahead.draft_radius; None: r)
         self.draft_depth = draft_depth  # lookahead with sparse steps: the longest chain of drafts

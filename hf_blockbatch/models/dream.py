@@ -78,6 +78,8 @@ class DreamConfig(OwnModelTypeConfig, PreTrainedConfig):
         window_attention: str = "auto",
         **kwargs: Any,
     ) -> None:
+        """Store the fields; ``num_key_value_heads`` None: every head; ``sliding_window`` only under
+        ``use_sliding_window``; ``rope_scaling`` kept as transformers 5's ``rope_parameters``."""
         self.vocab_size = vocab_size
         self.max_position_embeddings = max_position_embeddings
         self.hidden_size = hidden_size
@@ -234,6 +236,8 @@ class DreamModel(DiffusionLMMixin, BlockBatchGenerationMixin, DreamPreTrainedMod
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: DreamConfig) -> None:
+        """Refuse what this implementation does not compute (:meth:`DreamConfig.validate_supported`), then build
+        the layers and the LM head."""
         config.validate_supported()
         super().__init__(config)
         self.model = DreamBaseModel(config)

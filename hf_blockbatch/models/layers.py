@@ -24,6 +24,7 @@ class RMSNorm(nn.Module):
     """RMS norm computed in float32 and cast back before the gain, as both official codes do."""
 
     def __init__(self, dim: int, eps: float) -> None:
+        """A gain of ones over ``dim`` features; ``eps`` is added to the mean square."""
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
@@ -75,6 +76,7 @@ class RopeTable:
     reason as above (meta-device loading)."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
+        """No table yet: a device's is computed at its first lookup."""
         self.head_dim, self.theta = head_dim, theta
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 

@@ -103,6 +103,7 @@ class LLaDAConfig(OwnModelTypeConfig, PreTrainedConfig):
         window_attention: str = "auto",
         **kwargs: Any,
     ) -> None:
+        """Store the fields, with transformers' generic ``tie_word_embeddings`` kept off (``weight_tying`` ties)."""
         self.d_model = d_model
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
@@ -306,6 +307,8 @@ class LLaDAModelLM(DiffusionLMMixin, BlockBatchGenerationMixin, LLaDAPreTrainedM
     logit_shift = 0
 
     def __init__(self, config: LLaDAConfig) -> None:
+        """Refuse what this implementation does not compute (:meth:`LLaDAConfig.validate_supported`), then build
+        the model."""
         config.validate_supported()
         super().__init__(config)
         self.model = LLaDAModel(config)
