@@ -515,3 +515,17 @@ def test_a_pruned_draw_breaks_a_tie_by_the_first_id_as_the_full_draw_does():
     assert sampling._first_best(rows, ids, scores, 2, 10).tolist() == [5, 1]
     assert sampling.row_max(torch.tensor([[0.0, 3.0, 3.0], [2.0, 2.0, 0.0]]))[1].tolist() == [1, 0]  # the same rule
     assert sampling._first_best(rows, ids, scores.index_fill(0, torch.tensor([3, 4]), -float("inf")), 2, 10) is None
+
+
+def test_keyed_floor_keeps_a_bounded_number_of_temperatures():
+    """Each temperature a keyed draw runs at gave the noise's spread a cache entry kept for the process's life: a
+    server whose clients ask for any temperature grew it by about 200 bytes per value, without bound."""
+    from hf_blockbatch.generation.sampling import SPREADS_CACHED, _spread, keyed_floor
+
+    _spread.cache_clear()
+    logits = torch.tensor([[0.0, 1.0, 3.0]])
+    for i in range(4 * SPREADS_CACHED):
+        t = 0.5 + i / 1024
+        assert keyed_floor(logits, t).item() < 3.0 - 26.0 * t  # below the top logit less the spread (26.0 T)
+    assert _spread.cache_info().currsize == SPREADS_CACHED
+    assert keyed_floor(logits, 0.5).item() == keyed_floor(logits, 0.5).item()

@@ -218,11 +218,17 @@ def _lift(u: float) -> float:
     return -math.log(-math.log(u))
 
 
-@functools.cache
+# A decode samples at one temperature; a server meets every temperature its clients ask for, so the spreads are
+# bounded rather than one entry per temperature ever seen (unbounded, about 200 bytes each, for the process's life).
+SPREADS_CACHED = 64
+
+
+@functools.lru_cache(maxsize=SPREADS_CACHED)
 def _spread(temperature: float, dtype: torch.dtype) -> float:
     """How far apart the keyed noise can put two ids' scores beyond their logits at ``temperature`` (the lift of
     :data:`~.noise.UNIFORM_MAX` less that of :data:`~.noise.UNIFORM_MIN`, about 26.0 T), with a slack, as the least
-    value of ``dtype`` (float32 or float64) not below it."""
+    value of ``dtype`` (float32 or float64) not below it. The last ``SPREADS_CACHED`` (temperature, dtype) pairs are
+    kept."""
     x = temperature * (_lift(UNIFORM_MAX) - _lift(UNIFORM_MIN)) + _BOUND_SLACK
     y = torch.tensor(x, dtype=dtype)
     return float(y if float(y) >= x else torch.nextafter(y, y.new_tensor(math.inf)))
