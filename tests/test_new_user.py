@@ -694,6 +694,25 @@ def test_lm_eval_annotates_a_run_with_the_adapters_made_since_the_last():
     assert annotate_results({"results": {"a": {}}}) == {"results": {"a": {}}}
 
 
+def test_lm_eval_an_adapter_annotated_by_name_is_not_read_again():
+    """An adapter passed as ``lm`` stayed among the adapters "made since the last call": a notebook that annotated
+    each of its runs with ``lm=`` kept every run's records for the process's life, and a later harness run annotated
+    without ``lm`` counted them all as its own (4 requests, having decoded 1)."""
+    from hf_blockbatch.eval import lm_eval_model
+
+    kwargs = {"until": ["\n"], "max_gen_toks": 8, "do_sample": False}
+    lm_eval_model.annotate_results(None)  # forget the adapters of earlier tests
+    for _ in range(2):
+        lm = _adapter(method="fast_dllm", block_length=8)
+        lm.generate_until([_Request("1 + 2 =", kwargs, "a", 0)])
+        own = lm_eval_model.annotate_results({"results": {"a": {}}}, lm)
+        assert own["config"]["hf_blockbatch_tasks"]["a"]["requests"] == 1 and not lm_eval_model._RUNS
+    harness = _adapter(method="fast_dllm", block_length=8)
+    harness.generate_until([_Request("1 + 2 =", kwargs, "a", 0)])
+    del harness  # the harness drops its adapter before returning the results
+    assert lm_eval_model.annotate_results({"results": {"a": {}}})["config"]["hf_blockbatch_tasks"]["a"]["requests"] == 1
+
+
 def test_hf_blockbatch_lm_eval_is_the_harness_cli(tmp_path, capsys, monkeypatch):
     """``hf-blockbatch lm-eval`` takes the harness's own arguments, ``--model hf_blockbatch`` works,
     and the printed table, the results JSON and every logged sample carry NFE; the device recorded

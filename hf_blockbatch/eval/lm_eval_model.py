@@ -414,13 +414,16 @@ def annotate_results(results: dict[str, Any] | None, lm: HFBlockBatchLM | None =
     * ``results["config"]["device"]``: where the model ran (the harness records what it passed).
 
     ``lm``: the adapter that decoded (default: those created since the last call, as the harness
-    builds its own from ``model="hf_blockbatch"``). Under data parallelism (several processes) every
-    process must call it: each decoded its share of the requests, and process 0, which holds the
-    harness's results, gathers them all (other processes get ``None`` back).
+    builds its own from ``model="hf_blockbatch"``); an adapter given as ``lm`` is not read again by a later call
+    without it. Under data parallelism (several processes) every process must call it: each decoded its share of the
+    requests, and process 0, which holds the harness's results, gathers them all (other processes get ``None`` back).
     """
-    runs = [(lm.records, str(lm._device))] if lm is not None else list(_RUNS)
     if lm is None:
+        runs = list(_RUNS)
         _RUNS.clear()
+    else:  # annotated: it is no longer one of the adapters a later call without lm reads (nor kept for ever)
+        runs = [(lm.records, str(lm._device))]
+        _RUNS[:] = [run for run in _RUNS if run[0] is not lm.records]
     runs = _every_process_runs(runs)
     if results is None:
         return None
