@@ -311,6 +311,11 @@ def test_train_saves_reloadable_checkpoint(family_tok, tmp_path):
         ({"suites": {"lists": 0.0}}, "suite 'lists' needs a weight > 0"),
         ({"init_from": "/nonexistent"}, "init_from '/nonexistent' is not a checkpoint folder"),
         ({"family": "gpt"}, "family must be 'llada' or 'dream'"),
+        ({"attention_dropout": 1.0}, r"attention_dropout must be a dropout probability in \[0, 1\), got 1.0\.$"),
+        ({"residual_dropout": float("nan")}, "residual_dropout must be a finite number, got nan\\.$"),
+        ({"embedding_dropout": "0.1"}, "embedding_dropout must be a number, got '0.1' \\(str\\)"),
+        ({"family": "dream", "residual_dropout": 0.1},
+         r"residual_dropout is no dropout of dream models \(theirs: attention_dropout\)\.$"),
     ],
 )
 def test_bad_settings_are_refused_before_training(tmp_path, options, message):
@@ -395,6 +400,7 @@ def test_the_command_line_says_what_to_change(capsys):
     for argv, message in (
         (["--batch-size", "0"], "batch_size must be an integer >= 1"),
         (["--suites", "lists:x"], "--suites takes name:weight pairs"),
+        (["--embedding-dropout", "1.5"], "embedding_dropout must be a dropout probability in [0, 1), got 1.5"),
     ):
         with pytest.raises(SystemExit) as exit_:
             main(["--family", "llada", "--out", "/nonexistent/out", *argv])
@@ -506,3 +512,72 @@ def test_the_command_line_trains_and_prints_the_best_evaluation(tmp_path, capsys
     saved = json.loads((tmp_path / "best_metrics.json").read_text())
     assert printed["event"] == "eval" and printed["step"] == saved["step"] == 1
     assert printed["heldout_loss"] == saved["heldout_loss"] and not any(k.startswith("sample") for k in printed)
+
+
+# ------------------------------------------------------------------------------ dropout
+_DROPOUT_RUN = dict(steps=3, batch_size=2, warmup_steps=0, eval_every=3, log_every=1, suites={"lists": 1.0},
+                    train_items_per_suite=16, eval_items_per_suite=2, decode_items_per_suite=0, gen_min=40, gen_max=48,
+                    max_positions=384)  # fmt: skip
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+def test_every_dropout_of_the_models_is_a_training_setting_unset_by_default():
+    """The settings are the model configs' own fields (one source: their ``dropout_fields``), None unless set."""
+    from hf_blockbatch import DreamConfig, LLaDAConfig
+
+    for name in LLaDAConfig.dropout_fields + DreamConfig.dropout_fields:
+        assert getattr(TrainConfig(), name) is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dropout_changes_the_training_and_is_saved_with_the_run(family, tmp_path):
+    """``sft`` had no dropout option: the models' dropouts, which act in training mode, could not be used from it.
+    A run with dropout (same seed) now follows another loss trajectory, and the checkpoints (best and last) and
+    ``train_config.json`` carry the values; a run without keeps the configs' 0.0."""
+    on = {"llada": dict(attention_dropout=0.2, residual_dropout=0.1, embedding_dropout=0.1),
+          "dream": dict(attention_dropout=0.2)}[family]  # fmt: skip
+    train(_tiny(family, **_DROPOUT_RUN), tmp_path / "off", show_progress=False)
+    train(_tiny(family, **on, **_DROPOUT_RUN), tmp_path / "on", show_progress=False)
+    off_losses, on_losses = ([r["loss"] for r in _events(tmp_path / d) if r["event"] == "train"] for d in ("off", "on"))
+    assert len(off_losses) == len(on_losses) == 3
+    assert all(a != b for a, b in zip(off_losses, on_losses))
+    fields = AutoModel.from_pretrained(tmp_path / "off").config.dropout_fields
+    for folder in ("on", "on/last"):
+        saved = json.loads((tmp_path / folder / "config.json").read_text())
+        assert {name: saved[name] for name in fields} == on
+    assert {name: json.loads((tmp_path / "on" / "train_config.json").read_text())[name] for name in on} == on
+    saved = json.loads((tmp_path / "off" / "last" / "config.json").read_text())
+    assert {name: saved[name] for name in fields} == dict.fromkeys(fields, 0.0)
+
+
+def test_a_run_without_dropout_trains_as_one_with_every_dropout_at_zero(tmp_path):
+    """Unset (the default) and 0.0 give the same weights, bit for bit: no dropout op runs, no random draw is taken."""
+    train(_tiny("llada", **_DROPOUT_RUN), tmp_path / "unset", show_progress=False)
+    zero = dict(attention_dropout=0.0, residual_dropout=0.0, embedding_dropout=0.0)
+    train(_tiny("llada", **zero, **_DROPOUT_RUN), tmp_path / "zero", show_progress=False)
+    unset, zeros = _weights(tmp_path / "unset" / "last"), _weights(tmp_path / "zero" / "last")
+    assert unset.keys() == zeros.keys() and all(torch.equal(unset[k], zeros[k]) for k in unset)
+
+
+def test_a_continued_run_takes_the_dropouts_set_and_keeps_the_checkpoints_for_the_others(tmp_path):
+    """With ``init_from``, as with transformers' ``from_pretrained(path, attention_dropout=...)``: a dropout set
+    overrides the checkpoint's (0.0 too, which turns it off), one left unset keeps the checkpoint's."""
+    first = dict(attention_dropout=0.2, residual_dropout=0.1)
+    train(_tiny("llada", **first, **_DROPOUT_RUN), tmp_path / "first", show_progress=False)
+    more = dict(_DROPOUT_RUN, steps=1, eval_every=1, init_from=str(tmp_path / "first"))
+    train(_tiny("llada", residual_dropout=0.0, embedding_dropout=0.05, **more), tmp_path / "more", show_progress=False)
+    saved = json.loads((tmp_path / "more" / "last" / "config.json").read_text())
+    assert (saved["attention_dropout"], saved["residual_dropout"], saved["embedding_dropout"]) == (0.2, 0.0, 0.05)
+
+
+def test_the_command_line_sets_the_dropouts(tmp_path, monkeypatch):
+    """``--attention-dropout`` and the others reach the run's settings as floats; those not given stay unset."""
+    seen = []
+    monkeypatch.setattr(sft, "train", lambda config, *_a, **_k: seen.append(config) or {})
+    sft.main(["--family", "llada", "--out", str(tmp_path), "--residual-dropout", "0.1", "--attention-dropout", "0"])
+    assert (seen[0].residual_dropout, seen[0].attention_dropout, seen[0].embedding_dropout) == (0.1, 0.0, None)

@@ -16,6 +16,11 @@ Deviations chosen for tiny models on a CPU, and why:
 * The generation length is drawn per batch from a range, so the model learns the EOS tail for
   every canvas length the decoders may use (72 to 96 tokens by default: the longest target is 68 tokens with its end of turn).
 * Dream's logits are shifted (position ``i - 1`` predicts token ``i``); the loss aligns them.
+
+Dropout is off unless asked for: ``--attention-dropout``, ``--residual-dropout`` and ``--embedding-dropout`` (the model
+configs' own field names; LLaDA has all three, Dream attention dropout only) set the model's dropouts for the run and
+are saved in its ``config.json``. As with transformers' ``from_pretrained(path, attention_dropout=...)``, a run
+continued with ``init_from`` takes each one that is set and keeps the checkpoint's value for each one left unset.
 """
 
 from __future__ import annotations
@@ -30,12 +35,14 @@ import random
 import shutil
 import tempfile
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hf_blockbatch.checks import check_dropout
 from hf_blockbatch.training.eval_quick import decode_accuracy, masked_token_accuracy
 from hf_blockbatch.training.objective import apply_noise, sft_loss
 from hf_blockbatch.training.tokenizer import TINY_CONTEXT
@@ -72,6 +79,11 @@ class TrainConfig:
     mlp_hidden: int = 384
     max_positions: int = TINY_CONTEXT
     rope_theta: float = 10000.0
+    # dropout probabilities in [0, 1), named as the model configs name them (LLaDA has the three, Dream attention
+    # dropout only). None: unset, the model's own (0.0 for a fresh model, the checkpoint's with init_from)
+    attention_dropout: float | None = None
+    residual_dropout: float | None = None
+    embedding_dropout: float | None = None
     # optimisation
     lr: float = 1.5e-3
     min_lr_ratio: float = 0.1
@@ -135,6 +147,16 @@ class TrainConfig:
                 problems.append(f"d_model ({self.d_model}) must divide by n_heads ({self.n_heads}) into an even head dim")
             if kv is not None and (not isinstance(kv, int) or kv < 1 or self.n_heads % kv):
                 problems.append(f"n_kv_heads must divide n_heads ({self.n_heads}), got {kv!r}")
+        if self.family in ("llada", "dream"):
+            own = _model_config_class(self.family).dropout_fields
+            for name, value in _dropout_settings(self).items():
+                try:
+                    check_dropout(name, value)
+                except ValueError as err:
+                    problems.append(str(err).rstrip("."))
+                else:
+                    if name not in own:
+                        problems.append(f"{name} is no dropout of {self.family} models (theirs: {', '.join(own)})")
         if not self.suites:
             problems.append("suites is empty: name one or more of " + ", ".join(SUITES))
         for name, weight in self.suites.items():
@@ -158,6 +180,22 @@ class Example:
 
 
 # ----------------------------------------------------------------------------- model
+
+
+def _model_config_class(family: str) -> type:
+    """The model config class of ``family`` (``llada`` or ``dream``)."""
+    from hf_blockbatch import DreamConfig, LLaDAConfig
+
+    return {"llada": LLaDAConfig, "dream": DreamConfig}[family]
+
+
+def _dropout_settings(config: TrainConfig) -> dict[str, Any]:
+    """The dropout probabilities ``config`` sets, by model config field (of either family: ``validate`` refuses one
+    the family has not); the fields left at None are not in it."""
+    from hf_blockbatch import DreamConfig, LLaDAConfig
+
+    names = dict.fromkeys(LLaDAConfig.dropout_fields + DreamConfig.dropout_fields)
+    return {name: value for name in names if (value := getattr(config, name)) is not None}
 
 
 def build_model(config: TrainConfig, tokenizer: Any) -> torch.nn.Module:
@@ -184,6 +222,7 @@ def build_model(config: TrainConfig, tokenizer: Any) -> torch.nn.Module:
             bos_token_id=ids["bos"],
             mask_token_id=ids["mask"],
             eot_token_id=ids["eot"],
+            **_dropout_settings(config),
         )
         return LLaDAModelLM(cfg)
     if config.family == "dream":
@@ -202,6 +241,7 @@ def build_model(config: TrainConfig, tokenizer: Any) -> torch.nn.Module:
             bos_token_id=ids["bos"],
             eos_token_id=ids["eos"],
             eot_token_id=ids["eot"],
+            **_dropout_settings(config),
         )
         return DreamModel(cfg)
     raise ValueError(f"family must be 'llada' or 'dream', got {config.family!r}")
@@ -378,8 +418,13 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
                 f"pass the family of the checkpoint (its tokenizer and prompts are the family's)."
             )
         logger.info("continuing from %s", config.init_from)
+        # a dropout set overrides the checkpoint's (saved with the new checkpoint); one left unset keeps it
+        for name, value in _dropout_settings(config).items():
+            setattr(model.config, name, value)
     else:
         model = build_model(config, tokenizer).to(device)
+    if dropouts := {name: p for name in model.config.dropout_fields if (p := getattr(model.config, name))}:
+        logger.info("training with dropout %s", dropouts)
     # saved with the checkpoint: truncation stops at its context. The model's, not max_positions: a checkpoint
     # continued with init_from keeps its own context, and the tokenizer saved beside it claimed max_positions
     tokenizer.model_max_length = model.config.context_length
@@ -547,11 +592,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--family", choices=("llada", "dream"), required=True)
     p.add_argument("--out", required=True)
     d = TrainConfig()
+    hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         if f.name in ("family", "suites"):
             continue
         default = getattr(d, f.name)
-        typ = int if f.name == "n_kv_heads" else type(default)
+        # an option unset by default (None) takes the type its annotation names beside None
+        typ = type(default) if default is not None else next(t for t in typing.get_args(hints[f.name]) if t is not type(None))
         p.add_argument("--" + f.name.replace("_", "-"), type=typ, default=default)
     p.add_argument("--suites", default=",".join(f"{k}:{v}" for k, v in d.suites.items()),
                    help="comma-separated name:weight")  # fmt: skip
