@@ -1087,6 +1087,38 @@ def test_dropout_settings_save_and_load_back(family: str, tmp_path) -> None:
         assert (want - loaded.eval()(ids).logits).abs().max() > 1e-2  # the loaded one drops out too
 
 
+@pytest.mark.parametrize(("family", "field"), [("dream", "residual_dropout"), ("dream", "embedding_dropout"),
+                                               ("llada", "attn_dropout"), ("dream", "resid_pdrop")])  # fmt: skip
+def test_a_dropout_the_family_has_not_is_kept_unused_with_a_warning_once(family: str, field: str, monkeypatch,
+                                                                         caplog, tmp_path) -> None:  # fmt: skip
+    """``DreamConfig(residual_dropout=0.1)`` (LLaDA's name on Dream) or a typo (``attn_dropout``) was kept, as
+    transformers keeps every unknown key, and applied by nothing: training ran without the dropout the user set, in
+    silence. It is still kept (a checkpoint with extra keys must load), and a warning names it and the family's own
+    dropout fields, once per process; 0.0 (nothing asked for) and the family's own fields are not warned of."""
+    from hf_blockbatch.models import base
+
+    monkeypatch.setattr(base, "_warned_dropouts", set())
+    caplog.set_level("WARNING", logger=base.__name__)
+    model = make(family, **{field: 0.1})
+    own = ", ".join(type(model.config).dropout_fields)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{type(model.config).__name__} has no {field} (0.1 given): it is kept in the config, unused, and no dropout "
+        f"applies it. This family's dropout fields: {own}."
+    ]
+    assert getattr(model.config, field) == 0.1
+    ids = canvas(2, 16)
+    with torch.no_grad():
+        assert torch.equal(model.train()(ids).logits, model.eval()(ids).logits)  # no dropout acts: hence the warning
+    model.save_pretrained(tmp_path)
+    caplog.clear()
+    assert getattr(type(model).from_pretrained(tmp_path).config, field) == 0.1  # loads, kept; warned once only
+    make(family, **{field: 0.0}, **dict.fromkeys(type(model.config).dropout_fields, 0.1))
+    assert not caplog.records
+    monkeypatch.setattr(base, "_warned_dropouts", set())
+    type(model).from_pretrained(tmp_path)  # a config.json with the key warns on loading
+    assert len(caplog.records) == 1 and field in caplog.records[0].getMessage()
+
+
 @pytest.mark.parametrize(("family", "field"), DROPOUT_CASES)
 @pytest.mark.parametrize("value", [1.0, 1.5, -0.1, float("nan"), "0.1"])
 def test_a_dropout_that_is_no_probability_is_refused(family: str, field: str, value) -> None:

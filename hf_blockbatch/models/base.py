@@ -56,6 +56,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["DiffusionLMOutput", "PositionOutput", "WindowOutput", "DiffusionLMMixin", "OwnModelTypeConfig"]
 
 
+#: the (config class, field) pairs :meth:`OwnModelTypeConfig.__init__` has warned of: once each per process
+_warned_dropouts: set[tuple[str, str]] = set()
+
+
 class OwnModelTypeConfig:
     """A base for our model configs (before ``PreTrainedConfig``): ``from_dict``, which every ``from_pretrained``
     goes through, refuses a config.json of another ``model_type``. transformers only warns, then builds the class's
@@ -63,7 +67,29 @@ class OwnModelTypeConfig:
     7-8B geometries, so ``DreamModel.from_pretrained(<a LLaDA folder>)`` built a 7B Dream from the defaults (out of
     memory on a laptop, random weights otherwise), and ``LLaDAModelLM.from_pretrained(<a Dream folder>)`` failed
     inside transformers (``property 'hidden_size' of 'LLaDAConfig' object has no setter``). No ``model_type``: nothing
-    to tell, accepted."""
+    to tell, accepted.
+
+    A dropout the family does not have (``DreamConfig(residual_dropout=0.1)``, LLaDA's name on Dream, or a typo such
+    as ``attn_dropout``) is kept, unused, as transformers keeps every unknown key; a warning names it, once."""
+
+    #: the config fields holding dropout probabilities; each config class names its own
+    dropout_fields: tuple[str, ...] = ()
+
+    def __init__(self, **kwargs: Any) -> None:
+        """transformers' ``__init__``, after a warning for each key of ``kwargs`` (those the class does not take)
+        that names a dropout, set above 0: the model applies none of them, and the user thought dropout was on.
+        Not refused: checkpoints with extra keys must still load."""
+        for key, value in kwargs.items():
+            if ("dropout" not in key and "pdrop" not in key) or key in self.dropout_fields:
+                continue
+            if value is None or (isinstance(value, (int, float)) and value == 0) or (type(self).__name__, key) in _warned_dropouts:
+                continue
+            _warned_dropouts.add((type(self).__name__, key))
+            logger.warning(
+                "%s has no %s (%r given): it is kept in the config, unused, and no dropout applies it. This "
+                "family's dropout fields: %s.", type(self).__name__, key, value, ", ".join(self.dropout_fields),
+            )
+        super().__init__(**kwargs)  # type: ignore[call-arg]
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
