@@ -126,3 +126,93 @@ def test_an_interpreter_that_cannot_start_is_an_error_naming_it(tmp_path: Path) 
     r = run_program("pass\n", python=str(missing))
     assert (r.passed, r.status, r.elapsed) == (False, "error", 0.0)
     assert r.detail == f"could not start the sandbox: [Errno 2] No such file or directory: '{missing}'"
+
+
+def _fake_python(folder: Path, body: str) -> str:
+    """An executable standing in for the interpreter: a shell script that runs ``body`` (after reading the program
+    from stdin, as the child does)."""
+    path = folder / "fake-python"
+    path.write_text("#!/bin/sh\ncat > /dev/null\n" + body + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_child_that_writes_no_json_verdict_is_an_error_with_its_exit_code(tmp_path: Path) -> None:
+    """What the child prints is parsed as the verdict: text that is no JSON, JSON that is no verdict object, or a
+    status the sandbox never writes, is an ``error`` naming the exit code and the end of stderr, not an exception."""
+    cases = {
+        "echo 'Traceback: not json'": "exited with code 0 without a verdict",
+        "echo '[1, 2]'; echo 'boom' >&2; exit 3": "exited with code 3 without a verdict: boom",
+        "echo '{\"status\": \"hacked\"}'": "exited with code 0 without a verdict",
+        "printf '\\377\\376'": "exited with code 0 without a verdict",  # not even UTF-8
+    }
+    for body, detail in cases.items():
+        r = run_program("pass\n", python=_fake_python(tmp_path, body))
+        assert (r.passed, r.status, r.detail) == (False, "error", detail), body
+    r = run_program("pass\n", python=_fake_python(tmp_path, "echo '{\"status\": \"failed\", \"detail\": \"why\"}'"))
+    assert (r.passed, r.status, r.detail) == (False, "failed", "why")
+
+
+def test_a_child_stopped_by_the_cpu_limit_is_a_timeout() -> None:
+    """SIGXCPU, the signal of the CPU-time limit, is reported as a timeout (the CPU backstop of the wall clock)."""
+    r = run_program("import signal\nsignal.raise_signal(signal.SIGXCPU)\n")
+    assert (r.passed, r.status, r.detail) == (False, "timeout", "CPU time limit exceeded")
+
+
+def test_a_program_past_its_cpu_time_gets_sigxcpu_not_sigkill(tmp_path: Path) -> None:
+    """The child set its CPU limit with the soft limit equal to the hard one, where Linux sends SIGKILL, not SIGXCPU:
+    a program past its CPU time (one swallowing the wall-clock alarm in several busy threads) was an ``error`` "killed
+    by signal SIGKILL", and the SIGXCPU branch above never ran. Here the child is given 1 CPU second (the real
+    interpreter behind a wrapper that lowers the limit argument) and a 30 s wall clock: the CPU limit ends it."""
+    import sys
+
+    wrapper = tmp_path / "python-1s-cpu"
+    # the arguments: -I -c <child code> <memory> <cpu seconds> <file size> <wall seconds>
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} "$1" "$2" "$3" "$4" 1 "$6" "$7"\n')
+    wrapper.chmod(0o755)
+    prog = "while True:\n    try:\n        while True:\n            pass\n    except BaseException:\n        pass\n"
+    r = run_program(prog, timeout=30, python=str(wrapper))
+    assert (r.passed, r.status, r.detail) == (False, "timeout", "CPU time limit exceeded")
+    assert r.elapsed < 25
+
+
+def test_the_cpu_limit_is_the_timeout_rounded_up_plus_one_second() -> None:
+    """The child's own limits, as the kernel holds them: CPU soft ``ceil(timeout) + 1`` s, hard one second more."""
+    limits = "open('/proc/self/limits').read()"
+    prog = f"import re\nassert re.search(r'Max cpu time +3 +4 +seconds', {limits}), {limits}\n"
+    r = run_program(prog, timeout=1.5)
+    assert r.passed, r.detail
+
+
+def test_an_exception_while_waiting_kills_the_child_and_propagates(monkeypatch) -> None:
+    """An exception other than the timeout while the parent waits (a Ctrl-C, here) must not leave the child running:
+    the ``finally`` kills its process group, and the exception reaches the caller."""
+    import signal
+    import subprocess
+
+    from hf_blockbatch.tasks import execution
+
+    started = []
+
+    class Interrupted(subprocess.Popen):
+        def communicate(self, *_a, **_k):
+            started.append(self)
+            assert self.poll() is None  # the child is running (waiting for its program on stdin)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(execution.subprocess, "Popen", Interrupted)
+    try:
+        run_program("pass\n")
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the KeyboardInterrupt did not reach the caller")
+    (proc,) = started
+    try:
+        assert proc.wait(timeout=2) == -signal.SIGKILL
+    finally:  # a child the sandbox left running (the failure this test catches) is not left to outlive the test
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            pipe.close()

@@ -74,18 +74,21 @@ sys.stdin = io.StringIO("")
 sys.stdout = io.StringIO()
 sys.stderr = io.StringIO()
 _mem, _cpu, _fsize, _wall = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-def _limit(kind, value):
+def _limit(kind, value, slack=0):
     try:
         soft, hard = resource.getrlimit(kind)
+        high = value + slack
         if hard != resource.RLIM_INFINITY:
-            value = min(value, hard)
-        resource.setrlimit(kind, (value, value))
+            value, high = min(value, hard), min(high, hard)
+        resource.setrlimit(kind, (value, high))
     except (ValueError, OSError):
         pass
 if _mem > 0:
     _limit(resource.RLIMIT_AS, _mem)
     _limit(resource.RLIMIT_DATA, _mem)
-_limit(resource.RLIMIT_CPU, _cpu)
+# the soft limit sends SIGXCPU (the parent's "CPU time limit exceeded"); the hard one, a second later, SIGKILL.
+# Linux sends SIGKILL, not SIGXCPU, at a soft limit equal to the hard one
+_limit(resource.RLIMIT_CPU, _cpu, 1)
 _limit(resource.RLIMIT_FSIZE, _fsize)
 _limit(resource.RLIMIT_CORE, 0)
 import faulthandler, shutil, socket, subprocess
