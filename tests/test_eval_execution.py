@@ -186,7 +186,8 @@ def test_the_cpu_limit_is_the_timeout_rounded_up_plus_one_second() -> None:
 
 def test_an_exception_while_waiting_kills_the_child_and_propagates(monkeypatch) -> None:
     """An exception other than the timeout while the parent waits (a Ctrl-C, here) must not leave the child running:
-    the ``finally`` kills its process group, and the exception reaches the caller."""
+    the ``finally`` kills its process group, the pipes are closed (they were left open, to the garbage collector's
+    ResourceWarnings), and the exception reaches the caller."""
     import signal
     import subprocess
 
@@ -208,6 +209,7 @@ def test_an_exception_while_waiting_kills_the_child_and_propagates(monkeypatch) 
     else:
         raise AssertionError("the KeyboardInterrupt did not reach the caller")
     (proc,) = started
+    assert proc.stdin.closed and proc.stdout.closed and proc.stderr.closed  # not left to the garbage collector
     try:
         assert proc.wait(timeout=2) == -signal.SIGKILL
     finally:  # a child the sandbox left running (the failure this test catches) is not left to outlive the test

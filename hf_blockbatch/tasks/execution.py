@@ -205,16 +205,19 @@ def run_program(
             )
         except OSError as e:
             return ExecResult(False, "error", f"could not start the sandbox: {e}", 0.0)
-        # Interpreter start-up is not the program's time: allow a fixed margin for it.
-        try:
-            out, err = proc.communicate(program.encode("utf-8", "replace"), timeout=timeout + 1.0)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            proc.communicate()
-            return ExecResult(False, "timeout", f"killed after {timeout:g} s", time.monotonic() - start)
-        finally:
-            if proc.poll() is None:
+        # Popen's context closes the pipes and reaps the child however the wait ends (an exception too: the
+        # killed child was left unreaped, its pipes open until garbage collection, with ResourceWarnings)
+        with proc:
+            # Interpreter start-up is not the program's time: allow a fixed margin for it.
+            try:
+                out, err = proc.communicate(program.encode("utf-8", "replace"), timeout=timeout + 1.0)
+            except subprocess.TimeoutExpired:
                 _kill_group(proc)
+                proc.communicate()
+                return ExecResult(False, "timeout", f"killed after {timeout:g} s", time.monotonic() - start)
+            finally:
+                if proc.poll() is None:
+                    _kill_group(proc)
         elapsed = time.monotonic() - start
     try:
         verdict = json.loads(out.decode("utf-8", "replace").strip() or "null")
