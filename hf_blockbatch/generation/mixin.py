@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from transformers import GenerationConfig
@@ -523,6 +523,18 @@ class BlockBatchGenerationMixin:
     def can_generate(self) -> bool:
         """``True``: transformers asks before it loads a checkpoint's generation config."""
         return True
+
+    def prepare_inputs_for_generation(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """transformers' hook for the inputs of one left-to-right step, which ``generate`` here never calls (it
+        builds the canvas, its positions and its cache from ``input_ids``). Defined because wrappers read it when
+        they wrap a generative model: PEFT's ``get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", ...))``
+        keeps a reference at construction, and failed with ``AttributeError`` on these classes, whose generation
+        mixin is not transformers' ``GenerationMixin``. A call is refused with what to call instead."""
+        raise NotImplementedError(
+            f"{type(self).__name__} decodes by masked diffusion: generate() builds its canvas from input_ids and "
+            "has no per-step inputs to prepare. Call model.generate(input_ids, attention_mask=..., "
+            "generation_config=...) or model(input_ids) instead."
+        )
 
     _HUB_KWARGS = _HUB_KWARGS
 
