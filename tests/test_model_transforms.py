@@ -85,3 +85,68 @@ def test_peft_lora_decodes_trains_and_merges(family: str, task_type: str | None)
     merged = lora.merge_and_unload()
     assert type(merged) is type(model)
     assert torch.equal(_decode(merged, "fast_dllm"), adapted)
+
+
+def _sft_grads(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], int]:
+    """One SFT-objective backward on a fixed noised batch: every parameter's gradient, and the bytes autograd saved
+    for the backward."""
+    from hf_blockbatch.training.objective import apply_noise, sft_loss
+
+    ids = torch.randint(0, 90, (2, 24), generator=torch.Generator().manual_seed(0))
+    is_prompt = torch.arange(24).expand(2, 24) < 8
+    noisy, masked = apply_noise(ids, is_prompt, MASK_ID, torch.Generator().manual_seed(0))
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = sft_loss(model(noisy).logits, ids, masked, model.logit_shift)
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters()}, saved[0]
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_.*` is deprecated:FutureWarning")  # what users still write
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradient_checkpointing_recomputes_layers_with_the_same_gradients(family: str) -> None:
+    """transformers' ``gradient_checkpointing_enable()`` (``activation_checkpointing_enable``) was refused ("does not
+    support activation checkpointing"), though both official codes checkpoint their blocks: fine-tuning an 8B model
+    kept every layer's activations. It now checkpoints each layer in training mode: the gradients are bitwise those
+    of the plain backward, with far less saved for it; ``every_n_layers`` picks layers; decoding (eval or training
+    mode) gives the same tokens, enabled and after ``gradient_checkpointing_disable()``."""
+    ref = {name: _decode(_model(family), name) for name in CONFIGS}
+    plain_grads, plain_saved = _sft_grads(_model(family).train())
+    model = _model(family)
+    model.gradient_checkpointing_enable()
+    assert all(layer.gradient_checkpointing for layer in model._decoder_layers())
+    grads, saved = _sft_grads(model.train())
+    assert all(torch.equal(grads[n], plain_grads[n]) for n in plain_grads)
+    assert saved < plain_saved / 2
+    for name in CONFIGS:  # generate() runs without gradients: no recompute, in training mode too
+        assert torch.equal(_decode(model, name), ref[name]), name
+    model.eval()
+    assert torch.equal(_decode(model, "drafted"), ref["drafted"])
+    model.gradient_checkpointing_disable()
+    assert not any(layer.gradient_checkpointing for layer in model._decoder_layers())
+    assert torch.equal(_decode(model, "fast_dllm"), ref["fast_dllm"])
+    every_other = _model(family)
+    every_other.activation_checkpointing_enable(every_n_layers=2)
+    assert [layer.gradient_checkpointing for layer in every_other._decoder_layers()] == [True, False]
+    grads, _ = _sft_grads(every_other.train())
+    assert all(torch.equal(grads[n], plain_grads[n]) for n in plain_grads)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_peft_lora_trains_under_gradient_checkpointing(family: str) -> None:
+    """PEFT on a model with checkpointing on (PEFT then makes the embeddings' output require gradients, so that the
+    frozen layers' recompute reaches the adapters): the adapters get gradients, and decoding is unchanged."""
+    peft = pytest.importorskip("peft")
+    model = _model(family)
+    ref = _decode(model, "drafted")
+    model.activation_checkpointing_enable()
+    torch.manual_seed(1)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=ATTENTION[family], task_type="CAUSAL_LM"))
+    grads, _ = _sft_grads(lora.train())
+    assert any(g is not None and bool(g.ne(0).any()) for n, g in grads.items() if "lora_B" in n)
+    assert torch.equal(_decode(lora, "drafted"), ref)

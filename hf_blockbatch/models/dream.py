@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from hf_blockbatch.checks import check_dropout
 from hf_blockbatch.generation.mixin import BlockBatchGenerationMixin
@@ -189,7 +190,7 @@ class DreamMLP(nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-class DreamDecoderLayer(nn.Module):
+class DreamDecoderLayer(GradientCheckpointingLayer):
     """One Qwen2 layer: pre-norm attention and MLP, as ``model.layers.N`` of the checkpoints."""
 
     def __init__(self, config: DreamConfig, layer_idx: int) -> None:
@@ -223,7 +224,9 @@ class DreamPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["DreamDecoderLayer"]
     #: attn_implementation="flash_attention_2" selects the flash_varlen backend (DiffusionLMMixin.attention_backend)
     _supports_flash_attn = True
-    supports_gradient_checkpointing = False
+    #: activation_checkpointing_enable() (gradient_checkpointing_enable()) recomputes each layer in backward
+    #: (GradientCheckpointingLayer: in training mode, with gradients on; decoding runs as before)
+    supports_gradient_checkpointing = True
 
     def _init_weights(self, module: nn.Module) -> None:
         init_weights(module, self.config.initializer_range)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from hf_blockbatch.checks import check_dropout
 from hf_blockbatch.generation.mixin import BlockBatchGenerationMixin
@@ -239,7 +240,7 @@ class LLaDAConfig(OwnModelTypeConfig, PreTrainedConfig):
             raise NotImplementedError("This LLaDA config uses unsupported options: " + "; ".join(problems))
 
 
-class LLaDALlamaBlock(nn.Module):
+class LLaDALlamaBlock(GradientCheckpointingLayer):
     """One LLaDA block: pre-norm attention and SwiGLU MLP, with the official parameter names."""
 
     def __init__(self, config: LLaDAConfig, layer_idx: int) -> None:
@@ -295,7 +296,9 @@ class LLaDAPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["LLaDALlamaBlock"]
     #: attn_implementation="flash_attention_2" selects the flash_varlen backend (DiffusionLMMixin.attention_backend)
     _supports_flash_attn = True
-    supports_gradient_checkpointing = False
+    #: activation_checkpointing_enable() (gradient_checkpointing_enable()) recomputes each layer in backward
+    #: (GradientCheckpointingLayer: in training mode, with gradients on; decoding runs as before)
+    supports_gradient_checkpointing = True
 
     def _init_weights(self, module: nn.Module) -> None:
         init_weights(module, self.config.init_std)
