@@ -150,3 +150,46 @@ def test_peft_lora_trains_under_gradient_checkpointing(family: str) -> None:
     grads, _ = _sft_grads(lora.train())
     assert any(g is not None and bool(g.ne(0).any()) for n, g in grads.items() if "lora_B" in n)
     assert torch.equal(_decode(lora, "drafted"), ref)
+
+
+def _quantized(model: torch.nn.Module, embedding: bool) -> torch.nn.Module:
+    """``quantize_dynamic`` to int8: the Linear layers, and with ``embedding`` the embedding table too (torch has
+    deprecated ``torch.ao.quantization`` for torchao: skipped once it is gone)."""
+    quantization = pytest.importorskip("torch.ao.quantization")
+    spec = {torch.nn.Linear: quantization.default_dynamic_qconfig}
+    if embedding:
+        spec[torch.nn.Embedding] = quantization.float_qparams_weight_only_qconfig
+    return quantization.quantize_dynamic(model, spec)
+
+
+#: torch.ao.quantization's deprecation notices, which say nothing about our code
+QUANTIZATION_WARNINGS = pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated:DeprecationWarning",
+                                                   "ignore:torch.quantize_per_tensor:UserWarning")
+
+
+@QUANTIZATION_WARNINGS
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("embedding", [False, True])
+def test_dynamically_quantized_models_decode(family: str, embedding: bool) -> None:
+    """CPU dynamic quantization (int8 Linear layers, and the embedding too) runs every decoder family: the layers
+    call their modules, never read a Linear's weight. Not exact, so: it decodes, with the prompt kept."""
+    model = _quantized(_model(family), embedding)
+    assert isinstance(model._decoder_layers()[0].mlp.down_proj if family == "dream" else model._decoder_layers()[0].ff_out,
+                      torch.ao.nn.quantized.dynamic.Linear)  # fmt: skip
+    for name in CONFIGS:
+        out = _decode(model, name)
+        assert out.shape == (2, 22) and torch.equal(out[:, :6], _prompts()["input_ids"]), name
+
+
+@QUANTIZATION_WARNINGS
+def test_bench_runs_a_model_with_a_quantized_embedding(tmp_path) -> None:
+    """``run_bench(settings, model, tokenizer)`` on a model whose embedding is quantized failed before decoding with
+    ``AttributeError: 'function' object has no attribute 'device'``: the runner read the embedding's ``weight`` as a
+    tensor to place the prompts, and a quantized embedding's is a method. The prompts now go where the model computes."""
+    from hf_blockbatch.eval.runner import BenchSettings, ShardInfo, run_bench
+
+    model, tok = hb.load_model("tiny-llada")
+    settings = BenchSettings(model="tiny-llada", tasks=["arith"], limit=2, batch_size=2, gen_length=16, progress=False,
+                             plots=False, methods=["fast_dllm"], output_dir=str(tmp_path))  # fmt: skip
+    summary = run_bench(settings, _quantized(model, embedding=True), tok, shard=ShardInfo())
+    assert summary["tasks"]["arith"]["methods"]["fast_dllm"]["n"] == 2

@@ -734,10 +734,13 @@ def _load_model(settings: BenchSettings, shard: ShardInfo) -> tuple[Any, Any]:
 
 def _input_device(model: Any) -> torch.device:
     """Where the prompts go: the embedding's device (the first GPU of a ``device_map``), or, when
-    accelerate has offloaded it to ``meta``, the device the model says it computes on."""
+    accelerate has offloaded it to ``meta``, or when its ``weight`` is no tensor (a quantized embedding's is a
+    method: ``torch.ao.quantization.quantize_dynamic`` with ``nn.Embedding``), the device the model says it computes
+    on."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if emb is not None and hasattr(emb, "weight") and emb.weight.device.type != "meta":
-        return emb.weight.device
+    weight = getattr(emb, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
+        return weight.device
     return model.device
 
 
