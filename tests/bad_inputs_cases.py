@@ -383,6 +383,18 @@ def _(**_):
     return _message(lambda: make_tiny_llada().set_attention_backend("flash"))
 
 
+@case("tied-head-quantized-embedding")
+def _(**_):
+    from conftest import make_tiny_llada
+
+    model = torch.ao.quantization.quantize_dynamic(
+        make_tiny_llada(weight_tying=True),
+        {torch.nn.Embedding: torch.ao.quantization.float_qparams_weight_only_qconfig,
+         torch.nn.Linear: torch.ao.quantization.default_dynamic_qconfig},
+    )  # fmt: skip
+    return _message(lambda: model(torch.tensor([[5, 6, 7]])))
+
+
 @case("attention-backend-not-a-string")
 def _(**_):
     from conftest import make_tiny_llada

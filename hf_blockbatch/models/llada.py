@@ -363,6 +363,12 @@ class LLaDAModelLM(DiffusionLMMixin, BlockBatchGenerationMixin, LLaDAPreTrainedM
         hidden = self.model.transformer.ln_f(hidden)
         if self.config.weight_tying:
             wte = self.model.transformer.wte
+            if not isinstance(wte.weight, torch.Tensor):  # a quantized embedding's weight is a method, which failed below
+                raise TypeError(
+                    f"The LM head is tied to model.transformer.wte (config.weight_tying), here a "
+                    f"{type(wte).__module__}.{type(wte).__qualname__}, whose weight is no tensor to project onto: quantize the Linear layers only, e.g. "
+                    "torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)."
+                )
             loaded = contextlib.nullcontext()
             if wte.weight.device.type == "meta":
                 # Offloaded by accelerate: the tied weight is loaded only around the embedding's own forward,
