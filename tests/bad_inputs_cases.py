@@ -383,6 +383,20 @@ def _(**_):
     return _message(lambda: make_tiny_llada().set_attention_backend("flash"))
 
 
+@case("layers-duplicated-not-renumbered")
+def _(**_):
+    import copy
+
+    from conftest import make_tiny_llada
+
+    model = make_tiny_llada()
+    blocks = model.model.transformer.blocks
+    model.model.transformer.blocks = torch.nn.ModuleList([*blocks, copy.deepcopy(blocks[1])])
+    model.config.n_layers = 3
+    return _message(lambda: model.generate(torch.tensor([[5, 6, 7]]), generation_config=hb.FastDLLMConfig(
+        max_new_tokens=8, block_length=8, mask_token_id=95)))  # fmt: skip
+
+
 @case("tied-head-quantized-embedding")
 def _(**_):
     from conftest import make_tiny_llada

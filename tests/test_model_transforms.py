@@ -7,6 +7,8 @@ PEFT is not a dependency: its tests skip without it; what it needed from our cla
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import EOS_ID, MASK_ID, make_tiny_dream, make_tiny_llada
@@ -193,3 +195,33 @@ def test_bench_runs_a_model_with_a_quantized_embedding(tmp_path) -> None:
                              plots=False, methods=["fast_dllm"], output_dir=str(tmp_path))  # fmt: skip
     summary = run_bench(settings, _quantized(model, embedding=True), tok, shard=ShardInfo())
     assert summary["tasks"]["arith"]["methods"]["fast_dllm"]["n"] == 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("keep", [[0, 1, 1], [1]], ids=["duplicated", "pruned"])
+def test_layer_surgery_is_refused_until_the_layers_are_renumbered(family: str, keep: list[int], tmp_path) -> None:
+    """Duplicating layers (depth up-scaling) or removing some (pruning), config updated: each layer still wrote the
+    cache slot of its old index. Duplicated layers shared a slot, and every cached decoder gave tokens other than
+    the same model's saved and reloaded (vanilla, uncached, was right); a pruned model failed with IndexError in
+    the cache. A cached decode now says how to renumber, and once renumbered decodes as the reloaded model."""
+    import copy
+
+    model = _model(family)
+    layers = torch.nn.ModuleList(copy.deepcopy(model._decoder_layers()[i]) for i in keep)
+    if family == "llada":
+        model.model.transformer.blocks = layers
+        model.config.n_layers = len(keep)
+    else:
+        model.model.layers = layers
+        model.config.num_hidden_layers = len(keep)
+    model.save_pretrained(tmp_path)  # loading builds the layers afresh, numbered by position: the reference
+    reloaded = type(model).from_pretrained(tmp_path).eval()
+    assert torch.equal(_decode(model, "vanilla"), _decode(reloaded, "vanilla"))  # uncached: no slots
+    attr = "self_attn.layer_idx" if family == "dream" else "layer_idx"
+    for name in ("fast_dllm", "blockbatch", "drafted"):
+        with pytest.raises(ValueError, match=f"set layer.{re.escape(attr)} = i for each i, layer in enumerate"):
+            _decode(model, name)
+    for i, layer in enumerate(layers):
+        (layer.self_attn if family == "dream" else layer).layer_idx = i
+    for name in CONFIGS:
+        assert torch.equal(_decode(model, name), _decode(reloaded, name)), name

@@ -37,6 +37,7 @@ Subclasses provide the embedding, the decoder layers and the head under the offi
 from __future__ import annotations
 
 import logging
+import operator
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -158,6 +159,9 @@ class DiffusionLMMixin:
     supports_logits_mask: bool = True
     #: ``forward_positions`` is available (``window_queries="sparse"`` needs it)
     supports_position_queries: bool = True
+    #: where a decoder layer keeps the cache slot it writes (set when built), and the config field counting the layers
+    layer_idx_attr: str = "layer_idx"
+    layer_count_field: str = "num_hidden_layers"
 
     # ---- where the forward runs ------------------------------------------------------------
     @property
@@ -272,8 +276,26 @@ class DiffusionLMMixin:
             raise
 
     # ---- caches --------------------------------------------------------------------------
+    def _check_layer_slots(self) -> None:
+        """Each decoder layer writes the cache slot its ``layer_idx`` names, fixed when the model was built, and the
+        cache counts a forward's writes at slot 0. After layer surgery (a layer removed, layers duplicated or
+        reordered: pruning, depth up-scaling) the slots no longer follow the layers: a cached decode failed with
+        ``IndexError`` in the cache, or, with layers duplicated, two layers wrote one slot and the tokens were
+        silently wrong. Refused here with how to renumber; checked once per cache built (a Python read per layer)."""
+        layers = self._decoder_layers()
+        slots = [operator.attrgetter(self.layer_idx_attr)(layer) for layer in layers]
+        count = self.config.kv_geometry()["num_layers"]
+        if slots != list(range(len(layers))) or len(layers) > count:
+            raise ValueError(
+                f"The {len(layers)} decoder layers write cache slots {slots} (their {self.layer_idx_attr}) and the config "
+                f"counts {count} layers; a cached decode needs each layer's slot to be its position: after removing, "
+                f"duplicating or reordering layers, set layer.{self.layer_idx_attr} = i for each i, layer in "
+                f"enumerate(layers), and config.{self.layer_count_field} = {len(layers)}."
+            )
+
     def new_cache(self, num_rows: int, length: int, attention_mask: torch.Tensor | None = None) -> BranchCache:
-        """An empty :class:`BranchCache` for this model's geometry, device and dtype."""
+        """An empty :class:`BranchCache` for this model's geometry, device and dtype (after
+        :meth:`_check_layer_slots`)."""
         for name, value in (("num_rows", num_rows), ("length", length)):  # (torch said "negative dimension")
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
@@ -289,6 +311,7 @@ class DiffusionLMMixin:
                 "one device: decode it without a cache (VanillaDiffusionConfig, or FastDLLMConfig(cache='none')), or "
                 "load it on one GPU (device='cuda'; LLaDA-8B and Dream-7B fit one GPU in bf16)."
             )
+        self._check_layer_slots()
         device, dtype = self._placement()
         return BranchCache.for_model(self.config, num_rows, length, dtype=dtype, device=device,
                                      attention_mask=attention_mask)  # fmt: skip

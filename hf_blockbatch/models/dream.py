@@ -236,6 +236,7 @@ class DreamModel(DiffusionLMMixin, BlockBatchGenerationMixin, DreamPreTrainedMod
     """Dream masked-diffusion LM; position i's logits predict token i + 1 (``logit_shift = 1``)."""
 
     logit_shift = 1
+    layer_idx_attr = "self_attn.layer_idx"
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: DreamConfig) -> None:

@@ -308,6 +308,7 @@ class LLaDAModelLM(DiffusionLMMixin, BlockBatchGenerationMixin, LLaDAPreTrainedM
     """LLaDA masked-diffusion LM; position i's logits predict token i (``logit_shift = 0``)."""
 
     logit_shift = 0
+    layer_count_field = "n_layers"
 
     def __init__(self, config: LLaDAConfig) -> None:
         """Refuse what this implementation does not compute (:meth:`LLaDAConfig.validate_supported`), then build
