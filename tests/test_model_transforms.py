@@ -225,3 +225,49 @@ def test_layer_surgery_is_refused_until_the_layers_are_renumbered(family: str, k
         (layer.self_attn if family == "dream" else layer).layer_idx = i
     for name in CONFIGS:
         assert torch.equal(_decode(model, name), _decode(reloaded, name)), name
+
+
+class _Wrapped(torch.nn.Module):
+    """A model wrapped as PEFT's ``PeftModel`` wraps one: attributes delegated, and a ``generate`` of its own that
+    calls the inner model's."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+    def generate(self, *args, **kwargs):
+        return self.inner.generate(*args, **kwargs)
+
+
+@pytest.mark.parametrize("wrap", ["module", "peft"])
+def test_pipeline_of_a_wrapped_model_returns_the_answer(wrap: str) -> None:
+    """transformers' text-generation pipeline returns the text up to the end token (generate pads after it when a
+    pipeline calls). It read the direct caller of generate, which for a wrapped model (PEFT's LoRA) is the
+    wrapper's own generate: the pipeline returned the canvas past the end ("He4, so 2 * 2 = 12.\\n#### 12" after
+    the answer on this item)."""
+    from transformers import pipeline
+
+    from hf_blockbatch.tasks import get_suite
+
+    model, tok = hb.load_model("tiny-llada")
+    if wrap == "peft":
+        peft = pytest.importorskip("peft")
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=ATTENTION["llada"]))
+    else:
+        wrapped = _Wrapped(model)
+    question = get_suite("arith").items("test", 17)[16].question
+    chat = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
+    ids = tok(chat, add_special_tokens=False, return_tensors="pt").input_ids
+    cfg = hb.FastDLLMConfig(max_new_tokens=64, block_length=32)
+    canvas = model.generate(ids, generation_config=cfg)[:, ids.shape[1] :]
+    answer = hb.answer_texts(tok, canvas, hb.end_token_ids(tok, model.config))[0]
+    assert answer != tok.decode(canvas[0], skip_special_tokens=True)  # text past the end: what the pipeline must drop
+    pipe = pipeline("text-generation", model=wrapped, tokenizer=tok)
+    got = pipe(chat, generation_config=cfg, return_full_text=False, add_special_tokens=False)[0]["generated_text"]
+    assert got == answer

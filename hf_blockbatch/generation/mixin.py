@@ -464,16 +464,22 @@ def _pipeline_options(kwargs: dict[str, Any], depth: int = 2) -> dict[str, Any]:
     autoregressive ``generate`` pads after EOS, but a masked canvas holds text there (Fast-dLLM
     without early stop decodes it), which the pipeline would return as part of the answer. The
     pipeline passes nothing that says it is calling, so its frame (``self`` of the caller of
-    ``generate``) is read; an explicit ``pad_after_end`` or ``tokenizer`` wins.
+    ``generate``) is read; an explicit ``pad_after_end`` or ``tokenizer`` wins. A model wrapped in another module
+    whose own ``generate`` calls ours (PEFT's ``PeftModel``) puts that frame between: the caller is then the first
+    frame up whose ``self`` is not a module (before, the pipeline of a PEFT model returned the canvas past the end).
     """
     try:
         from transformers import Pipeline
     except ImportError:  # pragma: no cover - transformers always exports it
         return {}
     try:
-        caller = sys._getframe(depth).f_locals.get("self")
+        frame = sys._getframe(depth)
     except ValueError:  # called from the top of the stack: no pipeline
         return {}
+    caller = frame.f_locals.get("self")
+    while isinstance(caller, torch.nn.Module) and frame.f_back is not None:  # a wrapper's generate: its caller
+        frame = frame.f_back
+        caller = frame.f_locals.get("self")
     if not isinstance(caller, Pipeline):
         return {}
     return {"pad_after_end": kwargs.get("pad_after_end", True), "tokenizer": kwargs.get("tokenizer") or caller.tokenizer}
