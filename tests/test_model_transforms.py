@@ -271,3 +271,27 @@ def test_pipeline_of_a_wrapped_model_returns_the_answer(wrap: str) -> None:
     pipe = pipeline("text-generation", model=wrapped, tokenizer=tok)
     got = pipe(chat, generation_config=cfg, return_full_text=False, add_special_tokens=False)[0]["generated_text"]
     assert got == answer
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpointing_refuses_cached_forwards_with_gradients_in_training(family: str) -> None:
+    """Under checkpointing a layer reruns in backward: a cached forward's rerun wrote its (by then stale) K/V over
+    the cache's later ones, and a window forward's attended to what the cache held by then, so its gradients were
+    silently wrong where, without checkpointing, autograd refuses the in-place change. Such forwards are refused in
+    training mode with gradients on; without gradients, or in eval mode, they run."""
+    model = _model(family)
+    model.activation_checkpointing_enable()
+    model.train()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    with pytest.raises(ValueError, match="Activation checkpointing is on and this forward writes or reads a cache"):
+        model(ids, use_cache=True)
+    cache = model.new_cache(1, 8)
+    with torch.no_grad():
+        model(ids, cache=cache)
+    with pytest.raises(ValueError, match="Activation checkpointing is on"):
+        model.forward_windows(ids, [4], [8], cache)
+    with torch.no_grad():
+        model.forward_windows(ids, [4], [8], cache)
+    model(ids).logits.sum().backward()  # training without a cache: checkpointed
+    model.eval()
+    assert model.forward_windows(ids, [4], [8], cache).logits.requires_grad  # eval: nothing reruns, so it runs

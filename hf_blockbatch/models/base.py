@@ -229,7 +229,17 @@ class DiffusionLMMixin:
         Training runs the full forward (``dense``), where the attention weights' dropout applies, as in the
         official codes. A window forward (cached decoding) in training mode with ``attention_dropout`` on is
         refused: its backends (flash and torch varlen among them) take no dropout, and decoding with dropout on
-        is a model left in training mode."""
+        is a model left in training mode. So is a cached forward with gradients on in training mode while activation
+        checkpointing is on (its recompute would read and write the cache as later forwards left it)."""
+        if (self.training and torch.is_grad_enabled() and (mode == "window" or kwargs.get("cache") is not None)
+                and any(getattr(layer, "gradient_checkpointing", False) for layer in self._decoder_layers())):
+            # the recompute in backward would write stale K/V over the cache's later ones, and a window forward's
+            # would attend to what the cache holds by then: wrong gradients, where without it autograd refuses
+            raise ValueError(
+                "Activation checkpointing is on and this forward writes or reads a cache with gradients on in training "
+                "mode: the backward's recompute would see the cache as later forwards left it. Forward without a "
+                "cache to train, decode under torch.no_grad() or model.eval(), or call gradient_checkpointing_disable()."
+            )
         attention_dropout = self._dropout("attention_dropout")
         if attention_dropout and mode == "window":
             raise ValueError(
