@@ -45,16 +45,37 @@ def _decode(model: torch.nn.Module, name: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prepare_inputs_for_generation_exists_for_wrappers_and_refuses_a_call(family: str) -> None:
-    """PEFT's causal-LM wrapper reads ``prepare_inputs_for_generation`` when it wraps a model, then swaps its own in
-    around ``generate``: our classes lacked it (``AttributeError`` inside ``get_peft_model``). It exists, a call says
-    what to call instead, and generate() decodes the same with the attribute swapped as PEFT swaps it."""
+    """PEFT's causal-LM wrapper reads ``prepare_inputs_for_generation`` when it wraps a model: our classes lacked it
+    (``AttributeError`` inside ``get_peft_model``). It exists, and a call says what to call instead."""
     model = _model(family)
-    ref = _decode(model, "fast_dllm")
     with pytest.raises(NotImplementedError, match="masked diffusion: generate\\(\\) builds its canvas"):
         model.prepare_inputs_for_generation(torch.tensor([[5, 6]]))
-    saved = model.prepare_inputs_for_generation
-    model.prepare_inputs_for_generation = lambda *a, **k: saved(*a, **k)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_refuses_a_model_whose_step_inputs_a_wrapper_replaced(family: str) -> None:
+    """PEFT's prompt-learning adapters (prompt tuning, prefix tuning) replace ``prepare_inputs_for_generation`` on
+    the model itself, to add their virtual tokens at each left-to-right step: this decode never calls it, and gave
+    the base model's tokens, the adapter ignored. Refused; with the replacement deleted, the base model decodes."""
+    model = _model(family)
+    ref = _decode(model, "fast_dllm")
+    model.prepare_inputs_for_generation = lambda *args, **kwargs: {}
+    for name in CONFIGS:
+        with pytest.raises(NotImplementedError, match="prepare_inputs_for_generation was replaced on this model"):
+            _decode(model, name)
+    del model.prepare_inputs_for_generation
     assert torch.equal(_decode(model, "fast_dllm"), ref)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_peft_prompt_tuning_is_refused_not_ignored(family: str) -> None:
+    """With peft: a prompt-tuning adapter's generate is refused (it decoded the base model's tokens)."""
+    peft = pytest.importorskip("peft")
+    model = _model(family)
+    geometry = {"num_attention_heads": 4, "num_layers": 2, "token_dim": 64, "num_transformer_submodules": 1}
+    tuned = peft.get_peft_model(model, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, **geometry))
+    with pytest.raises(NotImplementedError, match="PEFT's prompt tuning, prefix tuning and P-tuning do so"):
+        _decode(tuned, "fast_dllm")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -302,6 +302,7 @@ def diffusion_generate(
         prompt + new tokens ``[B * num_return_sequences, Lp + max_new_tokens]`` (each prompt's
         samples consecutive, as transformers), or a :class:`DiffusionGenerateOutput`.
     """
+    _check_no_step_inputs(model)
     # a streamer without put/end failed with an AttributeError at the first agreed token, after forwards had run
     if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
         raise TypeError(f"streamer must have put(token_ids) and end() methods, as transformers' TextStreamer has, got "
@@ -316,6 +317,21 @@ def diffusion_generate(
     if streamer is not None:
         streamer.end()
     return out
+
+
+def _check_no_step_inputs(model: Any) -> None:
+    """Refuse a model whose ``prepare_inputs_for_generation`` a wrapper replaced on the instance: it expects a
+    left-to-right loop to call it at each step, which this decode never does. PEFT's prompt-learning adapters
+    (prompt tuning, prefix tuning, P-tuning) add their virtual tokens through it, so a decode here gave the base
+    model's tokens, the adapter silently ignored. (PEFT's LoRA-type adapters replace it on their own wrapper, not
+    on the model, and act inside the layers: they decode.)"""
+    if "prepare_inputs_for_generation" in getattr(model, "__dict__", {}):
+        raise NotImplementedError(
+            f"{type(model).__name__}.prepare_inputs_for_generation was replaced on this model (PEFT's prompt tuning, "
+            "prefix tuning and P-tuning do so, to add their virtual tokens at each left-to-right step), and masked-"
+            "diffusion decoding never calls it: the adapter would be ignored. Use an adapter that acts in the layers "
+            "(LoRA, IA3, ...), or delete the replacement to decode the base model."
+        )
 
 
 def _end_after_error(streamer: Any) -> None:
