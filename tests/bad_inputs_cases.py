@@ -196,6 +196,15 @@ def _(**_):
     return _generate(generator=5)
 
 
+@case("step-inputs-replaced")
+def _(**_):
+    from conftest import make_tiny_llada
+
+    model = make_tiny_llada()
+    model.prepare_inputs_for_generation = lambda *args, **kwargs: {}  # as PEFT's prompt tuning does around generate
+    return _message(lambda: model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8), NotImplementedError)
+
+
 @case("empty-prompt-tensor")
 def _(**_):
     return _generate(input_ids=torch.zeros((1, 0), dtype=torch.long), max_new_tokens=8)
