@@ -316,3 +316,48 @@ def test_checkpointing_refuses_cached_forwards_with_gradients_in_training(family
     model(ids).logits.sum().backward()  # training without a cache: checkpointed
     model.eval()
     assert model.forward_windows(ids, [4], [8], cache).logits.requires_grad  # eval: nothing reruns, so it runs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("adapter", ["dora", "ia3"])
+def test_peft_dora_and_ia3_decode_and_merge(family: str, adapter: str) -> None:
+    """The other adapters that act in the layers: at their identity init every decoder gives the base model's
+    tokens; at a random one the merged model decodes as the adapted one."""
+    peft = pytest.importorskip("peft")
+    mlp_out = "ff_out" if family == "llada" else "down_proj"
+
+    def config(identity: bool):
+        if adapter == "dora":
+            return peft.LoraConfig(r=4, target_modules=ATTENTION[family], use_dora=True, init_lora_weights=identity)
+        return peft.IA3Config(target_modules=["k_proj", "v_proj", mlp_out], feedforward_modules=[mlp_out],
+                              init_ia3_weights=identity)  # fmt: skip
+
+    model = _model(family)
+    ref = {name: _decode(model, name) for name in CONFIGS}
+    torch.manual_seed(1)
+    same = peft.get_peft_model(_model(family), config(identity=True))
+    for name in CONFIGS:
+        assert torch.equal(_decode(same, name), ref[name]), name
+    torch.manual_seed(1)
+    adapted = peft.get_peft_model(_model(family), config(identity=False))
+    with torch.no_grad():  # IA3's random init is ones plus noise: scale it up so that the tokens change
+        for n, p in adapted.named_parameters():
+            if "ia3_l" in n:
+                p.mul_(3)
+    tokens = _decode(adapted, "drafted")
+    assert not torch.equal(tokens, ref["drafted"])
+    assert torch.equal(_decode(adapted.merge_and_unload(), "drafted"), tokens)
+
+
+def test_sharded_checkpoint_loads_to_the_same_tokens(tmp_path) -> None:
+    """``save_pretrained(d, max_shard_size=...)`` in many shards: AutoModel and our class load it, and decode as the
+    saved model."""
+    from transformers import AutoModel
+
+    model = make_tiny_llada()
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 3
+    ref = {name: _decode(model, name) for name in ("fast_dllm", "drafted")}
+    for loaded in (AutoModel.from_pretrained(tmp_path).eval(), hb.LLaDAModelLM.from_pretrained(tmp_path).eval()):
+        for name, tokens in ref.items():
+            assert torch.equal(_decode(loaded, name), tokens), name
