@@ -361,3 +361,16 @@ def test_sharded_checkpoint_loads_to_the_same_tokens(tmp_path) -> None:
     for loaded in (AutoModel.from_pretrained(tmp_path).eval(), hb.LLaDAModelLM.from_pretrained(tmp_path).eval()):
         for name, tokens in ref.items():
             assert torch.equal(_decode(loaded, name), tokens), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_transformers_cache_with_a_prefix_mask_is_refused_for_the_cache(family: str) -> None:
+    """PEFT's prefix tuning calls the forward with ``past_key_values`` (a transformers ``DynamicCache`` holding the
+    prefix) and an ``attention_mask`` widened by the prefix: the refusal named the mask's shape ("expected (1, 4)"),
+    not the cache that this forward cannot take."""
+    from transformers import DynamicCache
+
+    model = _model(family)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(TypeError, match=r"must be a hf_blockbatch.BranchCache .* got DynamicCache: a left-to-right"):
+        model(ids, attention_mask=torch.ones(1, 6, dtype=torch.long), past_key_values=DynamicCache())

@@ -326,11 +326,19 @@ class DiffusionLMMixin:
         return BranchCache.for_model(self.config, num_rows, length, dtype=dtype, device=device,
                                      attention_mask=attention_mask)  # fmt: skip
 
-    def _check_cache(self, cache: BranchCache, length: int) -> None:
+    @staticmethod
+    def _check_cache_type(cache: Any) -> None:
+        """A cache is a :class:`BranchCache`: a transformers ``Cache`` (a left-to-right prefix, as PEFT's prefix tuning
+        passes in ``past_key_values``) is refused by name, before the other arguments are read against it."""
         if not isinstance(cache, BranchCache):
             raise TypeError(
-                f"the cache must be a hf_blockbatch.BranchCache (from model.new_cache), got {type(cache).__name__}."
+                f"the cache (cache= or past_key_values=) must be a hf_blockbatch.BranchCache (from model.new_cache), got "
+                f"{type(cache).__name__}: a left-to-right cache (transformers' Cache, PEFT's prefix tuning) has no meaning "
+                "for a masked-diffusion forward."
             )
+
+    def _check_cache(self, cache: BranchCache, length: int) -> None:
+        self._check_cache_type(cache)
         geometry = self.config.kv_geometry()
         layer = cache.layers[0].keys
         if (
@@ -419,6 +427,8 @@ class DiffusionLMMixin:
         _check_forward_extras(kwargs)
         if cache is None:
             cache = past_key_values
+        if cache is not None:  # (a transformers Cache with a wider attention_mask was refused for the mask's shape)
+            self._check_cache_type(cache)
         embeds = self._checked_embeds(input_ids, inputs_embeds)
         if embeds is not None:
             input_ids = embeds[..., 0]  # [B, L]: the shape and device the checks below read
