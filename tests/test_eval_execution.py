@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from pathlib import Path
 
+import pytest
+
+from hf_blockbatch.tasks import execution
 from hf_blockbatch.tasks.execution import check_program, check_programs, run_program, run_programs
 
 
@@ -218,3 +222,30 @@ def test_an_exception_while_waiting_kills_the_child_and_propagates(monkeypatch) 
             proc.wait()
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             pipe.close()
+
+
+def _no_process_left(*args: object, **kwargs: object) -> None:
+    raise OSError(errno.EMFILE, "Too many open files")
+
+
+def test_a_sandbox_that_cannot_start_is_said_up_front_and_not_scored_as_a_failed_assert(monkeypatch, tmp_path) -> None:
+    """Under ``ulimit -n 10`` every child failed to start: ``bench --task code`` reported 0 % accuracy, each row
+    saying "failed hidden asserts". ``check_sandbox`` says it in one line (``run_bench`` calls it before the model
+    loads, so no model is passed here), and a code item scored without a sandbox says why it is wrong."""
+    from hf_blockbatch.eval.runner import BenchSettings, run_bench
+    from hf_blockbatch.tasks import get_suite
+    from hf_blockbatch.tasks.execution import check_sandbox
+
+    check_sandbox()
+    monkeypatch.setattr(execution.subprocess, "Popen", _no_process_left)
+    message = (r"^the code sandbox cannot run a program here \(error: could not start the sandbox: \[Errno 24\] Too "
+               r"many open files\), so every code item would score wrong: fix what it names \(e\.g\. raise ulimit -n "
+               r"or ulimit -u\) before scoring code\.$")  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        check_sandbox()
+    with pytest.raises(ValueError, match=message):
+        run_bench(BenchSettings(tasks=["code"], limit=1, output_dir=str(tmp_path / "out"), progress=False))
+    task = get_suite("code")
+    item = task.items("test", limit=1)[0]
+    score = task.score(item, "whatever")
+    assert (score.correct, score.detail) == (False, "error: could not start the sandbox: [Errno 24] Too many open files")

@@ -973,6 +973,11 @@ def run_bench(
         key_sampling_noise(configs, settings.seed)
         _check_at_tuned_block(settings, configs, gen_length)
         plans.append((name, task, items, gen_length, configs))
+    if any(getattr(task, "kind", None) == "code" for _n, task, _i, _g, _c in plans):
+        # a sandbox that cannot start scores every code item wrong, in silence: said before the model loads
+        from hf_blockbatch.tasks.execution import check_sandbox
+
+        check_sandbox()
 
     if model is None or tokenizer is None:
         model, tokenizer = _load(settings, shard)

@@ -14,7 +14,7 @@ Why it looks like this:
   that commits many tokens in one step can splice two into something that is not Python or
   computes the wrong thing (``len(1 for ...)``), which is how block size costs accuracy.
 * Scoring executes the answer with hidden asserts in a sandboxed subprocess
-  (:func:`hf_blockbatch.tasks.execution.check_program`), as MBPP does.
+  (:func:`hf_blockbatch.tasks.execution.run_program`), as MBPP does.
 """
 
 from __future__ import annotations
@@ -380,9 +380,11 @@ class CodeTask(SyntheticTask):
     def score(self, item: EvalItem, completion: str) -> Score:
         """:meth:`Task.score`: right when :meth:`program` runs to its end in the sandbox; ``extracted`` is the
         answer's code."""
-        from hf_blockbatch.tasks.execution import check_program
+        from hf_blockbatch.tasks.execution import run_program
 
         completion = completion or ""  # no completion scores as an empty one, as the other suites do
         code = extract_code(completion)
-        ok = bool(check_program(self.program(item, completion)))
-        return Score(correct=ok, extracted=code, detail="passed" if ok else "failed hidden asserts")
+        res = run_program(self.program(item, completion))
+        # a sandbox that could not start (or a timeout) is not a failed assert: the detail says which
+        detail = "passed" if res.passed else "failed hidden asserts" if res.status == "failed" else f"{res.status}: {res.detail}"
+        return Score(correct=res.passed, extracted=code, detail=detail)

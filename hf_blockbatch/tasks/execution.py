@@ -38,7 +38,7 @@ from hf_blockbatch.checks import check_positive_real
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ExecResult", "run_program", "check_program", "run_programs", "check_programs"]
+__all__ = ["ExecResult", "run_program", "check_program", "run_programs", "check_programs", "check_sandbox"]
 
 Status = Literal["passed", "failed", "timeout", "error"]
 
@@ -245,6 +245,22 @@ def run_program(
 def check_program(program: str, timeout: float = 3.0, memory_mb: int = 512) -> bool:
     """Whether ``program`` runs to the end without raising, in the sandbox (see :func:`run_program`)."""
     return run_program(program, timeout=timeout, memory_mb=memory_mb).passed
+
+
+def check_sandbox(python: str | None = None) -> None:
+    """Raise a ``ValueError`` saying why when the sandbox cannot run a trivial program here.
+
+    A sandbox that cannot start (too many open files, no processes left to the user, a missing interpreter) gives
+    every program the ``error`` result, which scores as a wrong answer: a run would report 0 % on its code items as
+    if the model were wrong. Callers that score code check this once, before their work (:func:`run_bench
+    <hf_blockbatch.eval.runner.run_bench>`).
+    """
+    res = run_program("assert True\n", python=python)
+    if not res.passed:
+        raise ValueError(
+            f"the code sandbox cannot run a program here ({res.status}: {res.detail}), so every code item would score "
+            "wrong: fix what it names (e.g. raise ulimit -n or ulimit -u) before scoring code."
+        )
 
 
 def _default_workers() -> int:
