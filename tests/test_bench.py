@@ -2112,3 +2112,28 @@ def test_the_bench_model_goes_where_device_map_or_the_default_device_says():
     assert model.device.type == "cpu"
     model, _ = runner._load_model(runner.BenchSettings(model="tiny-llada", device=None), runner.ShardInfo())
     assert str(model.device) == ("cuda:0" if torch.cuda.is_available() else "cpu")
+
+
+def test_a_rerun_that_fails_writing_its_summary_leaves_the_earlier_run_whole(tiny, tmp_path, monkeypatch):
+    """A full disk (here: ``summary.json`` past a file-size limit, EFBIG) while a rerun writes into a finished run's
+    folder left the rerun's ``samples.jsonl`` and ``run.json``, a cut ``summary.json`` and the earlier run's
+    ``summary.md`` side by side. Every file is now written beside its place first: the failed rerun leaves the
+    earlier run's files as they were, and no ``.tmp`` file."""
+    model, tok, _ = tiny
+    common = dict(model="x", tasks=["arith"], methods=["fast_dllm"], gen_length=8, output_dir=str(tmp_path),
+                  progress=False, plots=False)  # fmt: skip
+    run_bench(BenchSettings(**common, limit=2), model, tok, shard=ShardInfo())
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(before) == ["run.json", "samples.jsonl", "summary.json", "summary.md"]
+    real_write = Path.write_text
+
+    def write_text(path, text, *args, **kwargs):
+        if path.name.startswith("summary.json"):
+            real_write(path, text[:100], *args, **kwargs)
+            raise OSError(27, "File too large")
+        return real_write(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    with pytest.raises(OSError, match="File too large"):
+        run_bench(BenchSettings(**common, limit=1), model, tok, shard=ShardInfo())
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

@@ -515,13 +515,32 @@ def read_samples(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return read_jsonl(path)
 
 
+def _jsonl_text(rows: Iterable[Mapping[str, Any]]) -> str:
+    """``rows`` as JSONL text, one strict-JSON object a line."""
+    return "".join(json.dumps(_jsonable(row), ensure_ascii=False) + "\n" for row in rows)
+
+
+def _replace_files(texts: Mapping[Path, str]) -> None:
+    """Write each file's text beside it (``<name>.tmp``), then move them all into place. A write that fails (a full
+    disk, a file-size limit) or a run stopped during the writes leaves the files that were there whole: none half
+    written, and none of them beside a file of another run (a bench rerun into its folder that failed writing
+    ``summary.json`` left the new ``samples.jsonl``, a cut ``summary.json`` and the earlier run's ``summary.md``)."""
+    written: list[Path] = []
+    try:
+        for path, text in texts.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            written.append(path.with_name(path.name + ".tmp"))
+            written[-1].write_text(text, encoding="utf-8")
+    except BaseException:
+        for tmp in written:
+            tmp.unlink(missing_ok=True)
+        raise
+    for path, tmp in zip(texts, written):
+        tmp.replace(path)
+
+
 def _write_jsonl(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(_jsonable(row), ensure_ascii=False) + "\n")
-    tmp.replace(path)
+    _replace_files({path: _jsonl_text(rows)})
 
 
 def load_for_benchmark(name: str, threads: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
@@ -548,9 +567,8 @@ def write_report(stem: str | os.PathLike[str], result: Mapping[str, Any], markdo
     stem = Path(stem)
     if problem := folder_problem(stem.parent):
         raise NotADirectoryError(problem)
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_name(stem.name + ".json").write_text(json.dumps(_jsonable(result), indent=1) + "\n", encoding="utf-8")
-    stem.with_name(stem.name + ".md").write_text(markdown.rstrip("\n") + "\n", encoding="utf-8")
+    _replace_files({stem.with_name(stem.name + ".json"): json.dumps(_jsonable(result), indent=1) + "\n",
+                    stem.with_name(stem.name + ".md"): markdown.rstrip("\n") + "\n"})  # fmt: skip
     logger.info("wrote %s.{json,md}", stem)
     return stem
 
@@ -1091,20 +1109,23 @@ def run_bench(
     else:  # the order a merge gives (methods at the tuned block were decoded last)
         rows.sort(key=_row_order(settings.tasks, method_order))
     _remove_stale_shards(out_dir)
-    _write_jsonl(out_dir / SAMPLES_FILE, rows)
 
     summary = summarize(rows, settings.tasks, method_order, aliases, {n: cfgs for n, _t, _i, _g, cfgs in plans})
     summary["meta"] = _run_meta(settings, shard, model, plans, chat)
-    (out_dir / "run.json").write_text(json.dumps(_jsonable(summary["meta"]), indent=2) + "\n", encoding="utf-8")
-    (out_dir / "summary.json").write_text(json.dumps(_jsonable(summary), indent=2) + "\n", encoding="utf-8")
-    (out_dir / "summary.md").write_text(render_markdown(summary), encoding="utf-8")
+    # all four written before any replaces the earlier run's: a failed write leaves that run's files as they were
+    texts = {out_dir / SAMPLES_FILE: _jsonl_text(rows),
+             out_dir / "run.json": json.dumps(_jsonable(summary["meta"]), indent=2) + "\n",
+             out_dir / "summary.json": json.dumps(_jsonable(summary), indent=2) + "\n",
+             out_dir / "summary.md": render_markdown(summary)}  # fmt: skip
+    _replace_files(texts)
+    # a folder's files all describe one run: no plot of an earlier run next to this summary (plots off, or a plot
+    # this run fails to write)
+    for stale in (out_dir / name for name in PLOT_FILES):
+        if stale.exists():
+            stale.unlink()
+            logger.info("removed %s of an earlier run", stale)
     if settings.plots:
         summary["plots"] = [str(p) for p in make_plots(summary, rows, out_dir)]
-    else:  # a folder's files all describe one run: no plot of an earlier run next to this summary
-        for stale in (out_dir / name for name in PLOT_FILES):
-            if stale.exists():
-                stale.unlink()
-                logger.info("removed %s of an earlier run (plots are off)", stale)
     logger.info("results in %s", out_dir)
     return summary
 
