@@ -31,7 +31,14 @@ from typing import Any
 
 import torch
 
-from hf_blockbatch.eval.script_args import finite_float, nonnegative_int, positive_int
+from hf_blockbatch.eval.script_args import (
+    STOPPED,
+    finite_float,
+    nonnegative_int,
+    positive_int,
+    stopped_status,
+    tolerant_stdout,
+)
 
 __all__ = ["main"]
 
@@ -317,8 +324,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    tolerant_stdout()
     try:
         return args.func(args)
+    except STOPPED as err:  # Ctrl-C, or | head
+        return stopped_status(err)
     except (ValueError, FileNotFoundError, NotADirectoryError) as err:
         # bad input: one line that says what to change (-v keeps the traceback in the log)
         logging.getLogger(__name__).info("bad input", exc_info=True)

@@ -348,6 +348,47 @@ def test_the_shared_argument_types_and_run_main(tmp_path, capsys) -> None:
         sa.run_main(raises(RuntimeError("bug")))
 
 
+def test_a_script_stopped_by_ctrl_c_or_a_closed_pipe_says_one_line_or_none(monkeypatch, capsys) -> None:
+    """A Ctrl-C, a reader that stopped reading (``| head``) and an ASCII-only stdout (``PYTHONIOENCODING=ascii``)
+    were a traceback, ``error: [Errno 32] Broken pipe`` then an ``Exception ignored`` traceback at exit, and ``error:
+    'ascii' codec can't encode`` (said as bad input, the report lost): now ``interrupted`` (130), nothing (141, with
+    stdout on /dev/null for the exit's flush), and the report with backslash escapes."""
+    import io
+
+    from hf_blockbatch.eval import script_args as sa
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    assert sa.run_main(interrupted) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone
+    stdout = os.fdopen(write, "w")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert sa.run_main(lambda: print("a row of a long report", flush=True)) == 141
+    assert capsys.readouterr().err == ""
+    assert os.write(write, b"the exit's flush") == 16  # now /dev/null: no second BrokenPipeError
+    stdout.close()
+    ascii_out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", ascii_out)
+    assert sa.run_main(lambda: print("0.5\u00d7 \u2014", flush=True)) == 0
+    assert ascii_out.buffer.getvalue() == b"0.5\\xd7 \\u2014\n"
+
+
+def test_the_command_line_says_a_ctrl_c_in_one_line(monkeypatch, capsys) -> None:
+    """``hf-blockbatch bench`` or ``generate`` stopped by a Ctrl-C: ``interrupted`` and status 130, not a traceback
+    of wherever the decode was."""
+    from hf_blockbatch import cli
+
+    def interrupted(args: argparse.Namespace) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_generate", interrupted)
+    assert cli.main(["generate"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
 def test_the_library_parts_the_scripts_share_refuse_bad_values(tmp_path) -> None:
     from hf_blockbatch.eval.runner import load_for_benchmark, write_report
     from hf_blockbatch.tasks import get_suite

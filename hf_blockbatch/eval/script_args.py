@@ -9,12 +9,15 @@ once here and called by every script that needs it, so that the same mistake get
   paths (:func:`out_folder`, :func:`out_file`): argparse turns their refusal into its own ``error:`` line, before any model loads;
 * :func:`read_json`, a JSON file of the expected shape, or a ``ValueError`` that names the file;
 * :func:`run_main`, a script's ``main`` with its bad-input exceptions turned into ``error: <message>`` on stderr and
-  exit status 2, as :func:`hf_blockbatch.cli.main` does for the package's command line.
+  exit status 2, as :func:`hf_blockbatch.cli.main` does for the package's command line; a Ctrl-C or a closed pipe
+  ends either in one line or none (:func:`stopped_status`), and stdout escapes what its encoding cannot write
+  (:func:`tolerant_stdout`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -36,6 +39,8 @@ __all__ = [
     "probability",
     "read_json",
     "run_main",
+    "stopped_status",
+    "tolerant_stdout",
     "torch_device",
 ]
 
@@ -155,14 +160,42 @@ def read_json(path: str | os.PathLike[str], expect: type = dict, what: str = "a 
     return value
 
 
+#: what the operating system or the user does to a running command, said in one line (:func:`stopped_status`)
+STOPPED = (KeyboardInterrupt, BrokenPipeError)
+
+
+def stopped_status(err: BaseException) -> int:
+    """The exit status of a command stopped by ``err``, one of :data:`STOPPED`: a Ctrl-C says ``interrupted`` on
+    stderr (130, as a shell reports SIGINT); a reader that closed the pipe (``| head``) ends it quietly (141, as
+    SIGPIPE), with stdout pointed at /dev/null so that the exit's own flush does not fail again. Each was a
+    traceback of the frame the event happened to land in."""
+    if isinstance(err, BrokenPipeError):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    print("interrupted", file=sys.stderr)
+    return 130
+
+
+def tolerant_stdout() -> None:
+    """Write what stdout's encoding cannot (``PYTHONIOENCODING=ascii``: the tables' ``×``, ``—`` and ``τ``, a model's
+    answer) as backslash escapes: it failed the print with a ``UnicodeEncodeError``, said as bad input."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if callable(reconfigure):
+        reconfigure(errors="backslashreplace")
+
+
 def run_main(main: Callable[[], Any]) -> int:
     """Run a script's ``main`` and return its exit status: the int it returns, else 0 (a script's ``main`` may return
     its report, for the tests that call it). Bad input it raises,
     ``ValueError``, ``OSError`` (a missing file, a folder under a file, ...) or ``KeyError`` (an unknown name), is
     said as ``error: <message>`` on stderr with status 2, as argparse says a bad option, instead of a traceback;
-    the traceback goes to the log at DEBUG level."""
+    the traceback goes to the log at DEBUG level. A Ctrl-C or a closed pipe: :func:`stopped_status`."""
+    tolerant_stdout()
     try:
         result = main()
+    except STOPPED as err:
+        return stopped_status(err)
     except (ValueError, OSError, KeyError) as err:
         logging.getLogger(__name__).debug("bad input", exc_info=True)
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
