@@ -45,6 +45,7 @@ import torch
 from hf_blockbatch.eval.runner import (
     ALL_TASKS,
     _encode,
+    _replace_files,
     _score_all,
     key_sampling_noise,
     load_for_benchmark,
@@ -556,7 +557,8 @@ def main(argv: list[str] | None = None) -> None:
             res = {**rs[0], "seconds": statistics.median(r["seconds"] for r in rs),
                    "forward_seconds": statistics.median(r["forward_seconds"] for r in rs),
                    "rounds": [r["seconds"] for r in rs]}
-            paths[name].write_text(json.dumps({"config": configs[name], **res}))
+            # beside its place first: a cut file (a full disk) counted as decoded, and each later run failed reading it
+            _replace_files({paths[name]: json.dumps({"config": configs[name], **res})})
         right: dict[str, dict[int, bool]] = {}
         for name in names:
             cfg = configs[name]

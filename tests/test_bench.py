@@ -1236,6 +1236,31 @@ def test_plot_colours_stay_distinct_for_many_methods():
     assert colours["fast_dllm"] == runner._COLORS["fast_dllm"] and colours["blockbatch"] == runner._COLORS["blockbatch"]
 
 
+def test_beyond_paper_s_cache_holds_no_cut_entry_after_a_failed_write(tmp_path, monkeypatch):
+    """A full disk while ``beyond_paper.py`` wrote a config's cached result (EFBIG under ``ulimit -f 1``) left the
+    file cut; a cached file counts as decoded, so every later run failed reading it (``error: Unterminated string
+    starting at: line 1 column 1017``, no file named) until ``--fresh`` re-decoded every config. The entry is now
+    written beside its place first: the failed run leaves none, and the next run decodes it."""
+    beyond_paper = load_benchmark("beyond_paper")
+    argv = ["--model", "tiny-llada", "--suites", "arith", "--limit", "2", "--batch-size", "2", "--configs", "fd_es_b64",
+            "--out", str(tmp_path)]  # fmt: skip
+    real_write = Path.write_text
+
+    def full_disk(path, text, *args, **kwargs):
+        if path.parent.name == "cache":
+            real_write(path, text[: len(text) // 2], *args, **kwargs)
+            raise OSError(27, "File too large")
+        return real_write(path, text, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Path, "write_text", full_disk)
+        with pytest.raises(OSError, match="File too large"):
+            beyond_paper.main(argv)
+    assert list((tmp_path / "cache").iterdir()) == []
+    beyond_paper.main(argv)
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 1
+
+
 def test_beyond_paper_latency_runs_split_forward_and_policy_time(tmp_path):
     """``benchmarks/beyond_paper.py`` records the model-forward part of each decode's wall time (the
     engine's ``forward_seconds``) and reports the rest as the policy's, per item: a latency gap then
