@@ -581,3 +581,16 @@ def test_the_command_line_sets_the_dropouts(tmp_path, monkeypatch):
     monkeypatch.setattr(sft, "train", lambda config, *_a, **_k: seen.append(config) or {})
     sft.main(["--family", "llada", "--out", str(tmp_path), "--residual-dropout", "0.1", "--attention-dropout", "0"])
     assert (seen[0].residual_dropout, seen[0].attention_dropout, seen[0].embedding_dropout) == (0.1, 0.0, None)
+
+
+def test_a_checkpoint_save_cut_short_by_an_earlier_run_is_removed(tmp_path, caplog):
+    """A SIGTERM during ``_save_atomic`` (its ``finally`` does not run) left a hidden ``.ckpt-*`` folder holding a
+    part of a checkpoint (here an empty ``config.json``, as one run left it; an 8B model's is GBs), which no run
+    read or removed. The next run into the folder removes those of ``out`` and ``out/last``, saying so."""
+    for left in (tmp_path / ".ckpt-k1ll3d", tmp_path / "last" / ".ckpt-t3rm"):
+        left.mkdir(parents=True)
+        (left / "config.json").write_text("")
+    train(_tiny("llada", **{**_SMALL_RUN, "steps": 1, "eval_every": 1}), tmp_path, show_progress=False)
+    assert not list(tmp_path.glob(".ckpt-*")) and not list((tmp_path / "last").glob(".ckpt-*"))
+    assert caplog.text.count("an unfinished checkpoint save of an earlier run") == 2
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "last" / "model.safetensors").is_file()

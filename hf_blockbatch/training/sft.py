@@ -323,6 +323,16 @@ def _save_atomic(model: Any, tokenizer: Any, out_dir: Path, extra: dict[str, Any
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _remove_unfinished_saves(out_dir: Path) -> None:
+    """Remove the temporary folders of :func:`_save_atomic` that a run killed mid-save (SIGTERM, SIGKILL, a lost
+    machine) left in ``out_dir`` and ``out_dir/last``: hidden, each as large as a checkpoint, and never read."""
+    for folder in (out_dir, out_dir / "last"):
+        for tmp in sorted(folder.glob(".ckpt-*")) if folder.is_dir() else []:
+            if tmp.is_dir():
+                logger.warning("removing %s, an unfinished checkpoint save of an earlier run", tmp)
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _load_data(config: TrainConfig, tokenizer: Any, eot_id: int) -> tuple[dict[str, list[Example]], dict]:
     from hf_blockbatch.tasks import get_suite
 
@@ -399,6 +409,7 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
     if problem := folder_problem(out / "last"):
         raise TrainingSettingsError(f"{problem} (the final weights go there).")
     out.mkdir(parents=True, exist_ok=True)
+    _remove_unfinished_saves(out)
     torch.set_num_threads(config.num_threads)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
