@@ -594,3 +594,16 @@ def test_a_checkpoint_save_cut_short_by_an_earlier_run_is_removed(tmp_path, capl
     assert not list(tmp_path.glob(".ckpt-*")) and not list((tmp_path / "last").glob(".ckpt-*"))
     assert caplog.text.count("an unfinished checkpoint save of an earlier run") == 2
     assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "last" / "model.safetensors").is_file()
+
+
+def test_the_command_line_says_a_ctrl_c_outside_the_steps_in_one_line(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C while the model or the data loads (or during the last save, after a first Ctrl-C ended the steps)
+    was a traceback of wherever it landed: now ``interrupted`` and status 130, as ``hf-blockbatch`` says it."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sft, "train", interrupted)
+    with pytest.raises(SystemExit) as stop:
+        sft.main(["--family", "llada", "--out", str(tmp_path / "out")])
+    assert stop.value.code == 130 and capsys.readouterr().err == "interrupted\n"

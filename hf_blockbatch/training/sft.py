@@ -33,6 +33,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 import typing
@@ -599,6 +600,8 @@ def _weight(text: str) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``python -m hf_blockbatch.training.sft --family llada --out DIR --steps N [--minutes M]``."""
+    from hf_blockbatch.eval.script_args import STOPPED, stopped_status, tolerant_stdout
+
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--family", choices=("llada", "dream"), required=True)
     p.add_argument("--out", required=True)
@@ -621,12 +624,15 @@ def main(argv: list[str] | None = None) -> None:
         for f in dataclasses.fields(TrainConfig)
         if f.name not in ("family", "suites")
     }
+    tolerant_stdout()
     try:
         suites = {name: _weight(w) if sep else 1.0 for name, sep, w in (s.partition(":") for s in args.suites.split(",") if s)}
         best = train(TrainConfig(family=args.family, suites=suites, **kw), args.out, show_progress=not args.no_progress)
+        print(json.dumps({k: v for k, v in best.items() if not k.startswith("sample")}, indent=2))
     except TrainingSettingsError as err:  # bad settings: one line that says what to change
         p.error(str(err))
-    print(json.dumps({k: v for k, v in best.items() if not k.startswith("sample")}, indent=2))
+    except STOPPED as err:  # a Ctrl-C while loading or during the last save (one in the steps saves and ends), | head
+        sys.exit(stopped_status(err))
 
 
 if __name__ == "__main__":
