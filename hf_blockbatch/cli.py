@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``hf-blockbatch`` console script (``argv``: the arguments, ``sys.argv[1:]`` when None); returns the
-    exit status, 2 for bad input, which is printed as one ``error:`` line."""
+    exit status, 2 for bad input, which is printed as one ``error:`` line, as is an ``OSError`` (status 1)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"]:  # every further argument is the harness's, --help included
         from hf_blockbatch.eval.lm_eval_model import main as lm_eval_main
@@ -334,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(__name__).info("bad input", exc_info=True)
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:
+        # what the machine refused: a full disk or a file-size limit writing the results (the folder keeps the files
+        # it held: runner._replace_files), stdout on a full disk. One line too; -v keeps the traceback in the log
+        logging.getLogger(__name__).info("the operating system refused", exc_info=True)
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -401,3 +401,16 @@ def test_the_library_parts_the_scripts_share_refuse_bad_values(tmp_path) -> None
     with pytest.raises(ValueError, match=re.escape("limit must be >= 0 (or None: every item)")):
         get_suite("arith").items("test", limit=-3)
     assert get_suite("arith").items("test", limit=0) == []
+
+
+def test_the_command_line_says_a_full_disk_in_one_line(monkeypatch, capsys) -> None:
+    """``hf-blockbatch bench`` on a full disk (``ulimit -f``: EFBIG writing ``summary.json``) or ``generate >
+    /dev/full`` ended in a traceback: now ``error: <why>`` and status 1."""
+    from hf_blockbatch import cli
+
+    def full_disk(args: argparse.Namespace) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cli, "cmd_generate", full_disk)
+    assert cli.main(["generate"]) == 1
+    assert capsys.readouterr().err == "error: [Errno 28] No space left on device\n"

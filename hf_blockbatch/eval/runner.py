@@ -531,9 +531,11 @@ def _replace_files(texts: Mapping[Path, str]) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             written.append(path.with_name(path.name + ".tmp"))
             written[-1].write_text(text, encoding="utf-8")
-    except BaseException:
+    except BaseException as err:
         for tmp in written:
             tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:  # a write's EFBIG or ENOSPC names no file
+            err.filename = str(written[-1])
         raise
     for path, tmp in zip(texts, written):
         tmp.replace(path)
