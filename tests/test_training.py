@@ -607,3 +607,22 @@ def test_the_command_line_says_a_ctrl_c_outside_the_steps_in_one_line(tmp_path, 
     with pytest.raises(SystemExit) as stop:
         sft.main(["--family", "llada", "--out", str(tmp_path / "out")])
     assert stop.value.code == 130 and capsys.readouterr().err == "interrupted\n"
+
+
+def test_a_sandbox_that_cannot_start_is_said_before_training_on_code(tmp_path, monkeypatch):
+    """Under ``ulimit -n 10`` the held-out decodes of the code suite scored 0.0 where they score 0.5 (every program's
+    child failed to start), and the best checkpoint was chosen on that. ``train`` now checks the sandbox first when
+    it decodes a code suite, and says why in one line, before it writes anything."""
+    import errno
+
+    from hf_blockbatch.tasks import execution
+
+    def no_child(*args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(execution.subprocess, "Popen", no_child)
+    cfg = _tiny("llada", **{**_SMALL_RUN, "suites": {"code": 1.0}, "decode_items_per_suite": 2})
+    with pytest.raises(sft.TrainingSettingsError, match=r"^the code sandbox cannot run a program here \(error: could "
+                                                        r"not start the sandbox: \[Errno 24\] Too many open files\)"):  # fmt: skip
+        train(cfg, tmp_path / "out", show_progress=False)
+    assert not (tmp_path / "out").exists()
