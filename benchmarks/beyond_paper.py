@@ -47,6 +47,7 @@ from hf_blockbatch.eval.runner import (
     _encode,
     _replace_files,
     _score_all,
+    check_scoring,
     key_sampling_noise,
     load_for_benchmark,
     load_task,
@@ -508,6 +509,7 @@ def main(argv: list[str] | None = None) -> None:
     # each config at each suite's generation length, before the model loads: one that a later suite's length
     # refuses (variant='reference' with a block size that does not divide it) was refused at that suite's turn
     tasks = {suite: load_task(suite) for suite in args.suites}
+    check_scoring(tasks.values())
     for suite, task in tasks.items():
         gen_length = int(task.default_gen_length)
         for name in names:

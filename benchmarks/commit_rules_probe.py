@@ -74,6 +74,7 @@ from hf_blockbatch.eval.runner import (
     _check_prompts_fit,
     _encode,
     _score_all,
+    check_scoring,
     load_for_benchmark,
     load_task,
     write_report,
@@ -366,6 +367,7 @@ def check_suites(model, tokenizer, suites: list[str], limit: int, split: str, ex
     """Every suite's items and prompts (:func:`suite_prompts`), before any decode: a split a later suite lacks
     (``--suites arith gsm8k``, gsm8k holding its test split only) or a prompt it cannot fit was refused when that
     suite's turn came, after the suites before it had decoded (200 items each by default)."""
+    check_scoring(load_task(suite) for suite in suites)
     for suite in suites:
         suite_prompts(model, tokenizer, suite, limit, split, extra)
 

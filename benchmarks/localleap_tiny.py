@@ -20,7 +20,15 @@ from typing import Any
 
 import torch
 
-from hf_blockbatch.eval.runner import _encode, _score_all, load_for_benchmark, load_task, write_report
+from hf_blockbatch.eval.runner import (
+    TINY_TASKS,
+    _encode,
+    _score_all,
+    check_scoring,
+    load_for_benchmark,
+    load_task,
+    write_report,
+)
 from hf_blockbatch.eval.script_args import out_file, positive_int, run_main
 from hf_blockbatch.generation.configs import FastDLLMConfig
 from hf_blockbatch.generation.outputs import answer_texts, end_token_ids
@@ -69,10 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {"items": args.items, "block": args.block, "models": {}}
     lines = ["| model | suite | " + " | ".join(f"{r}: correct, NFE" for r in RULES) + " |",
              "| --- | --- |" + " --- |" * len(RULES)]  # fmt: skip
+    check_scoring(load_task(suite) for suite in TINY_TASKS)
     for name in args.models:
         model, tokenizer = load_for_benchmark(name, threads=1)
         result["models"][name] = {}
-        for suite in ("arith", "code", "lists"):
+        for suite in TINY_TASKS:
             with torch.inference_mode():
                 cells = run(model, tokenizer, suite, args.items, args.block, args.batch_size)
             result["models"][name][suite] = cells

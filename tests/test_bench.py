@@ -2162,3 +2162,25 @@ def test_a_rerun_that_fails_writing_its_summary_leaves_the_earlier_run_whole(tin
     with pytest.raises(OSError, match=r"^\[Errno 27\] File too large: '.*summary\.json\.tmp'$"):
         run_bench(BenchSettings(**common, limit=1), model, tok, shard=ShardInfo())
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_the_scripts_that_score_code_say_a_sandbox_that_cannot_start_before_decoding(tmp_path, monkeypatch):
+    """``beyond_paper.py --suites code``, ``localleap_tiny.py`` and ``commit_rules_probe.py`` score code items as the
+    bench does: under ``ulimit -n 10`` each scored every one wrong, in silence. Each now says it first, through
+    ``runner.check_scoring`` (no model is loaded or passed here: the check comes before)."""
+    import errno
+
+    from hf_blockbatch.tasks import execution
+
+    def no_child(*args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(execution.subprocess, "Popen", no_child)
+    says = r"^the code sandbox cannot run a program here \(error: could not start the sandbox: \[Errno 24\]"
+    with pytest.raises(ValueError, match=says):
+        load_benchmark("beyond_paper").main(["--suites", "arith", "code", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match=says):
+        load_benchmark("localleap_tiny").main(["--out", str(tmp_path / "ll")])
+    with pytest.raises(ValueError, match=says):
+        load_benchmark("commit_rules_probe").check_suites(None, None, ["code"], 2, "test")
+    runner.check_scoring([runner.load_task("arith")])  # no code task: no sandbox needed

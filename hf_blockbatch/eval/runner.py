@@ -75,6 +75,7 @@ __all__ = [
     "ShardInfo",
     "accuracy_plots",
     "build_method_configs",
+    "check_scoring",
     "headline_markdown",
     "headline_table",
     "load_for_benchmark",
@@ -205,6 +206,17 @@ def load_task(name: str, data_path: str | os.PathLike[str] | None = None) -> Tas
         return get_benchmark(name, data_path=data_path)
     except KeyError as e:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(ALL_TASKS)}") from e
+
+
+def check_scoring(tasks: Iterable[Task]) -> None:
+    """Raise a one-line ``ValueError`` when one of ``tasks`` scores by running the answer's code and the sandbox
+    cannot run a program here (:func:`~hf_blockbatch.tasks.execution.check_sandbox`): its every item would score
+    wrong, a 0 % read as the model's. Called once before the first decode by whatever scores code: the bench, the
+    training's held-out decodes, the benchmark scripts."""
+    if any(getattr(task, "kind", None) == "code" for task in tasks):
+        from hf_blockbatch.tasks.execution import check_sandbox
+
+        check_sandbox()
 
 
 # ---------------------------------------------------------------------------------------- methods
@@ -993,11 +1005,7 @@ def run_bench(
         key_sampling_noise(configs, settings.seed)
         _check_at_tuned_block(settings, configs, gen_length)
         plans.append((name, task, items, gen_length, configs))
-    if any(getattr(task, "kind", None) == "code" for _n, task, _i, _g, _c in plans):
-        # a sandbox that cannot start scores every code item wrong, in silence: said before the model loads
-        from hf_blockbatch.tasks.execution import check_sandbox
-
-        check_sandbox()
+    check_scoring([task for _n, task, _i, _g, _c in plans])  # before the model loads
 
     if model is None or tokenizer is None:
         model, tokenizer = _load(settings, shard)

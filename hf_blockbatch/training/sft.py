@@ -409,12 +409,12 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
     # the final weights go to out/last: a file there failed their save once every step had run
     if problem := folder_problem(out / "last"):
         raise TrainingSettingsError(f"{problem} (the final weights go there).")
-    if config.decode_items_per_suite > 0 and any(getattr(get_suite(name), "kind", None) == "code" for name in config.suites):
+    if config.decode_items_per_suite > 0:
         # a sandbox that cannot start scores every decoded code item wrong: the best checkpoint is chosen on that
-        from hf_blockbatch.tasks.execution import check_sandbox
+        from hf_blockbatch.eval.runner import check_scoring
 
         try:
-            check_sandbox()
+            check_scoring([get_suite(name) for name in config.suites])
         except ValueError as err:
             raise TrainingSettingsError(str(err)) from None
     out.mkdir(parents=True, exist_ok=True)
