@@ -674,6 +674,20 @@ def _(capsys, tmp_path, monkeypatch, **_):
                  "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
 
 
+@case("bench-code-sandbox-cannot-start")
+def _(capsys, tmp_path, monkeypatch, **_):
+    import errno
+
+    from hf_blockbatch.tasks import execution
+
+    def no_child(*args, **kwargs):  # what ulimit -n 10 gives the sandbox's Popen
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(execution.subprocess, "Popen", no_child)
+    return _cli(["bench", "--task", "code", "--methods", "fast_dllm", "--limit", "1", "--no-progress", "--no-plots",
+                 "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
+
+
 @case("bench-plots-without-matplotlib")
 def _(capsys, tmp_path, monkeypatch, **_):
     import sys
