@@ -2184,3 +2184,18 @@ def test_the_scripts_that_score_code_say_a_sandbox_that_cannot_start_before_deco
     with pytest.raises(ValueError, match=says):
         load_benchmark("commit_rules_probe").check_suites(None, None, ["code"], 2, "test")
     runner.check_scoring([runner.load_task("arith")])  # no code task: no sandbox needed
+
+
+def test_a_cut_samples_file_is_said_naming_the_file_and_the_line(tmp_path):
+    """A ``samples.jsonl`` cut short (a copy or a full disk: the bench writes it whole now, but a copied or older
+    folder may hold one) failed ``read_samples`` with ``JSONDecodeError: Unterminated string starting at: line 1
+    column 1262``, naming neither the file nor its line."""
+    rows = [{"task": "arith", "index": i, "output": "x" * 50} for i in range(3)]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / runner.SAMPLES_FILE).write_text(text[: len(text) - 30])
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / runner.SAMPLES_FILE))}: line 3 is not JSON "
+                                         r"\(Unterminated string starting at at column \d+\); the file must be JSON "
+                                         r"Lines, one JSON object per line\.$"):  # fmt: skip
+        runner.read_samples(tmp_path)
+    (tmp_path / runner.SAMPLES_FILE).write_text(text)
+    assert runner.read_samples(tmp_path) == rows

@@ -496,9 +496,11 @@ def _jsonable(obj: Any) -> Any:
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Rows of a JSONL file."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """Rows of a JSONL file; a line that is not JSON (a file cut short by a copy or a full disk) is a ``ValueError``
+    naming the file and the line, not a bare ``JSONDecodeError`` that names neither."""
+    from hf_blockbatch.eval.benchmarks import _read_jsonl
+
+    return _read_jsonl(path)
 
 
 #: the per-sample rows of a bench folder; not kept in git (see ``benchmarks/RESULTS.md``)
