@@ -626,3 +626,32 @@ def test_a_sandbox_that_cannot_start_is_said_before_training_on_code(tmp_path, m
                                                         r"not start the sandbox: \[Errno 24\] Too many open files\)"):  # fmt: skip
         train(cfg, tmp_path / "out", show_progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_sigterm_during_the_steps_evaluates_and_saves_as_a_ctrl_c_does(tmp_path, monkeypatch, caplog):
+    """A SIGTERM (``timeout``, a scheduler's stop) ended a run where it was: the steps since the last evaluation
+    neither evaluated nor kept, no ``last`` weights, no ``done`` event. During the steps it now stops them as a
+    Ctrl-C does; the process's own SIGTERM handler is back once they end."""
+    import os
+    import signal
+
+    real_factor = sft._lr_factor
+
+    def factor(progress, step, *a):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_factor(progress, step, *a)
+
+    def unhandled(signum, frame):  # stands for the process's own handler (by default: the end of the process)
+        raise RuntimeError("the SIGTERM reached the process's own handler")
+
+    monkeypatch.setattr(sft, "_lr_factor", factor)
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        best = train(_tiny("llada", **_SMALL_RUN), tmp_path, show_progress=False)
+        assert signal.getsignal(signal.SIGTERM) is unhandled
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert "interrupted at step 3: evaluating and saving" in caplog.text
+    assert best["step"] == 3 and _events(tmp_path)[-1] == {**_events(tmp_path)[-1], "event": "done", "step": 3}
+    assert json.loads((tmp_path / "last" / "best_metrics.json").read_text())["step"] == 3

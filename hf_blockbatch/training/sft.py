@@ -33,8 +33,10 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import typing
 from dataclasses import dataclass, field
@@ -334,6 +336,11 @@ def _remove_unfinished_saves(out_dir: Path) -> None:
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _terminate_as_interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM's handler during the training steps: the same as a Ctrl-C (evaluate and save where it stopped)."""
+    raise KeyboardInterrupt
+
+
 def _load_data(config: TrainConfig, tokenizer: Any, eot_id: int) -> tuple[dict[str, list[Example]], dict]:
     from hf_blockbatch.tasks import get_suite
 
@@ -540,6 +547,11 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
     bar = tqdm(total=config.steps, disable=not show_progress, dynamic_ncols=True)
     step, ema = 0, None
     gen_choices = list(range(config.gen_min, config.gen_max + 1, 8))
+    # a SIGTERM (``timeout``, a batch scheduler's stop, ``kill``) ended the run where it was: no evaluation of the steps
+    # since the last one, no ``last`` weights, half a save left behind. During the steps it stops them as a Ctrl-C
+    # does; a second one, during the final evaluation and saves, ends the process as before
+    catch_term = threading.current_thread() is threading.main_thread()  # only the main thread may set a handler
+    on_term = signal.signal(signal.SIGTERM, _terminate_as_interrupt) if catch_term else None
     try:
         while step < config.steps:
             elapsed = time.time() - t_start
@@ -579,6 +591,8 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
     except KeyboardInterrupt:
         logger.warning("interrupted at step %d: evaluating and saving", step)
     finally:
+        if catch_term:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if on_term is None else on_term)
         bar.close()
     if not step:  # a budget that ended, or a Ctrl-C that came, before the first step
         logger.warning(
