@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -410,11 +411,14 @@ def _(**_):
 def _(**_):
     from conftest import make_tiny_llada
 
-    model = torch.ao.quantization.quantize_dynamic(
-        make_tiny_llada(weight_tying=True),
-        {torch.nn.Embedding: torch.ao.quantization.float_qparams_weight_only_qconfig,
-         torch.nn.Linear: torch.ao.quantization.default_dynamic_qconfig},
-    )  # fmt: skip
+    with warnings.catch_warnings():  # torch deprecates torch.ao.quantization (for torchao); users still call it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", "torch.quantize_per_tensor", UserWarning)
+        model = torch.ao.quantization.quantize_dynamic(
+            make_tiny_llada(weight_tying=True),
+            {torch.nn.Embedding: torch.ao.quantization.float_qparams_weight_only_qconfig,
+             torch.nn.Linear: torch.ao.quantization.default_dynamic_qconfig},
+        )  # fmt: skip
     return _message(lambda: model(torch.tensor([[5, 6, 7]])))
 
 
