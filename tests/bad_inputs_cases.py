@@ -688,6 +688,7 @@ def _(capsys, tmp_path, monkeypatch, **_):
         raise OSError(errno.EMFILE, "Too many open files")
 
     monkeypatch.setattr(execution.subprocess, "Popen", no_child)
+    monkeypatch.setattr(execution, "_START_RETRY_DELAYS", ())  # a shortage that lasts: no waits for it to pass
     return _cli(["bench", "--task", "code", "--methods", "fast_dllm", "--limit", "1", "--no-progress", "--no-plots",
                  "--output-dir", str(tmp_path / "out"), "--device", "cpu"], capsys)  # fmt: skip
 

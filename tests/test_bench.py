@@ -2176,6 +2176,7 @@ def test_the_scripts_that_score_code_say_a_sandbox_that_cannot_start_before_deco
         raise OSError(errno.EMFILE, "Too many open files")
 
     monkeypatch.setattr(execution.subprocess, "Popen", no_child)
+    monkeypatch.setattr(execution, "_START_RETRY_DELAYS", ())  # a shortage that lasts: no waits for it to pass
     says = r"^the code sandbox cannot run a program here \(error: could not start the sandbox: \[Errno 24\]"
     with pytest.raises(ValueError, match=says):
         load_benchmark("beyond_paper").main(["--suites", "arith", "code", "--out", str(tmp_path)])

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from hf_blockbatch.tasks import execution
+from hf_blockbatch.tasks import execution, get_suite
 from hf_blockbatch.tasks.execution import check_program, check_programs, run_program, run_programs
 
 
@@ -125,11 +126,17 @@ def test_run_programs_with_the_default_workers_or_one_keeps_order() -> None:
         assert [r.status for r in run_programs(progs, workers=workers)] == ["passed", "failed", "passed"]
 
 
-def test_an_interpreter_that_cannot_start_is_an_error_naming_it(tmp_path: Path) -> None:
+def test_an_interpreter_that_cannot_start_raises_naming_it_without_retrying(tmp_path: Path, caplog) -> None:
+    """A missing interpreter is no shortage that passes: it is raised at once, naming the cause, not tried again."""
+    caplog.set_level("INFO", logger=execution.__name__)
     missing = tmp_path / "no-python"
-    r = run_program("pass\n", python=str(missing))
-    assert (r.passed, r.status, r.elapsed) == (False, "error", 0.0)
-    assert r.detail == f"could not start the sandbox: [Errno 2] No such file or directory: '{missing}'"
+    with pytest.raises(execution.SandboxStartError) as raised:
+        run_program("pass\n", python=str(missing))
+    assert raised.value.reason == f"could not start the sandbox: [Errno 2] No such file or directory: '{missing}'"
+    assert str(raised.value) == (f"the code sandbox stopped starting ({raised.value.reason}), so every code item from "
+                                 "here would score wrong: fix what it names (e.g. raise ulimit -n or ulimit -u) and "
+                                 "run again.")  # fmt: skip
+    assert "trying again" not in caplog.text
 
 
 def _fake_python(folder: Path, body: str) -> str:
@@ -238,6 +245,7 @@ def test_a_sandbox_that_cannot_start_is_said_up_front_and_not_scored_as_a_failed
 
     check_sandbox()
     monkeypatch.setattr(execution.subprocess, "Popen", _no_process_left)
+    monkeypatch.setattr(execution, "_START_RETRY_DELAYS", ())  # a shortage that lasts: no waits for it to pass
     message = (r"^the code sandbox cannot run a program here \(error: could not start the sandbox: \[Errno 24\] Too "
                r"many open files\), so every code item would score wrong: fix what it names \(e\.g\. raise ulimit -n "
                r"or ulimit -u\) before scoring code\.$")  # fmt: skip
@@ -247,5 +255,65 @@ def test_a_sandbox_that_cannot_start_is_said_up_front_and_not_scored_as_a_failed
         run_bench(BenchSettings(tasks=["code"], limit=1, output_dir=str(tmp_path / "out"), progress=False))
     task = get_suite("code")
     item = task.items("test", limit=1)[0]
-    score = task.score(item, "whatever")
-    assert (score.correct, score.detail) == (False, "error: could not start the sandbox: [Errno 24] Too many open files")
+    with pytest.raises(execution.SandboxStartError, match=r"^the code sandbox stopped starting \(could not start the "
+                                                          r"sandbox: \[Errno 24\] Too many open files\)"):  # fmt: skip
+        task.score(item, "whatever")
+
+
+_POPEN = subprocess.Popen  # the real one, for the stand-in below to call once the test has replaced it
+
+
+class _StartsAfter:
+    """``subprocess.Popen`` failing its first ``failures`` calls with ``error`` (``None``: every call), then real."""
+
+    def __init__(self, failures: int | None, error: int = errno.EAGAIN) -> None:
+        self.failures, self.error, self.calls = failures, error, 0
+
+    def __call__(self, *args: object, **kwargs: object) -> subprocess.Popen:
+        self.calls += 1
+        if self.failures is None or self.calls <= self.failures:
+            raise OSError(self.error, os.strerror(self.error))
+        return _POPEN(*args, **kwargs)
+
+
+def test_a_sandbox_start_that_fails_once_for_want_of_processes_is_tried_again(monkeypatch, caplog) -> None:
+    """A sandbox that could not start once (EAGAIN: no processes left to the user, for a moment) scored the item wrong,
+    its detail "could not start the sandbox": the accuracy of a run lost an item to the machine. It is tried again
+    after a short wait, and the program gets its verdict."""
+    caplog.set_level("INFO", logger=execution.__name__)
+    popen = _StartsAfter(1)
+    monkeypatch.setattr(execution.subprocess, "Popen", popen)
+    assert run_program("assert 1 + 1 == 2\n").status == "passed"
+    assert run_program("assert 1 + 1 == 3\n").status == "failed"  # the next program starts at once
+    assert popen.calls == 3
+    assert caplog.messages == ["the sandbox could not start ([Errno 11] Resource temporarily unavailable): trying "
+                               "again in 0.1 s"]  # fmt: skip
+    # a task scores it as the program it is
+    task = get_suite("code")
+    item = task.items("test", limit=1)[0]
+    popen.calls = 0
+    assert task.score(item, item.target).correct and popen.calls == 2
+
+
+def test_a_sandbox_that_stops_starting_mid_run_stops_the_run_instead_of_scoring_wrong(monkeypatch, caplog) -> None:
+    """Past the retries (3.1 s of waits; shortened here), a start that still fails raises, through the scoring and the
+    parallel runs: the run stops with one line (``hf-blockbatch`` says an ``OSError`` as ``error: ...``) rather than
+    report every later code item wrong."""
+    assert sum(execution._START_RETRY_DELAYS) == pytest.approx(3.1)
+    caplog.set_level("INFO", logger=execution.__name__)
+    monkeypatch.setattr(execution, "_START_RETRY_DELAYS", (0.01, 0.02))
+    popen = _StartsAfter(None, errno.EMFILE)
+    monkeypatch.setattr(execution.subprocess, "Popen", popen)
+    says = (r"^the code sandbox stopped starting \(could not start the sandbox: \[Errno 24\] Too many open files "
+            r"\(3 tries\)\), so every code item from here would score wrong: fix what it names \(e\.g\. raise ulimit -n "
+            r"or ulimit -u\) and run again\.$")  # fmt: skip
+    with pytest.raises(execution.SandboxStartError, match=says) as raised:
+        run_program("pass\n")
+    assert isinstance(raised.value, OSError) and popen.calls == 3
+    assert [m.rsplit(" ", 2)[1] for m in caplog.messages] == ["0.01", "0.02"]
+    monkeypatch.setattr(execution, "_START_RETRY_DELAYS", ())
+    with pytest.raises(execution.SandboxStartError, match="could not start the sandbox"):
+        run_programs(["pass\n"] * 3, workers=2)
+    task = get_suite("code")
+    with pytest.raises(execution.SandboxStartError, match="could not start the sandbox"):
+        task.score(task.items("test", limit=1)[0], "whatever")

@@ -621,6 +621,7 @@ def test_a_sandbox_that_cannot_start_is_said_before_training_on_code(tmp_path, m
         raise OSError(errno.EMFILE, "Too many open files")
 
     monkeypatch.setattr(execution.subprocess, "Popen", no_child)
+    monkeypatch.setattr(execution, "_START_RETRY_DELAYS", ())  # a shortage that lasts: no waits for it to pass
     cfg = _tiny("llada", **{**_SMALL_RUN, "suites": {"code": 1.0}, "decode_items_per_suite": 2})
     with pytest.raises(sft.TrainingSettingsError, match=r"^the code sandbox cannot run a program here \(error: could "
                                                         r"not start the sandbox: \[Errno 24\] Too many open files\)"):  # fmt: skip

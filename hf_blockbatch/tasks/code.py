@@ -385,6 +385,7 @@ class CodeTask(SyntheticTask):
         completion = completion or ""  # no completion scores as an empty one, as the other suites do
         code = extract_code(completion)
         res = run_program(self.program(item, completion))
-        # a sandbox that could not start (or a timeout) is not a failed assert: the detail says which
+        # a timeout or a child that died without a verdict is not a failed assert: the detail says which (a sandbox
+        # that could not start raises SandboxStartError: no item is scored without one)
         detail = "passed" if res.passed else "failed hidden asserts" if res.status == "failed" else f"{res.status}: {res.detail}"
         return Score(correct=res.passed, extracted=code, detail=detail)

@@ -20,6 +20,7 @@ same user and can still write files outside its temporary directory). Use a cont
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -38,7 +39,15 @@ from hf_blockbatch.checks import check_positive_real
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ExecResult", "run_program", "check_program", "run_programs", "check_programs", "check_sandbox"]
+__all__ = [
+    "ExecResult",
+    "SandboxStartError",
+    "run_program",
+    "check_program",
+    "run_programs",
+    "check_programs",
+    "check_sandbox",
+]
 
 Status = Literal["passed", "failed", "timeout", "error"]
 
@@ -50,13 +59,63 @@ class ExecResult:
     ``status``: ``passed`` (ran to the end), ``failed`` (raised: a failed assert, a
     ``SyntaxError``, a ``MemoryError`` from the memory limit, a blocked call ...), ``timeout``
     (killed at the wall-clock limit) or ``error`` (died without a verdict: killed by a signal,
-    ``os._exit``, or the sandbox itself could not start). ``detail`` says why, briefly.
+    ``os._exit``). ``detail`` says why, briefly. A sandbox that cannot start is no result: it raises
+    :class:`SandboxStartError`.
     """
 
     passed: bool
     status: Status
     detail: str = ""
     elapsed: float = 0.0
+
+
+class SandboxStartError(OSError):
+    """The sandbox's interpreter could not start, after the retries a passing shortage gets.
+
+    Not an ``error`` result: that scored the program wrong, so a run whose sandbox stopped starting partway (no
+    processes left to the user, no file descriptors) reported a lower accuracy, each such row saying why only in its
+    detail. An ``OSError``: the command line says it in one line, as it says a full disk. ``reason`` is the short
+    cause, ``could not start the sandbox: <the OSError>``.
+    """
+
+    def __init__(self, reason: str, tries: int) -> None:
+        """``reason``: the short cause; ``tries``: how many starts failed."""
+        self.reason = reason
+        after = f" ({tries} tries)" if tries > 1 else ""
+        super().__init__(
+            f"the code sandbox stopped starting ({reason}{after}), so every code item from here would score wrong: "
+            "fix what it names (e.g. raise ulimit -n or ulimit -u) and run again."
+        )
+
+
+#: A sandbox start that fails for a shortage that passes (no process left to the user, no file descriptor, memory:
+#: other sandboxes of :func:`run_programs` hold them up to ``timeout + 1`` s each) is tried again after each of
+#: these waits (seconds, 3.1 in all); any other failure (a missing interpreter) is raised at once
+_START_RETRY_DELAYS: tuple[float, ...] = (0.1, 0.2, 0.4, 0.8, 1.6)
+_PASSING_SHORTAGES = frozenset({errno.EAGAIN, errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
+def _start(args: list[str], cwd: str, env: dict[str, str]) -> subprocess.Popen:
+    """Start the sandbox's interpreter; retry a start that failed for a passing shortage (see
+    :data:`_START_RETRY_DELAYS`), and raise :class:`SandboxStartError` when it still fails."""
+    for tries, delay in enumerate((*_START_RETRY_DELAYS, None), start=1):
+        try:
+            return subprocess.Popen(
+                args,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as err:
+            if delay is None or err.errno not in _PASSING_SHORTAGES:
+                raise SandboxStartError(f"could not start the sandbox: {err}", tries) from err
+            logger.info("the sandbox could not start (%s): trying again in %g s", err, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable: the last try returns or raises")  # pragma: no cover
 
 
 # The child's code. It reads the program from stdin, keeps a private copy of the result pipe,
@@ -170,7 +229,8 @@ def run_program(
     swallowed the signal or is stuck in C code;
     ``memory_mb`` caps the child's address space (``0``: no cap); ``max_file_mb`` caps any file
     it writes. The working directory is a fresh temporary directory, removed afterwards by the
-    parent. Standard output of the program is discarded.
+    parent. Standard output of the program is discarded. A sandbox that cannot start, after retries where the cause
+    may pass, raises :class:`SandboxStartError` (no result to score).
     """
     # a timeout of -1 returned "timeout" for every program without running it (every answer scored wrong, in
     # silence), and NaN failed in math.ceil
@@ -192,19 +252,7 @@ def run_program(
     with tempfile.TemporaryDirectory(prefix="hfbb-exec-") as tmp:
         env["HOME"] = tmp
         env["TMPDIR"] = tmp
-        try:
-            proc = subprocess.Popen(
-                args,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=tmp,
-                env=env,
-                start_new_session=True,
-                close_fds=True,
-            )
-        except OSError as e:
-            return ExecResult(False, "error", f"could not start the sandbox: {e}", 0.0)
+        proc = _start(args, tmp, env)
         # Popen's context closes the pipes and reaps the child however the wait ends (an exception too: the
         # killed child was left unreaped, its pipes open until garbage collection, with ResourceWarnings)
         with proc:
@@ -250,12 +298,15 @@ def check_program(program: str, timeout: float = 3.0, memory_mb: int = 512) -> b
 def check_sandbox(python: str | None = None) -> None:
     """Raise a ``ValueError`` saying why when the sandbox cannot run a trivial program here.
 
-    A sandbox that cannot start (too many open files, no processes left to the user, a missing interpreter) gives
-    every program the ``error`` result, which scores as a wrong answer: a run would report 0 % on its code items as
-    if the model were wrong. Callers that score code check this once, before their work (:func:`run_bench
-    <hf_blockbatch.eval.runner.run_bench>`).
+    A sandbox that cannot start (too many open files, no processes left to the user, a missing interpreter) scores
+    no program (:class:`SandboxStartError`), and a program it cannot run to a verdict scores wrong. Callers that
+    score code check this once, before their work (:func:`run_bench <hf_blockbatch.eval.runner.run_bench>`), so the
+    run is refused in one line before minutes of decoding rather than stopped at its first code item.
     """
-    res = run_program("assert True\n", python=python)
+    try:
+        res = run_program("assert True\n", python=python)
+    except SandboxStartError as err:
+        res = ExecResult(False, "error", err.reason)
     if not res.passed:
         raise ValueError(
             f"the code sandbox cannot run a program here ({res.status}: {res.detail}), so every code item would score "

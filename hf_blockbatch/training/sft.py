@@ -417,7 +417,7 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
     if problem := folder_problem(out / "last"):
         raise TrainingSettingsError(f"{problem} (the final weights go there).")
     if config.decode_items_per_suite > 0:
-        # a sandbox that cannot start scores every decoded code item wrong: the best checkpoint is chosen on that
+        # a sandbox that cannot start stops the run at its first evaluation (SandboxStartError), minutes in: said first
         from hf_blockbatch.eval.runner import check_scoring
 
         try:
