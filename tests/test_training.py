@@ -468,6 +468,28 @@ def test_an_interrupted_run_evaluates_and_saves_where_it_stopped(tmp_path, monke
     assert json.loads((tmp_path / "last" / "best_metrics.json").read_text())["step"] == 2
 
 
+def test_each_run_into_a_folder_starts_its_log_lines_with_its_settings(tmp_path):
+    """A second run into the same ``out`` (a run continued in stages) added its lines to ``train_log.jsonl`` right
+    after the first run's ``done``, with nothing to tell them apart, while ``train_config.json`` holds the second
+    run's settings only. Each run's lines now begin with a ``start`` line holding its date and settings."""
+    import datetime
+
+    first = _tiny("llada", **{**_SMALL_RUN, "steps": 2, "eval_every": 2})
+    train(first, tmp_path, show_progress=False)
+    second = _tiny("llada", **{**_SMALL_RUN, "steps": 1, "eval_every": 1, "seed": 1, "init_from": str(tmp_path)})
+    train(second, tmp_path, show_progress=False)
+    events = _events(tmp_path)
+    starts = [i for i, r in enumerate(events) if r["event"] == "start"]
+    assert starts[0] == 0 and len(starts) == 2 and events[starts[1] - 1]["event"] == "done"
+    runs = events[: starts[1]], events[starts[1]:]
+    assert [[r["event"] for r in run] for run in runs] == [["start", "train", "train", "eval", "done"],
+                                                           ["start", "train", "eval", "done"]]  # fmt: skip
+    assert [run[0]["config"] for run in runs] == [dataclasses.asdict(first), dataclasses.asdict(second)]
+    assert runs[1][0]["config"] == json.loads((tmp_path / "train_config.json").read_text())
+    for run in runs:
+        assert datetime.datetime.fromisoformat(run[0]["date"]).utcoffset() == datetime.timedelta(0)
+
+
 def test_the_wall_clock_budget_ends_the_run_and_the_last_step_is_evaluated(tmp_path, monkeypatch, caplog):
     """``minutes``: the run stops at the first step that starts past the budget (a fake clock: 25 s per reading, a
     one-minute budget), then evaluates the step it reached."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime as _dt
 import json
 import logging
 import math
@@ -399,8 +400,11 @@ def _check_context(
 def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) -> dict[str, Any]:
     """Train one model and keep the best checkpoint (by held-out decode accuracy, then loss) in ``out_dir``.
 
-    ``out_dir`` also receives ``train_log.jsonl`` (one line per log/eval event) and
-    ``train_config.json``. Returns the best metrics.
+    ``out_dir`` also receives ``train_log.jsonl`` (one JSON line per event: ``start``, ``train``, ``eval``,
+    ``done``) and ``train_config.json`` (this run's settings). A run into a folder that holds an earlier run's log
+    (a run continued in stages, ``init_from`` its checkpoint) adds its lines to it: each run's lines begin with its
+    ``start`` line, which holds its ``date`` (UTC) and ``config``, so the runs of one log can be told apart.
+    Returns the best metrics.
     """
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
@@ -504,6 +508,11 @@ def train(config: TrainConfig, out_dir: str | Path, show_progress: bool = True) 
     def log(rec: dict[str, Any]) -> None:
         log_f.write(json.dumps(rec) + "\n")
         log_f.flush()
+
+    # a rerun into the folder adds to the log: its rows followed the earlier run's with nothing to tell the two apart,
+    # while train_config.json holds the last run's settings only
+    log({"event": "start", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+         "config": dataclasses.asdict(config)})  # fmt: skip
 
     best: dict[str, Any] = {}
     best_key: tuple[float, float] | None = None
