@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hf_blockbatch.eval.runner import in_tuned_pool, tuned_fast_dllm
+from hf_blockbatch.eval.runner import _replace_files, in_tuned_pool, tuned_fast_dllm
 from hf_blockbatch.eval.script_args import read_json, run_main
 from hf_blockbatch.eval.stats import paired_time_ratio
 
@@ -495,15 +495,16 @@ def targets_plots(card: list[dict[str, Any]], out: Path) -> list[Path]:
 
 
 def write_targets(out: Path = TARGETS) -> list[Path]:
-    """``targets.md``, ``targets.json`` and the two plots under ``out``."""
+    """``targets.md``, ``targets.json`` and the two plots under ``out``. The two texts are written beside their
+    places, then moved in (``runner._replace_files``): a write that failed (a full disk) left a new ``targets.md``
+    beside the earlier ``targets.json``, or a cut one; now it leaves the earlier pair whole."""
     card, heldout = scorecard(), heldout_scorecard()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "targets.md").write_text(targets_markdown(card, heldout))
 
     def strip(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{k: v for k, v in r.items() if k != "cells"} for r in rows]
 
-    (out / "targets.json").write_text(json.dumps({"test_pick": strip(card), "training_pick": strip(heldout)}, indent=1))
+    _replace_files({out / "targets.md": targets_markdown(card, heldout),
+                    out / "targets.json": json.dumps({"test_pick": strip(card), "training_pick": strip(heldout)}, indent=1)})  # fmt: skip
     return [out / "targets.md", out / "targets.json", *targets_plots(card, out)]
 
 
@@ -528,8 +529,7 @@ def main(argv: list[str] | None = None) -> None:
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             p.error(f"no such file: {', '.join(missing)} (run the beyond_paper.py commands of RESULTS §{section} first)")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(record(files), indent=1) + "\n")
+        _replace_files({out: json.dumps(record(files), indent=1) + "\n"})  # a failed write keeps the earlier record whole
     if args.targets:
         print("\n".join(str(path) for path in write_targets()))
         return

@@ -2187,6 +2187,45 @@ def test_the_scripts_that_score_code_say_a_sandbox_that_cannot_start_before_deco
     runner.check_scoring([runner.load_task("arith")])  # no code task: no sandbox needed
 
 
+def test_paper_table_keeps_its_earlier_files_whole_when_a_write_fails(tmp_path, monkeypatch):
+    """``paper_table.py --targets`` wrote ``targets.md``, then ``targets.json``, each in place: a full disk at the
+    second left a new ``targets.md`` beside a cut ``targets.json``; a record of ``--latency`` (or
+    ``--heldout-sweep``) was cut the same way. Each is now written beside its place, then moved in
+    (``runner._replace_files``): the earlier files stay whole and no ``.tmp`` stays behind."""
+    import errno
+
+    paper_table = load_benchmark("paper_table")
+    monkeypatch.setattr(paper_table, "scorecard", lambda: [{"row": 1, "cells": {}}])
+    monkeypatch.setattr(paper_table, "heldout_scorecard", lambda: [{"row": 2, "cells": {}}])
+    monkeypatch.setattr(paper_table, "targets_markdown", lambda card, heldout: "new table\n")
+    monkeypatch.setattr(paper_table, "targets_plots", lambda card, out: [])
+    monkeypatch.setattr(paper_table, "latency_runs", lambda files: {"new": 1})
+    monkeypatch.setattr(paper_table, "LATENCY", tmp_path / "latency.json")
+    earlier = {"targets.md": "earlier table\n", "targets.json": '{"test_pick": []}', "latency.json": '{"earlier": 1}\n'}
+    for name, text in earlier.items():
+        (tmp_path / name).write_text(text)
+    real_write = Path.write_text
+
+    def full_disk(self, text, *args, **kwargs):  # a json file's write stops halfway, as on a full disk
+        if ".json" not in self.name:
+            return real_write(self, text, *args, **kwargs)
+        real_write(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        paper_table.write_targets(tmp_path)
+    run = tmp_path / "run.json"
+    run.write_bytes(b"{}")
+    with pytest.raises(OSError, match="No space left on device"):
+        paper_table.main(["--targets", "--latency", str(run)])
+    assert {f.name: f.read_text() for f in tmp_path.iterdir() if f != run} == earlier
+    monkeypatch.setattr(Path, "write_text", real_write)  # with room on the disk: the new files
+    assert paper_table.write_targets(tmp_path) == [tmp_path / "targets.md", tmp_path / "targets.json"]
+    assert (tmp_path / "targets.md").read_text() == "new table\n"
+    assert json.loads((tmp_path / "targets.json").read_text()) == {"test_pick": [{"row": 1}], "training_pick": [{"row": 2}]}
+
+
 def test_a_cut_samples_file_is_said_naming_the_file_and_the_line(tmp_path):
     """A ``samples.jsonl`` cut short (a copy or a full disk: the bench writes it whole now, but a copied or older
     folder may hold one) failed ``read_samples`` with ``JSONDecodeError: Unterminated string starting at: line 1
