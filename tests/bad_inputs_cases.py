@@ -360,6 +360,32 @@ def _(**_):
     return _message(lambda: hb.BlockBatchConfig(refresh="never"))
 
 
+def _nan_logits_from(k: int) -> str:
+    """generate() on a tiny LLaDA whose logits are NaN from its ``k``-th forward on (a float16 overflow, a bad
+    checkpoint, a hook)."""
+    from conftest import make_tiny_llada
+
+    model, calls = make_tiny_llada(), [0]
+
+    def hook(module, args, out):
+        calls[0] += 1
+        return out.fill_(float("nan")) if calls[0] >= k else out
+
+    model.model.transformer.ff_out.register_forward_hook(hook)
+    config = hb.FastDLLMConfig(max_new_tokens=8, block_length=4)
+    return _message(lambda: model.generate(torch.tensor([[5, 6, 7]]), generation_config=config))
+
+
+@case("logits-nan")
+def _(**_):
+    return _nan_logits_from(1)
+
+
+@case("logits-nan-later")
+def _(**_):
+    return _nan_logits_from(2)
+
+
 # ---------------------------------------------------------------------------- the model itself
 
 

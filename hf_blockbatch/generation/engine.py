@@ -21,6 +21,7 @@ See docs/algorithm.md, "BlockBatch — Step" and "NFE and query tokens".
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -48,6 +49,18 @@ from hf_blockbatch.generation.trace import Recorder, for_streamer
 logger = logging.getLogger(__name__)
 
 __all__ = ["Run", "run_plan"]
+
+
+def nonfinite_logits_error(when: str) -> ValueError:
+    """The error of a decode whose model gives NaN or +inf logits where it decodes (``when``: at its first forward,
+    or for how long it stalled). A proposal from such logits has a NaN probability and is never committed
+    (:mod:`.rules`), so a decode that keeps meeting them cannot end: it stopped only at the loop's guard, after
+    ``4 * max_new_tokens + 16`` idle forwards, with a message that blamed this library."""
+    return ValueError(
+        f"The model's logits hold NaN or +inf {when}, and no token can be decoded from them: a float16 model often "
+        "overflows (load it in bfloat16 or float32, e.g. torch_dtype=torch.bfloat16); otherwise check the checkpoint "
+        "and any hook that edits the logits."
+    )
 
 
 def _ids(ids: list[int], device: torch.device) -> torch.Tensor | None:
@@ -97,6 +110,9 @@ class Run:
         self.sequences = torch.cat([input_ids, input_ids.new_full((self.B, plan.max_new_tokens), mask_id)], dim=1)
         self.suppress, self.lowconf = _ids(plan.suppress_logit_ids, device), _ids(plan.low_confidence_ids, device)
         self.sample_seconds = 0.0
+        # the last step's proposal probabilities (NaN where its logits held NaN or +inf): read back only at the
+        # first forward and when the loop's guard stops a stalled decode, to say why (nonfinite_logits_error)
+        self.last_probability: torch.Tensor | None = None
         self.rule_entropy = needs_entropy(plan.rule)
         # lookahead's runner-up drafts: after each commit, the runner-up tokens of windows left with this few masks
         self.runner_up_masks = plan.lookahead.spare_masks if plan.lookahead is not None else 0
@@ -111,6 +127,7 @@ class Run:
         out = sample_tokens(packed_logits, plan.temperature, plan.remasking, plan.map_k, self.generator, self.suppress,
                             self.lowconf, self.state.mask_id, entropy=self.rule_entropy, noise_keys=noise_keys)  # fmt: skip
         self.sample_seconds += time.perf_counter() - t
+        self.last_probability = out.probability
         return out
 
     def noise_keys(self, span: Span) -> torch.Tensor:
@@ -295,6 +312,10 @@ class Run:
     def _run(self) -> DecodeResult:
         t0 = time.perf_counter()
         self.initial_step()
+        # one read per decode (a sum and its value: NaN iff a proposal's is): a model that gives NaN or +inf
+        # logits from its first forward fails here, not 4 * max_new_tokens + 16 idle forwards later
+        if math.isnan(self.last_probability.sum()):
+            raise nonfinite_logits_error("at the first forward")
         self.apply_policies(full=True)
         finished, _ = self.settle(moved=True)
         self.recorder.stream(self.state, self.sequences)
@@ -303,6 +324,9 @@ class Run:
         while not finished:
             guard -= 1
             if guard < 0:
+                if math.isnan(self.last_probability.sum()):  # why it stalled, read once
+                    n = 4 * self.plan.max_new_tokens + 16
+                    raise nonfinite_logits_error(f"where the decode stalled ({n} steps for {self.plan.max_new_tokens} tokens)")
                 raise RuntimeError("Decoding made no progress; this is a bug in hf-blockbatch, please report it.")
             # draft rows join this step or are parked: new rows when that changed
             if self.plan.lookahead is not None and self.plan.lookahead.draft(self):

@@ -5,7 +5,10 @@ canvas positions (a span covering the row's window), holding each candidate's co
 ``-inf`` everywhere else. Candidates are the masked positions inside the row's current window;
 they are always finite, so a row with candidates always has a best one. A rule returns the
 ``[A, W]`` bool of slots to commit, never a non-candidate and at least one candidate per row that
-has one (a step always makes progress).
+has one (a step always makes progress). The one exception: a candidate whose logits held NaN or +inf
+scores NaN, which every rule's comparisons leave uncommitted (and a row whose best is NaN may commit
+nothing that step); a decode that stalls on them fails saying why (engine), one forward that gives
+them only costs that forward.
 
 Each rule is one small frozen dataclass in its own file, registered here by name with
 :func:`register`; :func:`make_rule` builds one from a config's options. Rules that keep per-row
