@@ -31,6 +31,7 @@ DECODERS = {
     "lean": lambda **c: hb.BlockBatchConfig.lean(**c),
     "drafted": lambda **c: hb.FastDLLMConfig.drafted(block_length=4, **c),
     "drafted-inexact": lambda **c: hb.FastDLLMConfig.drafted(exact=False, block_length=4, **c),
+    "random-remasking": lambda **c: hb.FastDLLMConfig(block_length=4, remasking="random", **c),
 }
 MODES = {"greedy": {}, "sampled": {"temperature": 1.0, "seed": 3}}
 
@@ -125,3 +126,17 @@ def test_a_forward_with_nonfinite_logits_now_and_then_costs_that_forward(name, m
     alone = [run_padded(model, [p], _config(name, mode)).sequences[0, len(p) :] for p in PROMPTS]
     assert all(a.equal(out.sequences[i, width:]) for i, a in enumerate(alone))
 
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_random_remasking_commits_no_proposal_of_nan_logits(family):
+    """Random remasking ranks by a uniform, not the probability: it committed the arbitrary token of NaN logits
+    (every mask of the step's window turned into id 0 there)."""
+    for cfg in (hb.FastDLLMConfig(max_new_tokens=G, block_length=4, remasking="random", output_trace=True),
+                hb.FastDLLMConfig(max_new_tokens=G, block_length=4, remasking="random", temperature=1.0, seed=1,
+                                  output_trace=True)):  # fmt: skip
+        model, _ = _hooked(family, "nan-all", {2})
+        out = run_padded(model, PROMPTS, cfg)
+        _check_invariants(out, PROMPTS)
+        for stats in out.stats:
+            events = [ev for ev in stats["trace"] if ev.step == 2]  # (step: the NFE)
+            assert events and all(not ev.committed for ev in events), events

@@ -113,6 +113,9 @@ def sample_tokens(
     Rows are proposed in chunks of :data:`SAMPLE_CHUNK_ELEMENTS` logits (the noise drawn chunk after chunk: on a
     CPU the same numbers as in one draw).
 
+    Where a row's logits hold NaN or +inf, its probability and (either remasking) its confidence are NaN: no rule
+    commits it (:mod:`.rules`), and a decode that stalls on such rows fails saying why (the engine).
+
     A negative or NaN ``temperature`` took no branch of the draw (an UnboundLocalError), and a misspelt
     ``remasking`` was read as ``low_confidence``: both are refused (Python-level checks, no host sync).
     """
@@ -128,10 +131,14 @@ def sample_tokens(
         parts = [_propose_rows(logits[i : i + rows], *options, None if noise_keys is None else noise_keys[i : i + rows])
                  for i in range(0, logits.shape[0], rows)]  # fmt: skip
         tokens, probability, top_probs, top_ids, h = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
-    if remasking == "random" and noise_keys is not None:
-        confidence = confidence_uniform(noise_keys)
-    elif remasking == "random":
-        confidence = torch.rand(tokens.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    if remasking == "random":
+        if noise_keys is not None:
+            confidence = confidence_uniform(noise_keys)
+        else:
+            confidence = torch.rand(tokens.shape, dtype=torch.float64, device=logits.device, generator=generator)
+        # a proposal from NaN or +inf logits (NaN probability, an arbitrary token) is never committed, as under
+        # low_confidence, where its confidence is that NaN: a random order committed it
+        confidence = torch.where(probability.isnan(), probability, confidence)
     else:
         confidence = probability
     if low_confidence_ids is not None:
