@@ -36,6 +36,7 @@ from hf_blockbatch.eval.script_args import (
     finite_float,
     nonnegative_int,
     positive_int,
+    refused_status,
     stopped_status,
     tolerant_stdout,
 )
@@ -337,9 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         # what the machine refused: a full disk or a file-size limit writing the results (the folder keeps the files
         # it held: runner._replace_files), stdout on a full disk. One line too; -v keeps the traceback in the log
-        logging.getLogger(__name__).info("the operating system refused", exc_info=True)
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        return refused_status(err)
 
 
 if __name__ == "__main__":

@@ -631,6 +631,26 @@ def test_the_command_line_says_a_ctrl_c_outside_the_steps_in_one_line(tmp_path, 
     assert stop.value.code == 130 and capsys.readouterr().err == "interrupted\n"
 
 
+@pytest.mark.parametrize("refusal", ["full disk", "sandbox"])
+def test_the_command_line_says_what_the_machine_refused_in_one_line(tmp_path, monkeypatch, capsys, refusal):
+    """A full disk saving a checkpoint, or a code sandbox that stopped starting during an evaluation, ended ``sft`` in
+    a traceback where ``hf-blockbatch`` says one ``error:`` line with status 1: now the same line and status."""
+    import errno
+
+    from hf_blockbatch.tasks.execution import SandboxStartError
+
+    err = (OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "model.safetensors"))
+           if refusal == "full disk" else SandboxStartError("could not start the sandbox: [Errno 11] no processes", 6))
+
+    def refused(*args, **kwargs):
+        raise err
+
+    monkeypatch.setattr(sft, "train", refused)
+    with pytest.raises(SystemExit) as stop:
+        sft.main(["--family", "llada", "--out", str(tmp_path / "out")])
+    assert stop.value.code == 1 and capsys.readouterr().err == f"error: {err}\n"
+
+
 def test_a_sandbox_that_cannot_start_is_said_before_training_on_code(tmp_path, monkeypatch):
     """Under ``ulimit -n 10`` the held-out decodes of the code suite scored 0.0 where they score 0.5 (every program's
     child failed to start), and the best checkpoint was chosen on that. ``train`` now checks the sandbox first when

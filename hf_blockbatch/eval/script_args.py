@@ -39,6 +39,7 @@ __all__ = [
     "probability",
     "read_json",
     "run_main",
+    "refused_status",
     "stopped_status",
     "tolerant_stdout",
     "torch_device",
@@ -175,6 +176,15 @@ def stopped_status(err: BaseException) -> int:
         return 141
     print("interrupted", file=sys.stderr)
     return 130
+
+
+def refused_status(err: OSError) -> int:
+    """The exit status of a command the operating system stopped with ``err`` (a full disk or a file-size limit
+    writing results, a code sandbox that stopped starting): ``error: <err>`` on stderr, naming the file where the
+    error has one, and status 1 (2 is for bad input); the traceback goes to the log at INFO level."""
+    logging.getLogger(__name__).info("the operating system refused", exc_info=err)
+    print(f"error: {err}", file=sys.stderr)
+    return 1
 
 
 def tolerant_stdout() -> None:

@@ -631,7 +631,7 @@ def _weight(text: str) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``python -m hf_blockbatch.training.sft --family llada --out DIR --steps N [--minutes M]``."""
-    from hf_blockbatch.eval.script_args import STOPPED, stopped_status, tolerant_stdout
+    from hf_blockbatch.eval.script_args import STOPPED, refused_status, stopped_status, tolerant_stdout
 
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--family", choices=("llada", "dream"), required=True)
@@ -664,6 +664,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(err))
     except STOPPED as err:  # a Ctrl-C while loading or during the last save (one in the steps saves and ends), | head
         sys.exit(stopped_status(err))
+    except OSError as err:  # a full disk saving a checkpoint, a code sandbox that stopped starting: one line, as bench
+        sys.exit(refused_status(err))
 
 
 if __name__ == "__main__":
