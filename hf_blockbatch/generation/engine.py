@@ -319,14 +319,14 @@ class Run:
         self.apply_policies(full=True)
         finished, _ = self.settle(moved=True)
         self.recorder.stream(self.state, self.sequences)
-        guard = 4 * self.plan.max_new_tokens + 16
+        guard = steps_allowed = 4 * self.plan.max_new_tokens + 16
         rows, left_out = None, False
         while not finished:
             guard -= 1
             if guard < 0:
                 if math.isnan(self.last_probability.sum()):  # why it stalled, read once
-                    n = 4 * self.plan.max_new_tokens + 16
-                    raise nonfinite_logits_error(f"where the decode stalled ({n} steps for {self.plan.max_new_tokens} tokens)")
+                    raise nonfinite_logits_error(
+                        f"where the decode stalled ({steps_allowed} steps for {self.plan.max_new_tokens} tokens)")
                 raise RuntimeError("Decoding made no progress; this is a bug in hf-blockbatch, please report it.")
             # draft rows join this step or are parked: new rows when that changed
             if self.plan.lookahead is not None and self.plan.lookahead.draft(self):
